@@ -1,0 +1,56 @@
+"""distro_jax: DisTrO / DeMo data-parallel training for JAX, as optax transformations.
+
+Each worker sends a compressed message (per-chunk top-k of its decoupled
+momentum in a chunked DCT basis) instead of its gradient. See ``README.md``.
+"""
+
+from distro_jax.codec import (
+  TensorWire,
+  WireLayout,
+  aggregate,
+  decode_message,
+  encode_message,
+  index_dtype,
+  select_topk,
+)
+from distro_jax.dct import ChunkPlan, chunk_length, dct_basis, decode, encode, plan_chunks
+from distro_jax.exchange import local_value_and_grad, pmean_gradients, worker_local
+from distro_jax.hlo_bytes import CollectiveBytes, collective_bytes, parse_collective_bytes
+from distro_jax.transforms import DemoState, demo, distro, distro_adamw, scale_by_demo
+from distro_jax.wire import WireBytes, wire_bytes, wire_layout
+from distro_jax.worker_state import abstract_worker_state, init_worker_state, worker_state_specs
+
+__version__ = "0.1.0"
+
+__all__ = [
+  "ChunkPlan",
+  "CollectiveBytes",
+  "DemoState",
+  "TensorWire",
+  "WireBytes",
+  "WireLayout",
+  "abstract_worker_state",
+  "aggregate",
+  "chunk_length",
+  "collective_bytes",
+  "dct_basis",
+  "decode",
+  "decode_message",
+  "demo",
+  "distro",
+  "distro_adamw",
+  "encode",
+  "encode_message",
+  "index_dtype",
+  "init_worker_state",
+  "local_value_and_grad",
+  "parse_collective_bytes",
+  "plan_chunks",
+  "pmean_gradients",
+  "scale_by_demo",
+  "select_topk",
+  "wire_bytes",
+  "wire_layout",
+  "worker_local",
+  "worker_state_specs",
+]

@@ -1,0 +1,348 @@
+"""DeMo and DisTrO as optax transformations.
+
+:func:`scale_by_demo` is the whole communication step: decoupled momentum,
+chunked DCT, top-k, error feedback, one all-gather of the compressed message,
+and the decoded aggregate ``Q``. :func:`demo` follows it with ``sign`` as the
+reference does; :func:`distro` follows it with any optax transformation.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from distro_jax import codec, dct, exchange, wire
+
+__all__ = [
+  "DemoState",
+  "demo",
+  "distro",
+  "distro_adamw",
+  "scale_by_demo",
+]
+
+
+class DemoState(NamedTuple):
+  """State of :func:`scale_by_demo`; it differs from worker to worker.
+
+  Attributes:
+    count: number of updates applied, int32 scalar.
+    momentum: per parameter, the decoupled momentum in the chunked DCT domain,
+      float32 ``(rows, chunk_size)`` (see :mod:`distro_jax.dct`). The DCT is
+      orthonormal, so this is the reference's buffer ``m`` in another basis,
+      and error feedback is exactly "zero the coefficients that were sent".
+  """
+
+  count: jax.Array
+  momentum: Any
+
+
+_STATIC_HINT = (
+  "It fixes the payload's shape, so it must be a static Python int. Under "
+  "optax.inject_hyperparams, pass static_args=('compression_topk', "
+  "'compression_chunk')."
+)
+
+
+def _positive_int(name: str, value: Any) -> int:
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{name} is a traced value. {_STATIC_HINT}")
+  if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
+    value = value.item()
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be a positive int, got {value!r}. {_STATIC_HINT}")
+  if value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value}; use e.g. {name}=32.")
+  return int(value)
+
+
+def _check_decay(value: Any) -> None:
+  try:
+    concrete = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return  # A traced hyperparameter (inject_hyperparams); checked by its owner.
+  if not 0.0 <= concrete < 1.0:
+    raise ValueError(
+      f"compression_decay must be in [0, 1), got {concrete}. Use 0 for the "
+      "stateless mode, or e.g. 0.999 (the reference default)."
+    )
+
+
+def _check_trees(updates: Any, params: Any) -> None:
+  if params is None:
+    return
+  u_def, p_def = jax.tree.structure(updates), jax.tree.structure(params)
+  if u_def != p_def:
+    raise ValueError(
+      "The gradient tree does not match the parameter tree. Pass gradients "
+      "computed with respect to exactly these params, e.g. "
+      "jax.grad(loss)(params).\n"
+      f"  gradients: {u_def}\n  params:    {p_def}"
+    )
+  for path_u, g, p in zip(
+    jax.tree_util.tree_flatten_with_path(updates)[0],
+    jax.tree.leaves(updates),
+    jax.tree.leaves(params),
+  ):
+    if np.shape(g) != np.shape(p):
+      name = jax.tree_util.keystr(path_u[0])
+      raise ValueError(
+        f"Gradient {name} has shape {np.shape(g)} but its parameter has shape "
+        f"{np.shape(p)}. Gradients must have the shapes of the params."
+      )
+
+
+def scale_by_demo(
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  compression_decay: float = 0.999,
+  compression_topk: int = 32,
+  compression_chunk: int = 64,
+  quantize_1bit: bool = False,
+  axis_name: Hashable | None = "data",
+) -> optax.GradientTransformation:
+  """Decoupled momentum, compressed and exchanged; yields the aggregate ``Q``.
+
+  Per tensor, on every worker: ``m <- decay * m + lr * g``; take the chunked
+  DCT of ``m``; keep the top-k coefficients of every chunk; remove them from
+  ``m`` (error feedback); all-gather the compressed messages of all workers;
+  average each coefficient over the workers that chose it; and return
+  ``Q = IDCT(aggregate)``, identical on every worker. Only the message crosses
+  ``axis_name``.
+
+  Args:
+    learning_rate: a float or an optax schedule. It is folded into the
+      momentum, as in the reference, so a schedule weights old and new
+      gradients the same way.
+    compression_decay: momentum decay in ``[0, 1)``; 0 is the stateless mode.
+    compression_topk: coefficients kept per chunk; clamped to the chunk size.
+      Static.
+    compression_chunk: chunk length target per axis. Static.
+    quantize_1bit: send only the signs of the values (1 bit each). The error
+      feedback still removes the unquantized values. Static.
+    axis_name: the mapped axis of the data-parallel workers, bound by an
+      enclosing ``jax.shard_map``; ``None`` for a single worker with no
+      collective.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a :class:`DemoState`.
+
+  References:
+    Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization",
+    arXiv:2411.19870, 2024.
+
+  Example:
+    >>> import jax.numpy as jnp, distro_jax as dj
+    >>> tx = dj.scale_by_demo(0.1, axis_name=None)
+    >>> params = {"w": jnp.ones((4, 8))}
+    >>> state = tx.init(params)
+    >>> q, state = tx.update({"w": jnp.ones((4, 8))}, state, params)
+    >>> q["w"].shape
+    (4, 8)
+  """
+  topk = _positive_int("compression_topk", compression_topk)
+  chunk = _positive_int("compression_chunk", compression_chunk)
+  _check_decay(compression_decay)
+  quantize_1bit = bool(quantize_1bit)
+
+  def init_fn(params):
+    momentum = jax.tree.map(
+      lambda p: jnp.zeros(wire.plan_chunk_leaf(p, chunk).coeff_shape, jnp.float32), params
+    )
+    return DemoState(count=jnp.zeros([], jnp.int32), momentum=momentum)
+
+  def update_fn(updates, state, params=None):
+    _check_trees(updates, params)
+    num_workers = exchange.bound_axis_size(axis_name)
+    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+    grads, treedef = jax.tree.flatten(updates)
+    momenta = treedef.flatten_up_to(state.momentum)
+    dtypes_from = jax.tree.leaves(params) if params is not None else grads
+    wire_dtypes = [jax.ShapeDtypeStruct(np.shape(g), x.dtype) for g, x in zip(grads, dtypes_from)]
+    layout = wire.wire_layout(
+      wire_dtypes,
+      compression_topk=topk,
+      compression_chunk=chunk,
+      quantize_1bit=quantize_1bit,
+    )
+    plans = wire.plan_tree(wire_dtypes, chunk)
+
+    new_momenta, sel_idx, sel_val = [], [], []
+    for g, m, plan, t in zip(grads, momenta, plans, layout.tensors):
+      m = compression_decay * m + lr * dct.encode(g, plan)
+      idx, val = codec.select_topk(m, t.k)
+      new_momenta.append(codec.zero_selected(m, idx))
+      sel_idx.append(idx)
+      sel_val.append(val)
+
+    message = codec.encode_message(sel_idx, sel_val, layout)
+    gathered = exchange.all_gather_messages(message, axis_name)
+    assert gathered.shape == (num_workers, layout.num_bytes)
+
+    directions = []
+    for (idx_w, val_w), plan, x in zip(codec.decode_message(gathered, layout), plans, wire_dtypes):
+      dense, _ = codec.aggregate(idx_w, val_w, plan.chunk_size)
+      directions.append(dct.decode(dense, plan).astype(x.dtype))
+
+    new_state = DemoState(
+      count=optax.safe_increment(state.count),
+      momentum=treedef.unflatten(new_momenta),
+    )
+    return treedef.unflatten(directions), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def demo(
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  compression_decay: float = 0.999,
+  compression_topk: int = 32,
+  compression_chunk: int = 64,
+  weight_decay: float = 0.0,
+  quantize_1bit: bool = False,
+  axis_name: Hashable | None = "data",
+) -> optax.GradientTransformationExtraArgs:
+  """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
+
+  A short ``optax.chain`` of :func:`scale_by_demo`, ``optax.scale_by_sign``,
+  ``optax.add_decayed_weights`` and ``optax.scale_by_learning_rate``. Call its
+  ``update`` inside ``jax.shard_map`` over a mesh that binds ``axis_name``,
+  with each worker's local gradients; each worker's state is its own (see
+  :func:`distro_jax.init_worker_state`).
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    compression_decay: momentum decay in ``[0, 1)``; 0 is the stateless mode.
+    compression_topk: coefficients kept per chunk. Static.
+    compression_chunk: chunk length target per axis. Static.
+    weight_decay: decoupled weight decay, scaled by the learning rate.
+    quantize_1bit: send 1-bit signs instead of values. Static.
+    axis_name: the data-parallel axis; ``None`` for one worker, no collective.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  References:
+    Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization",
+    arXiv:2411.19870, 2024.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, distro_jax as dj
+    >>> tx = dj.demo(1e-3, axis_name=None)
+    >>> params = {"w": jnp.ones((64, 64))}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones((64, 64))}, state, params)
+    >>> params = optax.apply_updates(params, updates)
+  """
+  return optax.chain(
+    scale_by_demo(
+      learning_rate,
+      compression_decay=compression_decay,
+      compression_topk=compression_topk,
+      compression_chunk=compression_chunk,
+      quantize_1bit=quantize_1bit,
+      axis_name=axis_name,
+    ),
+    optax.scale_by_sign(),
+    optax.add_decayed_weights(weight_decay),
+    optax.scale_by_learning_rate(learning_rate),
+  )
+
+
+def distro(
+  inner: optax.GradientTransformation,
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  compression_decay: float = 0.999,
+  compression_topk: int = 32,
+  compression_chunk: int = 64,
+  quantize_1bit: bool = False,
+  axis_name: Hashable | None = "data",
+) -> optax.GradientTransformationExtraArgs:
+  """DisTrO: the compressed exchange of :func:`scale_by_demo`, then ``inner``.
+
+  ``inner`` sees the same aggregate ``Q`` on every worker, so its state and its
+  updates stay identical across replicas. ``dj.demo`` is
+  ``distro(chain(scale_by_sign(), add_decayed_weights(wd), scale_by_learning_rate(lr)), lr)``.
+
+  Args:
+    inner: any optax transformation that turns ``Q`` into updates, for example
+      ``optax.adamw(lr)``.
+    learning_rate: the rate folded into the momentum (a float or schedule),
+      normally the one ``inner`` uses.
+    compression_decay: momentum decay in ``[0, 1)``.
+    compression_topk: coefficients kept per chunk. Static.
+    compression_chunk: chunk length target per axis. Static.
+    quantize_1bit: send 1-bit signs instead of values. Static.
+    axis_name: the data-parallel axis; ``None`` for one worker, no collective.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, distro_jax as dj
+    >>> tx = dj.distro(optax.adamw(1e-3), 1e-3, axis_name=None)
+    >>> state = tx.init({"w": jnp.ones((8,))})
+  """
+  return optax.chain(
+    scale_by_demo(
+      learning_rate,
+      compression_decay=compression_decay,
+      compression_topk=compression_topk,
+      compression_chunk=compression_chunk,
+      quantize_1bit=quantize_1bit,
+      axis_name=axis_name,
+    ),
+    inner,
+  )
+
+
+def distro_adamw(
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  weight_decay: float = 0.0,
+  compression_decay: float = 0.999,
+  compression_topk: int = 32,
+  compression_chunk: int = 64,
+  quantize_1bit: bool = False,
+  axis_name: Hashable | None = "data",
+) -> optax.GradientTransformationExtraArgs:
+  """DisTrO-AdamW: the compressed exchange followed by ``optax.adamw``.
+
+  Args:
+    learning_rate: a float or an optax schedule, used by both parts.
+    b1: Adam's first-moment decay.
+    b2: Adam's second-moment decay.
+    eps: Adam's epsilon.
+    weight_decay: AdamW's decoupled weight decay.
+    compression_decay: momentum decay in ``[0, 1)``.
+    compression_topk: coefficients kept per chunk. Static.
+    compression_chunk: chunk length target per axis. Static.
+    quantize_1bit: send 1-bit signs instead of values. Static.
+    axis_name: the data-parallel axis; ``None`` for one worker, no collective.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  References:
+    Nous Research, "A Preliminary Report on DisTrO", 2024.
+  """
+  return distro(
+    optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
+    learning_rate,
+    compression_decay=compression_decay,
+    compression_topk=compression_topk,
+    compression_chunk=compression_chunk,
+    quantize_1bit=quantize_1bit,
+    axis_name=axis_name,
+  )

@@ -1,0 +1,108 @@
+"""Byte accounting: what one worker sends per step, against the baselines.
+
+The transformation and this accounting build their :class:`~distro_jax.codec.WireLayout`
+with the same function, so the figure reported here is the length of the
+message that enters the collective, to the byte.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from distro_jax import codec, dct
+
+__all__ = ["WireBytes", "plan_tree", "wire_bytes", "wire_layout"]
+
+
+def plan_tree(params: Any, compression_chunk: int) -> list[dct.ChunkPlan]:
+  """A :class:`~distro_jax.dct.ChunkPlan` for every leaf, in tree order."""
+  return [plan_chunk_leaf(x, compression_chunk) for x in jax.tree.leaves(params)]
+
+
+def plan_chunk_leaf(x: Any, compression_chunk: int) -> dct.ChunkPlan:
+  return dct.plan_chunks(tuple(np.shape(x)), compression_chunk)
+
+
+def wire_layout(
+  params: Any, *, compression_topk: int, compression_chunk: int, quantize_1bit: bool
+) -> codec.WireLayout:
+  """The message layout for a params tree (arrays or ``jax.ShapeDtypeStruct``)."""
+  tensors = []
+  for x, plan in zip(jax.tree.leaves(params), plan_tree(params, compression_chunk)):
+    k = min(compression_topk, plan.chunk_size)
+    tensors.append(codec.TensorWire(plan.rows, k, plan.chunk_size, np.dtype(x.dtype).name))
+  return codec.WireLayout(tuple(tensors), bool(quantize_1bit))
+
+
+class WireBytes(NamedTuple):
+  """Bytes per worker per step, and what they are compared with.
+
+  Attributes:
+    payload: the DisTrO message, the bytes one worker puts on the wire.
+    grad_bf16: the full gradient in bf16, the DisTrO report's baseline.
+    grad_fp32: the full gradient in fp32.
+    grad: the full gradient in the parameters' own dtypes.
+    ring_allreduce: what a ring all-reduce of that gradient moves per worker,
+      ``2 (W - 1) / W * grad``.
+    num_workers: the W used for ``ring_allreduce``.
+  """
+
+  payload: int
+  grad_bf16: int
+  grad_fp32: int
+  grad: int
+  ring_allreduce: float
+  num_workers: int
+
+  @property
+  def ratio_vs_bf16(self) -> float:
+    """The DisTrO report's ratio: bf16 gradient bytes over payload bytes."""
+    return self.grad_bf16 / self.payload
+
+  @property
+  def ratio_vs_ring(self) -> float:
+    """Ring all-reduce bytes (parameter dtype) over payload bytes."""
+    return self.ring_allreduce / self.payload
+
+
+def wire_bytes(
+  params: Any,
+  *,
+  compression_topk: int = 32,
+  compression_chunk: int = 64,
+  quantize_1bit: bool = False,
+  num_workers: int = 8,
+) -> WireBytes:
+  """Payload bytes per worker per step for ``params``, with the baselines.
+
+  Args:
+    params: a tree of arrays or ``jax.ShapeDtypeStruct`` (``jax.eval_shape``
+      output works, so billion-parameter models need no memory).
+    compression_topk: coefficients kept per chunk (clamped to the chunk size).
+    compression_chunk: chunk target length per axis.
+    quantize_1bit: whether values travel as sign bits.
+    num_workers: W, for the ring all-reduce baseline.
+
+  Returns:
+    A :class:`WireBytes`.
+
+  Example:
+    >>> import jax.numpy as jnp, distro_jax as dj
+    >>> b = dj.wire_bytes({"w": jnp.zeros((4096, 4096))}, num_workers=8)
+    >>> b.payload == 4096 * 32 * (2 + 4)
+    True
+  """
+  layout = wire_layout(
+    params,
+    compression_topk=compression_topk,
+    compression_chunk=compression_chunk,
+    quantize_1bit=quantize_1bit,
+  )
+  leaves = jax.tree.leaves(params)
+  numel = sum(int(np.prod(np.shape(x))) for x in leaves)
+  grad = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in leaves)
+  ring = 2 * (num_workers - 1) / num_workers * grad
+  return WireBytes(layout.num_bytes, 2 * numel, 4 * numel, grad, ring, num_workers)

@@ -1,0 +1,154 @@
+"""Top-k, the byte message, and mean-over-contributors aggregation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import distro_jax as dj
+from distro_jax import codec
+
+
+@pytest.mark.parametrize(
+  "chunk_size, dtype",
+  [
+    (7, np.uint8),
+    (256, np.uint8),
+    (257, np.uint16),
+    (4096, np.uint16),
+    (65536, np.uint16),
+    (65537, np.uint32),
+  ],
+)
+def test_index_dtype_is_narrowest_that_fits(chunk_size, dtype):
+  assert dj.index_dtype(chunk_size) == dtype
+
+
+def test_select_topk_keeps_largest_magnitudes_and_zero_selected_removes_them():
+  y = jnp.asarray([[0.1, -5.0, 3.0, 0.2], [1.0, 1.0, -1.0, 0.0]])
+  idx, val = dj.select_topk(y, 2)
+  np.testing.assert_array_equal(idx, [[1, 2], [0, 1]])  # ties: lower index first
+  np.testing.assert_array_equal(val, [[-5.0, 3.0], [1.0, 1.0]])
+  expected = np.asarray([[0.1, 0, 0, 0.2], [0, 0, -1.0, 0]], np.float32)
+  np.testing.assert_array_equal(codec.zero_selected(y, idx), expected)
+
+
+def _layout(quantize_1bit, value_dtype="float32"):
+  return dj.WireLayout(
+    (dj.TensorWire(3, 2, 300, value_dtype), dj.TensorWire(2, 5, 7, value_dtype)), quantize_1bit
+  )
+
+
+def _selection(rng):
+  idx = [jnp.asarray(rng.integers(0, 300, (3, 2))), jnp.asarray(rng.integers(0, 7, (2, 5)))]
+  val = [
+    jnp.asarray(rng.normal(size=(3, 2)), jnp.float32),
+    jnp.asarray(rng.normal(size=(2, 5)), jnp.float32),
+  ]
+  return idx, val
+
+
+def test_message_round_trip_full_precision():
+  idx, val = _selection(np.random.default_rng(0))
+  layout = _layout(False)
+  msg = dj.encode_message(idx, val, layout)
+  assert msg.dtype == jnp.uint8 and msg.shape == (layout.num_bytes,)
+  assert layout.num_bytes == 3 * 2 * (2 + 4) + 2 * 5 * (1 + 4)
+  for (i, v), i0, v0 in zip(dj.decode_message(msg, layout), idx, val):
+    np.testing.assert_array_equal(i, i0)
+    np.testing.assert_array_equal(v, v0)
+
+
+def test_message_round_trip_bf16_values():
+  idx, val = _selection(np.random.default_rng(1))
+  layout = _layout(False, "bfloat16")
+  msg = dj.encode_message(idx, val, layout)
+  assert layout.num_bytes == 3 * 2 * (2 + 2) + 2 * 5 * (1 + 2)
+  for (_, v), v0 in zip(dj.decode_message(msg, layout), val):
+    np.testing.assert_array_equal(v, v0.astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_one_bit_values_are_packed_signs():
+  idx, val = _selection(np.random.default_rng(2))
+  layout = _layout(True)
+  msg = dj.encode_message(idx, val, layout)
+  # 16 sign bits pack into 2 bytes after the indices.
+  assert layout.num_bytes == 3 * 2 * 2 + 2 * 5 * 1 + 2 == msg.shape[0]
+  for (i, v), i0, v0 in zip(dj.decode_message(msg, layout), idx, val):
+    np.testing.assert_array_equal(i, i0)
+    np.testing.assert_array_equal(v, np.where(np.asarray(v0) >= 0, 1.0, -1.0))
+
+
+def test_decode_message_keeps_leading_worker_axis():
+  rng = np.random.default_rng(3)
+  layout = _layout(False)
+  msgs = []
+  sels = []
+  for _ in range(4):
+    idx, val = _selection(rng)
+    sels.append((idx, val))
+    msgs.append(dj.encode_message(idx, val, layout))
+  decoded = dj.decode_message(jnp.stack(msgs), layout)
+  for t, (i_w, v_w) in enumerate(decoded):
+    assert i_w.shape[0] == 4
+    for w in range(4):
+      np.testing.assert_array_equal(i_w[w], sels[w][0][t])
+      np.testing.assert_array_equal(v_w[w], sels[w][1][t])
+
+
+def test_aggregate_is_mean_over_contributors_only():
+  idx = jnp.asarray([[[0, 1]], [[1, 2]], [[1, 3]]])  # 3 workers, 1 chunk, k=2
+  val = jnp.asarray([[[1.0, 2.0]], [[4.0, 8.0]], [[6.0, -3.0]]])
+  dense, count = dj.aggregate(idx, val, 5)
+  np.testing.assert_allclose(dense, [[1.0, 4.0, 8.0, -3.0, 0.0]], rtol=1e-6)
+  np.testing.assert_array_equal(count, [[1, 3, 1, 1, 0]])
+
+
+def test_aggregate_leaves_out_invalid_workers():
+  idx = jnp.asarray([[[0, 1]], [[1, 2]]])
+  val = jnp.asarray([[[1.0, 2.0]], [[4.0, 8.0]]])
+  dense, count = dj.aggregate(idx, val, 3, valid_W=jnp.asarray([True, False]))
+  np.testing.assert_array_equal(dense, [[1.0, 2.0, 0.0]])
+  np.testing.assert_array_equal(count, [[1, 1, 0]])
+
+
+def _random_payloads(rng, workers, rows, chunk, k):
+  idx = np.stack(
+    [np.stack([rng.choice(chunk, k, replace=False) for _ in range(rows)]) for _ in range(workers)]
+  )
+  return jnp.asarray(idx), jnp.asarray(rng.normal(size=(workers, rows, k)), jnp.float32)
+
+
+def test_aggregate_is_bit_identical_under_worker_shuffles():
+  rng = np.random.default_rng(4)
+  idx, val = _random_payloads(rng, 8, 16, 12, 6)
+  ref, _ = dj.aggregate(idx, val, 12)
+  for _ in range(5):
+    perm = rng.permutation(8)
+    out, _ = dj.aggregate(idx[perm], val[perm], 12)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(ref).view(np.uint32))
+
+
+def test_identical_payloads_aggregate_to_that_payload_exactly():
+  rng = np.random.default_rng(5)
+  idx, val = _random_payloads(rng, 1, 16, 12, 6)
+  one, _ = dj.aggregate(idx, val, 12)
+  for workers in (3, 7):
+    many, _ = dj.aggregate(jnp.repeat(idx, workers, 0), jnp.repeat(val, workers, 0), 12)
+    np.testing.assert_array_equal(many, one)
+
+
+def test_aggregate_matches_brute_force_mean():
+  rng = np.random.default_rng(6)
+  idx, val = _random_payloads(rng, 5, 9, 10, 4)
+  total = np.zeros((9, 10))
+  count = np.zeros((9, 10))
+  for w in range(5):
+    for r in range(9):
+      for j, v in zip(np.asarray(idx[w, r]), np.asarray(val[w, r])):
+        total[r, j] += v
+        count[r, j] += 1
+  expected = np.where(count > 0, total / np.maximum(count, 1), 0)
+  dense, n = jax.jit(dj.aggregate, static_argnums=2)(idx, val, 10)
+  np.testing.assert_allclose(dense, expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(n, count)

@@ -1,0 +1,72 @@
+"""Bad input gets a ValueError or TypeError that names the argument and the fix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from sharded_step import mesh_of
+
+import distro_jax as dj
+
+
+@pytest.mark.parametrize("value", [0, -3])
+@pytest.mark.parametrize("name", ["compression_topk", "compression_chunk"])
+def test_non_positive_sizes(name, value):
+  with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+    dj.demo(1e-3, **{name: value})
+
+
+@pytest.mark.parametrize("name", ["compression_topk", "compression_chunk"])
+def test_non_integer_sizes(name):
+  with pytest.raises(TypeError, match=name):
+    dj.demo(1e-3, **{name: 2.5})
+
+
+@pytest.mark.parametrize("decay", [-0.1, 1.0, 1.5])
+def test_decay_outside_unit_interval(decay):
+  with pytest.raises(ValueError, match=r"compression_decay must be in \[0, 1\)"):
+    dj.demo(1e-3, compression_decay=decay)
+
+
+def test_unbound_axis_name_inside_shard_map():
+  mesh = mesh_of(2)
+  params = {"w": jnp.zeros((8, 8))}
+  tx = dj.demo(1e-3, axis_name="batch")
+  state = tx.init(params)
+
+  def local(p, s, g):
+    return tx.update(g, s, p)[0]
+
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P())
+  p = jax.device_put(params, NamedSharding(mesh, P()))
+  with pytest.raises(ValueError, match=r"axis_name='batch' is not bound.*axis_name=None"):
+    jax.jit(fn)(p, state, p)
+
+
+def test_default_axis_outside_shard_map_says_to_use_none():
+  params = {"w": jnp.zeros((8, 8))}
+  tx = dj.demo(1e-3)
+  with pytest.raises(ValueError, match="axis_name='data' is not bound"):
+    tx.update(params, tx.init(params), params)
+
+
+def test_mismatched_gradient_tree():
+  params = {"w": jnp.zeros((8, 8)), "b": jnp.zeros((8,))}
+  tx = dj.demo(1e-3, axis_name=None)
+  with pytest.raises(ValueError, match="gradient tree does not match the parameter tree"):
+    tx.update({"w": jnp.zeros((8, 8))}, tx.init(params), params)
+
+
+def test_mismatched_gradient_shape():
+  params = {"w": jnp.zeros((8, 8))}
+  tx = dj.demo(1e-3, axis_name=None)
+  with pytest.raises(ValueError, match=r"Gradient \['w'\] has shape \(8, 4\)"):
+    tx.update({"w": jnp.zeros((8, 4))}, tx.init(params), params)
+
+
+def test_axis_missing_from_mesh_in_state_helpers():
+  mesh = mesh_of(2)
+  with pytest.raises(ValueError, match="not an axis of the mesh"):
+    dj.init_worker_state(dj.demo(1e-3, axis_name="x"), {"w": np.zeros(3)}, mesh, axis_name="x")

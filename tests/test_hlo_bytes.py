@@ -1,0 +1,40 @@
+"""Reading collective operand bytes out of HLO text."""
+
+import distro_jax as dj
+
+HLO = """
+HloModule m
+
+ENTRY %main (p0: f32[8,3], p1: u8[100]) -> f32[] {
+  %p0 = f32[8,3]{1,0} parameter(0)
+  %p1 = u8[100]{0} parameter(1)
+  %bitcast = u8[1,100]{1,0} bitcast(%p1)
+  %ag = u8[4,100]{1,0} all-gather(%bitcast), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %ar = (f32[8,3]{1,0}, bf16[10]{0}) all-reduce(%p0, %p2), channel_id=2, to_apply=%add
+  %p2 = bf16[10]{0} parameter(2)
+  %rs = f32[2,3]{1,0} reduce-scatter(%p0), channel_id=3, dimensions={0}, to_apply=%add
+  %cps = (f32[8,3]{1,0}, f32[8,3]{1,0}, u32[], u32[]) collective-permute-start(%p0), source_target_pairs={{0,1}}
+  %cpd = f32[8,3]{1,0} collective-permute-done(%cps)
+  %a2a = f32[8,3]{1,0} all-to-all(f32[8,3]{1,0} %p0), dimensions={0}
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_operand_bytes_per_kind():
+  got = dj.parse_collective_bytes(HLO)
+  assert got.by_kind == {
+    "all-gather": 100,
+    "all-reduce": 8 * 3 * 4 + 10 * 2,
+    "reduce-scatter": 96,
+    "collective-permute": 96,
+    "all-to-all": 96,
+  }
+  assert got.total == 100 + 116 + 96 * 3
+  assert len(got.ops) == 5
+
+
+def test_no_collectives_in_a_local_function():
+  import jax.numpy as jnp
+
+  assert dj.collective_bytes(lambda x: x @ x, jnp.ones((4, 4))).total == 0

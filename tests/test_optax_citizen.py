@@ -1,0 +1,121 @@
+"""dj.demo composes with optax the way optax users expect."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from sharded_step import build, mesh_of, place_grads
+
+import distro_jax as dj
+
+
+def _params(dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  return {
+    "w": jnp.asarray(rng.normal(size=(32, 48)), dtype),
+    "b": jnp.asarray(rng.normal(size=(48,)), dtype),
+  }
+
+
+def _grads(seed, params):
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+
+
+def test_chain_with_clipping_runs_outside_shard_map_with_axis_none():
+  params = _params()
+  tx = optax.chain(optax.clip_by_global_norm(1.0), dj.demo(1e-2, axis_name=None))
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(_grads(1, params), state, params)
+  # DeMo moves every entry by exactly lr (sign step), unless Q is exactly 0 there.
+  mags = np.abs(np.asarray(updates["w"]))
+  assert np.all(np.isclose(mags, 0.01) | (mags == 0)) and np.isclose(mags, 0.01).mean() > 0.5
+
+
+def test_eval_shape_of_init_allocates_nothing():
+  params = jax.eval_shape(lambda: {"w": jnp.zeros((4096, 4096)), "v": jnp.zeros((3, 5, 7))})
+  state = jax.eval_shape(dj.demo(1e-3).init, params)
+  demo_state = state[0]
+  assert demo_state.momentum["w"].shape == (4096, 4096)
+  assert demo_state.momentum["v"].shape == (3, 35)
+
+
+def test_inject_hyperparams_over_numeric_hyperparameters():
+  params = _params()
+  tx = optax.inject_hyperparams(dj.demo, static_args=("compression_topk", "compression_chunk"))(
+    learning_rate=1e-2, compression_decay=0.9, weight_decay=0.0, axis_name=None
+  )
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  u1, state = update(_grads(1, params), state, params)
+  assert np.abs(np.asarray(u1["w"])).max() == pytest.approx(1e-2)
+  state.hyperparams["learning_rate"] = jnp.asarray(5e-2)
+  u2, state = update(_grads(2, params), state, params)
+  assert np.abs(np.asarray(u2["w"])).max() == pytest.approx(5e-2)
+
+
+def test_inject_hyperparams_without_static_args_says_what_to_do():
+  params = _params()
+  tx = optax.inject_hyperparams(dj.demo)(learning_rate=1e-2, axis_name=None)
+  state = tx.init(params)
+  with pytest.raises(TypeError, match="static_args"):
+    jax.jit(tx.update)(_grads(1, params), state, params)
+
+
+def test_schedule_as_learning_rate():
+  params = _params()
+  sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 10, 1e-3)
+  tx = dj.demo(sched, axis_name=None)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for t in range(6):
+    u, state = update(_grads(t, params), state, params)
+    top = np.abs(np.asarray(u["w"])).max()
+    assert top == pytest.approx(float(sched(t)), rel=1e-5, abs=1e-12)
+
+
+def test_multisteps_with_clipping_before_it_on_8_workers():
+  params = _params()
+  inner = optax.MultiSteps(dj.demo(1e-2), every_k_schedule=2)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), inner.gradient_transformation())
+  mesh = mesh_of(8)
+  step, p, state = build(tx, params, mesh)
+  start = jax.tree.map(np.asarray, p)
+  rng = np.random.default_rng(3)
+  grads_W = jax.tree.map(lambda x: rng.normal(size=(8, *x.shape)).astype(np.float32), params)
+  p, state = step(p, state, place_grads(grads_W, mesh))
+  np.testing.assert_array_equal(p["w"], start["w"])  # accumulating, no update yet
+  p, state = step(p, state, place_grads(grads_W, mesh))
+  moved = np.abs(np.asarray(p["w"]) - start["w"])
+  assert moved.max() == pytest.approx(1e-2, rel=1e-5)
+
+
+def test_bf16_params_get_bf16_updates():
+  params = _params(jnp.bfloat16)
+  for tx in (dj.demo(1e-2, axis_name=None), dj.distro_adamw(1e-2, axis_name=None)):
+    state = tx.init(params)
+    updates, _ = jax.jit(tx.update)(_grads(1, params), state, params)
+    assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
+    assert all(np.isfinite(np.asarray(u, np.float32)).all() for u in jax.tree.leaves(updates))
+
+
+def test_stateless_mode_keeps_no_momentum_across_steps():
+  params = _params()
+  tx = dj.scale_by_demo(1.0, compression_decay=0.0, compression_topk=4096, axis_name=None)
+  state = tx.init(params)
+  g = _grads(1, params)
+  q, state = tx.update(g, state, params)
+  # Keeping every coefficient sends the whole gradient and leaves nothing behind.
+  np.testing.assert_allclose(q["w"], g["w"], atol=1e-5)
+  assert all(np.abs(np.asarray(m)).max() == 0 for m in jax.tree.leaves(state.momentum))
+
+
+def test_distro_feeds_the_aggregate_to_any_inner_transformation():
+  params = _params()
+  tx = dj.distro(
+    optax.identity(), 1.0, compression_decay=0.0, compression_topk=4096, axis_name=None
+  )
+  g = _grads(2, params)
+  q, _ = tx.update(g, tx.init(params), params)
+  np.testing.assert_allclose(q["b"], g["b"], atol=1e-5)

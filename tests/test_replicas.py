@@ -1,0 +1,79 @@
+"""Every worker ends every step with bit-identical parameters."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from sharded_step import mesh_of, per_device_copies
+
+import distro_jax as dj
+
+
+def _mlp_loss(params, x_BxD, y_B):
+  h = jnp.tanh(x_BxD @ params["w1"] + params["b1"])
+  pred = (h @ params["w2"]).squeeze(-1) * params["scale"]
+  return jnp.mean((pred - y_B) ** 2)
+
+
+@pytest.mark.parametrize(
+  "make_tx",
+  [
+    lambda: dj.demo(3e-3, weight_decay=0.01),
+    lambda: dj.demo(3e-3, compression_topk=4, quantize_1bit=True),
+    lambda: dj.distro_adamw(3e-3, weight_decay=0.01, compression_topk=8),
+  ],
+  ids=["demo", "demo-k4-1bit", "distro_adamw"],
+)
+def test_params_bit_identical_on_8_workers_after_20_steps(make_tx):
+  workers = 8
+  mesh = mesh_of(workers)
+  rng = np.random.default_rng(0)
+  params = {
+    "w1": jnp.asarray(rng.normal(size=(24, 96)) * 0.3, jnp.float32),
+    "b1": jnp.zeros((96,), jnp.float32),
+    "w2": jnp.asarray(rng.normal(size=(96, 1)) * 0.3, jnp.float32),
+    "scale": jnp.ones((), jnp.float32),
+  }
+  tx = make_tx()
+  specs = dj.worker_state_specs(tx, params, mesh)
+  state = dj.init_worker_state(tx, params, mesh)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+
+  @jax.jit
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P(), specs, P("data"), P("data")),
+    out_specs=(P(), specs, P()),
+  )
+  def train_step(params, opt_state, x_BxD, y_B):
+    loss, grads = dj.local_value_and_grad(_mlp_loss)(params, x_BxD, y_B)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+
+  w_true = rng.normal(size=(24,))
+  losses = []
+  for _ in range(20):
+    x = rng.normal(size=(workers * 16, 24)).astype(np.float32)  # a different batch per worker
+    y = np.sin(x @ w_true).astype(np.float32)
+    sharded = NamedSharding(mesh, P("data"))
+    params, state, loss = train_step(
+      params, state, jax.device_put(x, sharded), jax.device_put(y, sharded)
+    )
+    losses.append(float(loss))
+    for leaf in jax.tree.leaves(params):
+      copies = per_device_copies(leaf)
+      assert len(copies) == workers
+      for c in copies[1:]:
+        np.testing.assert_array_equal(c.view(np.uint32), copies[0].view(np.uint32))
+
+  # The workers really did see different data: their local momenta differ.
+  momentum = jax.tree.leaves(state[0].momentum)[0]
+  per_worker = np.asarray(momentum).reshape(workers, -1)
+  assert not np.array_equal(per_worker[0], per_worker[1])
+  assert losses[-1] < losses[0]
