@@ -1,0 +1,354 @@
+"""Token data for a byte-level or pre-tokenized language model, fed through grain.
+
+The pipeline is a grain ``MapDataset`` over fixed windows of one flat token
+array, so the whole input state is a single integer (how many global steps have
+been drawn) and restores exactly. Layout of one training step:
+
+* the shuffled, endlessly repeated stream of windows is cut into global batches
+  of ``global_batch_size`` rows;
+* process ``p`` of ``P`` owns rows ``[p * L, (p + 1) * L)`` of every global
+  batch (``L = global_batch_size // P``), and reads only those rows;
+* within a process the rows are worker-major: splitting them into equal
+  contiguous blocks, one per local device (what ``PartitionSpec("data")`` does),
+  gives global worker ``g`` rows ``[g * b, (g + 1) * b)`` of the global batch,
+  ``b = global_batch_size // num_workers``.
+
+Usage::
+
+  tokens = load_tokens(None, vocab_size=256)
+  train, val = split_tokens(tokens)
+  it = make_train_iterator(train, seq_len=256, global_batch_size=64, num_workers=8)
+  batch = next(it)  # {"inputs": int32[64, 256], "targets": int32[64, 256]}
+  evals = make_eval_batches(val, seq_len=256, batch_size=64, max_batches=8)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import grain
+import numpy as np
+
+from experiments.corpus import default_corpus
+
+# Tokens examined per step when scanning a memory-mapped file for bad ids, so a
+# multi-gigabyte dump is checked without loading it whole.
+_SCAN_CHUNK = 1 << 24
+
+
+class DataError(ValueError):
+  """A problem with the input data or data flags, stated with its fix in one line."""
+
+
+def _check_ids(tokens: np.ndarray, vocab_size: int, source: str) -> None:
+  """Raises DataError at the first token id outside ``[0, vocab_size)``."""
+  if np.issubdtype(tokens.dtype, np.unsignedinteger) and np.iinfo(tokens.dtype).max < vocab_size:
+    return  # Every representable id is in range; skip the scan.
+  signed = np.issubdtype(tokens.dtype, np.signedinteger)
+  largest = -1
+  first_bad = None
+  for start in range(0, tokens.shape[0], _SCAN_CHUNK):
+    chunk = np.asarray(tokens[start : start + _SCAN_CHUNK])
+    if signed and chunk.min() < 0:
+      pos = int(np.argmax(chunk < 0))
+      raise DataError(
+        f"token id {int(chunk[pos])} at position {start + pos} of {source} is negative; "
+        "token ids must be in [0, vocab_size): re-tokenize the data"
+      )
+    chunk_max = int(chunk.max())
+    largest = max(largest, chunk_max)
+    if first_bad is None and chunk_max >= vocab_size:
+      pos = int(np.argmax(chunk >= vocab_size))
+      first_bad = (int(chunk[pos]), start + pos)
+  if first_bad is not None:
+    bad_id, pos = first_bad
+    raise DataError(
+      f"token id {bad_id} at position {pos} of {source} is outside the vocabulary of "
+      f"{vocab_size} (largest id {largest}); use a preset with vocab_size >= {largest + 1} "
+      "or re-tokenize"
+    )
+
+
+def load_tokens(data_path: str | None, vocab_size: int) -> np.ndarray:
+  """Loads a flat array of token ids and checks them against the vocabulary.
+
+  Args:
+    data_path: ``None`` for the embedded generated corpus (bytes, vocab 256); a
+      ``.npy`` file of integer token ids (memory-mapped; flattened if not 1-D);
+      a ``.bin`` file of raw uint16 token ids (memory-mapped); any other file is
+      read as bytes, i.e. byte-level tokens with vocab 256.
+    vocab_size: The model's vocabulary size; every id must be below it.
+
+  Returns:
+    A 1-D integer array (possibly a read-only memory map) of at least 2 tokens.
+
+  Raises:
+    DataError: the file is missing, empty, malformed, or holds ids outside
+      ``[0, vocab_size)``.
+  """
+  if vocab_size <= 0:
+    raise DataError(f"vocab_size must be positive, got {vocab_size}")
+  if data_path is None:
+    tokens = np.frombuffer(default_corpus(), dtype=np.uint8)
+    source = "the embedded corpus"
+  else:
+    source = f"data file {data_path!r}"
+    if not os.path.exists(data_path):
+      raise DataError(
+        f"data file {data_path!r} does not exist; pass --data_path=... to an existing "
+        ".txt/.npy/.bin file, or omit it for the embedded corpus"
+      )
+    if not os.path.isfile(data_path):
+      raise DataError(
+        f"data file {data_path!r} is not a regular file; pass --data_path=... to a "
+        ".txt/.npy/.bin file, not a directory"
+      )
+    size = os.path.getsize(data_path)
+    if size == 0:
+      raise DataError(
+        f"data file {data_path!r} is empty; pass --data_path=... to a file with tokens, "
+        "or omit it for the embedded corpus"
+      )
+    suffix = os.path.splitext(data_path)[1].lower()
+    if suffix == ".npy":
+      try:
+        tokens = np.load(data_path, mmap_mode="r", allow_pickle=False)
+      except (ValueError, OSError) as e:
+        raise DataError(
+          f"data file {data_path!r} is not a readable .npy array ({e}); save it with "
+          "np.save(path, tokens)"
+        ) from e
+      if not np.issubdtype(tokens.dtype, np.integer):
+        raise DataError(
+          f"data file {data_path!r} has dtype {tokens.dtype}, not integer token ids; "
+          "re-save it with np.save(path, tokens.astype(np.int32))"
+        )
+      tokens = tokens.reshape(-1)
+    elif suffix == ".bin":
+      if size % 2:
+        raise DataError(
+          f"data file {data_path!r} has {size} bytes, an odd count; .bin files are read "
+          "as raw uint16 tokens, so save them with tokens.astype(np.uint16).tofile(path)"
+        )
+      tokens = np.memmap(data_path, dtype=np.uint16, mode="r")
+    else:
+      tokens = np.memmap(data_path, dtype=np.uint8, mode="r")
+  if tokens.shape[0] < 2:
+    raise DataError(
+      f"{source} holds {tokens.shape[0]} token(s), too few for a single input/target "
+      "pair; use a file with more data"
+    )
+  _check_ids(tokens, vocab_size, source)
+  return tokens
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+  """Splits tokens into a training head and a held-out validation tail.
+
+  The split is contiguous, so no validation token is ever inside a training
+  window (windows never cross the boundary because they are cut per split).
+
+  Args:
+    tokens: 1-D token array from ``load_tokens``.
+    val_fraction: Fraction of the tokens (rounded up) held out, in ``[0, 1)``.
+
+  Returns:
+    ``(train, val)`` views of ``tokens``; ``val`` is empty if ``val_fraction`` is 0.
+  """
+  if not 0.0 <= val_fraction < 1.0:
+    raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+  n = tokens.shape[0]
+  n_val = math.ceil(n * val_fraction)
+  return tokens[: n - n_val], tokens[n - n_val :]
+
+
+class TokenWindows:
+  """Grain random-access source of non-overlapping windows of ``seq_len + 1`` tokens.
+
+  Window ``i`` is ``tokens[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]`` as
+  int32; a model reads ``window[:-1]`` and predicts ``window[1:]``. A trailing
+  remainder shorter than a window is never used.
+  """
+
+  def __init__(self, tokens: np.ndarray, seq_len: int):
+    if seq_len < 1:
+      raise DataError(f"--seq_len must be at least 1, got {seq_len}")
+    self._tokens = tokens
+    self._width = seq_len + 1
+    self._len = tokens.shape[0] // self._width
+
+  def __len__(self) -> int:
+    return self._len
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    index = int(index)
+    if not 0 <= index < self._len:
+      raise IndexError(f"window {index} out of range for {self._len} windows")
+    start = index * self._width
+    return np.asarray(self._tokens[start : start + self._width], dtype=np.int32)
+
+  def __repr__(self) -> str:
+    return f"TokenWindows(windows={self._len}, width={self._width})"
+
+
+def _inputs_and_targets(windows: np.ndarray) -> dict[str, np.ndarray]:
+  return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def _nearest_multiple(value: int, base: int) -> int:
+  lower = (value // base) * base
+  upper = lower + base
+  if lower == 0 or upper - value <= value - lower:
+    return upper
+  return lower
+
+
+def make_train_iterator(
+  tokens: np.ndarray,
+  *,
+  seq_len: int,
+  global_batch_size: int,
+  num_workers: int,
+  process_index: int = 0,
+  process_count: int = 1,
+  seed: int = 0,
+  read_threads: int = 0,
+) -> grain.DatasetIterator:
+  """An endless, checkpointable iterator over this process's share of each global batch.
+
+  Windows are shuffled within each epoch (a different permutation per epoch,
+  derived from ``seed`` and the epoch number) and epochs follow each other
+  without a gap, so a global batch may straddle an epoch boundary.
+
+  Args:
+    tokens: Training tokens (1-D), e.g. the first part of ``split_tokens``.
+    seq_len: Tokens per training row.
+    global_batch_size: Rows per step over all processes; flag ``--batch_size``.
+    num_workers: Data-parallel workers over all processes; flag ``--workers``.
+    process_index: This process's index (``jax.process_index()``).
+    process_count: Number of processes (``jax.process_count()``).
+    seed: Shuffle seed in ``[0, 2**32)``.
+    read_threads: Grain reader threads; 0 reads synchronously on ``next()``,
+      which is cheapest for in-memory or page-cached data.
+
+  Returns:
+    A ``grain.DatasetIterator`` whose ``next()`` gives
+    ``{"inputs": int32[L, seq_len], "targets": int32[L, seq_len]}`` with
+    ``L = global_batch_size // process_count``, rows worker-major. Its
+    ``get_state()`` is ``{"next_index": steps_drawn}``; ``set_state`` restores it.
+
+  Raises:
+    DataError: the batch does not divide over workers or processes, or there
+      are too few tokens for one window.
+  """
+  if num_workers < 1 or global_batch_size < 1:
+    raise DataError(
+      f"--batch_size={global_batch_size} and --workers={num_workers} must both be positive"
+    )
+  if global_batch_size % num_workers:
+    suggestion = _nearest_multiple(global_batch_size, num_workers)
+    raise DataError(
+      f"--batch_size={global_batch_size} does not divide evenly over --workers={num_workers}; "
+      f"use --batch_size={suggestion} (a multiple of --workers)"
+    )
+  if process_count < 1 or not 0 <= process_index < process_count:
+    raise DataError(f"process_index={process_index} is not in [0, process_count={process_count})")
+  if num_workers % process_count:
+    raise DataError(
+      f"--workers={num_workers} does not divide evenly over {process_count} processes; "
+      f"use --workers={_nearest_multiple(num_workers, process_count)} "
+      f"(a multiple of the process count)"
+    )
+  if not 0 <= seed < 2**32:
+    raise DataError(f"--seed must be in [0, 2**32), got {seed}")
+  windows = TokenWindows(tokens, seq_len)
+  if len(windows) == 0:
+    raise DataError(
+      f"--seq_len={seq_len} needs {seq_len + 1} tokens per window but the training split "
+      f"holds only {tokens.shape[0]}; use --seq_len={max(1, tokens.shape[0] - 1)} or smaller, "
+      "or more data"
+    )
+  local_batch = global_batch_size // process_count
+  ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+  # Batch i of size L is global rows [i*L, (i+1)*L); global step s is batches
+  # s*P .. s*P+P-1, so taking every P-th batch from p gives this process only
+  # its own rows, never reading the others'.
+  ds = ds.batch(local_batch, drop_remainder=True)[process_index::process_count]
+  ds = ds.map(_inputs_and_targets)
+  read_options = grain.ReadOptions(
+    num_threads=read_threads, prefetch_buffer_size=4 * read_threads if read_threads else 0
+  )
+  return iter(ds.to_iter_dataset(read_options))
+
+
+def make_eval_batches(
+  tokens: np.ndarray, *, seq_len: int, batch_size: int, max_batches: int | None
+) -> list[dict[str, np.ndarray]]:
+  """Deterministic validation batches, in order, each a full global batch.
+
+  Uses non-overlapping windows from the start of ``tokens``. If the split is
+  too short for even one batch of separate windows, it falls back to
+  ``batch_size`` evenly spaced, overlapping windows, so a small validation
+  split still gives a (noisier) held-out loss instead of none.
+
+  Args:
+    tokens: Validation tokens (1-D), e.g. the second part of ``split_tokens``.
+    seq_len: Tokens per row.
+    batch_size: Rows per batch (the global batch size).
+    max_batches: Upper bound on the number of batches; ``None`` for all.
+
+  Returns:
+    A list of ``{"inputs": int32[batch_size, seq_len], "targets": ...}``.
+
+  Raises:
+    DataError: there are fewer than ``seq_len + 1`` tokens.
+  """
+  if batch_size < 1:
+    raise DataError(f"--batch_size must be positive, got {batch_size}")
+  if max_batches is not None and max_batches < 1:
+    raise DataError(f"max_batches must be positive or None, got {max_batches}")
+  width = seq_len + 1
+  n = tokens.shape[0]
+  if seq_len < 1 or n < width:
+    raise DataError(
+      f"--seq_len={seq_len} needs {width} tokens per window but the validation split holds "
+      f"only {n}; use --seq_len={max(1, n - 1)} or smaller, or a larger validation fraction"
+    )
+  num_batches = (n // width) // batch_size
+  if num_batches == 0:
+    starts = np.linspace(0, n - width, batch_size).round().astype(np.int64)
+    num_batches = 1
+  else:
+    if max_batches is not None:
+      num_batches = min(num_batches, max_batches)
+    starts = np.arange(num_batches * batch_size, dtype=np.int64) * width
+  rows = np.stack([np.asarray(tokens[s : s + width], dtype=np.int32) for s in starts])
+  rows = rows.reshape(num_batches, batch_size, width)
+  return [_inputs_and_targets(r) for r in rows]
+
+
+def iterator_checkpoint_args(it: grain.DatasetIterator, *, restore: bool = False) -> Any:
+  """Orbax ``CheckpointArgs`` for a grain iterator, for one item of ``ocp.args.Composite``.
+
+  Saving writes ``get_state()`` as JSON to ``process_<i>-of-<n>.json`` (one file
+  per JAX process); restoring calls ``it.set_state`` in place and returns ``it``.
+
+  Example::
+
+    mngr.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params), data=iterator_checkpoint_args(it)))
+    mngr.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract), data=iterator_checkpoint_args(it, restore=True)))
+
+  Args:
+    it: The iterator to save, or to restore into.
+    restore: Whether to build restore args instead of save args.
+
+  Returns:
+    ``grain.checkpoint.CheckpointRestore(it)`` or ``grain.checkpoint.CheckpointSave(it)``.
+  """
+  if restore:
+    return grain.checkpoint.CheckpointRestore(it)
+  return grain.checkpoint.CheckpointSave(it)

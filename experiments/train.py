@@ -1,0 +1,133 @@
+r"""Train a Llama-style LM with DisTrO (DeMo) or AdamW all-reduce, from absl flags.
+
+With no flags: the ``tiny`` preset, DeMo, 8 simulated CPU workers, the
+embedded corpus.
+
+  python -m experiments.train
+  python -m experiments.train --optimizer=adamw --preset=small --data_path=book.txt
+  # two processes of a multi-host run (here both on one machine, gloo on CPU):
+  python -m experiments.train --num_processes=2 --process_id=0 \
+      --coordinator_address=127.0.0.1:12355 --workers=4 &
+  python -m experiments.train --num_processes=2 --process_id=1 \
+      --coordinator_address=127.0.0.1:12355 --workers=4
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+
+_D = {}  # flag name -> FlagHolder
+
+
+def _define():
+  from experiments.trainer import OPTIMIZERS, TrainConfig
+
+  d = TrainConfig()
+  _D["optimizer"] = flags.DEFINE_enum("optimizer", d.optimizer, OPTIMIZERS, "Optimizer.")
+  _D["preset"] = flags.DEFINE_string("preset", d.preset, "Model preset (experiments/presets.py).")
+  _D["data_path"] = flags.DEFINE_string(
+    "data_path", None, "Text file (bytes), .npy or uint16 .bin tokens; default: embedded corpus."
+  )
+  _D["steps"] = flags.DEFINE_integer("steps", d.steps, "Training steps.")
+  _D["workers"] = flags.DEFINE_integer(
+    "workers", d.workers, "Data-parallel workers in total (simulated CPU devices on CPU)."
+  )
+  _D["batch_size"] = flags.DEFINE_integer("batch_size", d.batch_size, "Global sequences per step.")
+  _D["seq_len"] = flags.DEFINE_integer("seq_len", d.seq_len, "Tokens per sequence.")
+  _D["learning_rate"] = flags.DEFINE_float(
+    "learning_rate", None, "Peak learning rate (default: the recipe for preset and optimizer)."
+  )
+  _D["compression_topk"] = flags.DEFINE_integer(
+    "compression_topk", d.compression_topk, "DCT coefficients sent per chunk."
+  )
+  _D["compression_chunk"] = flags.DEFINE_integer(
+    "compression_chunk", d.compression_chunk, "Chunk length target per axis."
+  )
+  _D["compression_decay"] = flags.DEFINE_float(
+    "compression_decay", None, "Momentum decay in [0, 1); 0 is stateless (default: recipe)."
+  )
+  _D["quantize_1bit"] = flags.DEFINE_bool("quantize_1bit", d.quantize_1bit, "Send 1-bit values.")
+  _D["warmup_steps"] = flags.DEFINE_integer(
+    "warmup_steps", None, "Linear warmup steps before the cosine (default: recipe)."
+  )
+  _D["clip_norm"] = flags.DEFINE_float(
+    "clip_norm", None, "Gradient clipping by global norm; 0 disables (default: recipe)."
+  )
+  _D["weight_decay"] = flags.DEFINE_float(
+    "weight_decay", None, "Decoupled weight decay (default: recipe)."
+  )
+  _D["seed"] = flags.DEFINE_integer("seed", d.seed, "Seed for init and data order.")
+  _D["out_dir"] = flags.DEFINE_string(
+    "out_dir", d.out_dir, "Where metrics, plots and checkpoints go."
+  )
+  _D["resume"] = flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint.")
+  _D["eval_every"] = flags.DEFINE_integer("eval_every", d.eval_every, "Validate every N steps.")
+  _D["eval_batches"] = flags.DEFINE_integer(
+    "eval_batches", d.eval_batches, "Validation batches per evaluation."
+  )
+  _D["checkpoint_every"] = flags.DEFINE_integer(
+    "checkpoint_every", d.checkpoint_every, "Checkpoint every N steps (0: never)."
+  )
+  _D["log_every"] = flags.DEFINE_integer(
+    "log_every", d.log_every, "Progress line every N steps off a terminal."
+  )
+  _D["progress"] = flags.DEFINE_bool("progress", d.progress, "Show the progress line.")
+  _D["check_replicas"] = flags.DEFINE_bool(
+    "check_replicas",
+    d.check_replicas,
+    "Every log_every steps, verify all workers hold identical params; stop if not.",
+  )
+
+
+_define()
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address", None, "host:port of process 0, for multi-process runs."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in a multi-process run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index.")
+
+
+def _setup_devices() -> None:
+  """Simulated CPU devices and, when asked, the multi-process runtime.
+
+  Must run before anything touches a JAX backend.
+  """
+  import jax
+
+  nproc = _NUM_PROCESSES.value
+  workers = _D["workers"].value
+  if workers % nproc:
+    raise ValueError(f"--workers={workers} does not divide by --num_processes={nproc}.")
+  jax.config.update("jax_num_cpu_devices", workers // nproc)
+  if nproc > 1:
+    if not _COORDINATOR.value:
+      raise ValueError("--num_processes>1 needs --coordinator_address=host:port of process 0.")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+      coordinator_address=_COORDINATOR.value,
+      num_processes=nproc,
+      process_id=_PROCESS_ID.value,
+    )
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from experiments import trainer
+  from experiments.checkpointing import CheckpointError
+  from experiments.data import DataError
+
+  try:
+    _setup_devices()
+    cfg = trainer.TrainConfig(**{k: v.value for k, v in _D.items()})
+    trainer.run(cfg)
+  except (trainer.ConfigError, DataError, CheckpointError, ValueError, FloatingPointError) as e:
+    logging.debug("failed", exc_info=True)
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)

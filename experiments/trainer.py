@@ -1,0 +1,474 @@
+"""Language-model training with DisTrO or AdamW all-reduce: the importable core.
+
+``experiments.train`` is the command-line entry point; Colab and tests call
+:func:`run` with a :class:`TrainConfig` directly.
+
+The train step is a pure module-level function, :func:`train_step`, of one
+worker's view (params, its optimizer state, its batch shard). It is wrapped
+once in ``jax.shard_map`` over the ``"data"`` axis and ``jax.jit`` with the
+params and optimizer state donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import distro_jax as dj
+from experiments import data as data_lib
+from experiments import model as model_lib
+from experiments import presets, recipes, reporting
+from experiments.checkpointing import Checkpointer, CheckpointError
+
+__all__ = ["ConfigError", "TrainConfig", "build_optimizer", "run", "train_step"]
+
+OPTIMIZERS = ("demo", "distro_adamw", "adamw")
+
+
+class ConfigError(ValueError):
+  """A flag value that cannot work; the message names the flag and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Everything one run needs. ``None`` means the recipe's default for the preset.
+
+  Attributes mirror the flags of ``experiments.train``.
+  """
+
+  optimizer: str = "demo"
+  preset: str = "tiny"
+  data_path: str | None = None
+  steps: int = 300
+  workers: int = 8
+  batch_size: int = 32
+  seq_len: int = 128
+  learning_rate: float | None = None
+  compression_topk: int = 32
+  compression_chunk: int = 64
+  compression_decay: float | None = None
+  quantize_1bit: bool = False
+  warmup_steps: int | None = None
+  clip_norm: float | None = None
+  weight_decay: float | None = None
+  seed: int = 0
+  out_dir: str = "runs/latest"
+  resume: bool = False
+  eval_every: int = 100
+  eval_batches: int = 4
+  checkpoint_every: int = 0
+  log_every: int = 10
+  progress: bool = True
+  check_replicas: bool = False
+
+  def resolved(self) -> TrainConfig:
+    """Fills every ``None`` from the recipe for (preset, optimizer)."""
+    rec = recipes.recipe(self.preset, self.optimizer)
+    fill = {
+      f: getattr(rec, f)
+      for f in ("learning_rate", "compression_decay", "warmup_steps", "clip_norm", "weight_decay")
+      if getattr(self, f) is None
+    }
+    return dataclasses.replace(self, **fill)
+
+
+def validate(cfg: TrainConfig) -> None:
+  """Raises :class:`ConfigError` for flag values that cannot work."""
+  if cfg.optimizer not in OPTIMIZERS:
+    raise ConfigError(
+      f"unknown optimizer {cfg.optimizer!r}; use --optimizer= one of {', '.join(OPTIMIZERS)}."
+    )
+  try:
+    presets.get_preset(cfg.preset)
+  except ValueError as e:
+    raise ConfigError(str(e).replace("unknown preset", "unknown --preset", 1)) from None
+  for name in (
+    "steps",
+    "workers",
+    "batch_size",
+    "seq_len",
+    "compression_topk",
+    "compression_chunk",
+  ):
+    if getattr(cfg, name) <= 0:
+      raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}.")
+  if cfg.batch_size % cfg.workers:
+    lo = cfg.batch_size // cfg.workers * cfg.workers or cfg.workers
+    raise ConfigError(
+      f"--batch_size={cfg.batch_size} does not divide by --workers={cfg.workers}; "
+      f"use --batch_size={lo} or {lo + cfg.workers}."
+    )
+  if cfg.compression_decay is not None and not 0 <= cfg.compression_decay < 1:
+    raise ConfigError(f"--compression_decay must be in [0, 1), got {cfg.compression_decay}.")
+
+
+def build_optimizer(
+  cfg: TrainConfig, axis_name: str | None = "data"
+) -> optax.GradientTransformation:
+  """The optimizer for ``cfg`` (resolved), fed each worker's local gradients.
+
+  The schedule is the reference's: linear warmup, then cosine down to 0.1x.
+  DisTrO clips each worker's own gradient; AdamW clips the all-reduced one,
+  as data-parallel AdamW does.
+  """
+  lr = optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=cfg.learning_rate,
+    warmup_steps=min(cfg.warmup_steps, max(cfg.steps - 1, 0)),
+    decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+    end_value=0.1 * cfg.learning_rate,
+  )
+  clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity()
+  compression = {
+    "compression_decay": cfg.compression_decay,
+    "compression_topk": cfg.compression_topk,
+    "compression_chunk": cfg.compression_chunk,
+    "quantize_1bit": cfg.quantize_1bit,
+    "axis_name": axis_name,
+  }
+  if cfg.optimizer == "demo":
+    return optax.chain(clip, dj.demo(lr, weight_decay=cfg.weight_decay, **compression))
+  if cfg.optimizer == "distro_adamw":
+    return optax.chain(clip, dj.distro_adamw(lr, weight_decay=cfg.weight_decay, **compression))
+  return optax.chain(
+    dj.pmean_gradients(axis_name), clip, optax.adamw(lr, weight_decay=cfg.weight_decay)
+  )
+
+
+def bytes_sent_per_step(cfg: TrainConfig, params: Any) -> dict[str, float]:
+  """Bytes one worker sends per step, and the baselines, for ``params``."""
+  wb = dj.wire_bytes(
+    params,
+    compression_topk=cfg.compression_topk,
+    compression_chunk=cfg.compression_chunk,
+    quantize_1bit=cfg.quantize_1bit,
+    num_workers=cfg.workers,
+  )
+  sent = wb.ring_allreduce if cfg.optimizer == "adamw" else wb.payload
+  return {
+    "bytes_sent": sent,
+    "payload_bytes": wb.payload,
+    "grad_bytes_bf16": wb.grad_bf16,
+    "ring_allreduce_bytes": wb.ring_allreduce,
+  }
+
+
+def _loss(params, graphdef, inputs_BxL, targets_BxL):
+  logits_BxLxV = nnx.merge(graphdef, params)(inputs_BxL)
+  return model_lib.next_token_loss(logits_BxLxV, targets_BxL)
+
+
+def train_step(params, opt_state, inputs_BxL, targets_BxL, *, graphdef, tx):
+  """One worker's step: its own loss and gradient, then the optimizer's exchange.
+
+  Returns the new params (identical on every worker), the worker's new
+  optimizer state, and the loss averaged over workers.
+  """
+  loss, grads = dj.local_value_and_grad(_loss)(params, graphdef, inputs_BxL, targets_BxL)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  return params, opt_state, jax.lax.pmean(loss, "data")
+
+
+def eval_step(params, inputs_BxL, targets_BxL, *, graphdef):
+  return jax.lax.pmean(_loss(params, graphdef, inputs_BxL, targets_BxL), "data")
+
+
+def _replica_spread(params):
+  """Largest difference of any param between workers (0 when replicas agree)."""
+  spread = [
+    jnp.max(jax.lax.pmax(x, "data") - jax.lax.pmin(x, "data")) for x in jax.tree.leaves(params)
+  ]
+  return jnp.max(jnp.stack(spread).astype(jnp.float32))
+
+
+def make_mesh(workers: int) -> jax.sharding.Mesh:
+  """A 1-D ``"data"`` mesh of ``workers`` devices, the same number from each process."""
+  nproc = jax.process_count()
+  if workers % nproc:
+    raise ConfigError(f"--workers={workers} does not divide by the {nproc} processes.")
+  per_process = workers // nproc
+  devices = []
+  for p in range(nproc):
+    local = [d for d in jax.devices() if d.process_index == p]
+    if len(local) < per_process:
+      raise ConfigError(
+        f"--workers={workers} needs {per_process} devices in each of {nproc} process(es), "
+        f"but process {p} has {len(local)}. On CPU the driver simulates them; when calling "
+        "trainer.run directly, set XLA_FLAGS=--xla_force_host_platform_device_count="
+        f"{per_process} before importing jax."
+      )
+    devices += local[:per_process]
+  return jax.make_mesh((workers,), ("data",), devices=devices)
+
+
+def _fingerprint(cfg: TrainConfig) -> dict[str, Any]:
+  keys = (
+    "optimizer",
+    "preset",
+    "workers",
+    "batch_size",
+    "seq_len",
+    "learning_rate",
+    "compression_topk",
+    "compression_chunk",
+    "compression_decay",
+    "quantize_1bit",
+    "warmup_steps",
+    "clip_norm",
+    "weight_decay",
+    "seed",
+    "steps",
+  )
+  return {k: getattr(cfg, k) for k in keys}
+
+
+def params_digest(params: Any) -> str:
+  """SHA-256 of this process's copy of every param, in tree order."""
+  h = hashlib.sha256()
+  for x in jax.tree.leaves(params):
+    h.update(np.asarray(x.addressable_shards[0].data).tobytes())
+  return h.hexdigest()
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+  """Trains one model; returns the summary (also written to ``OUT_DIR/summary.json``).
+
+  Raises:
+    ConfigError, data_lib.DataError, CheckpointError: bad flags, data or
+      checkpoints, before anything is written.
+  """
+  validate(cfg)
+  cfg = cfg.resolved()
+  model_cfg = presets.get_preset(cfg.preset)
+  if cfg.seq_len > model_cfg.max_seq_len:
+    raise ConfigError(
+      f"--seq_len={cfg.seq_len} is longer than preset {cfg.preset!r} supports "
+      f"({model_cfg.max_seq_len}); use --seq_len<={model_cfg.max_seq_len}."
+    )
+  tokens = data_lib.load_tokens(cfg.data_path, model_cfg.vocab_size)
+  train_tokens, val_tokens = data_lib.split_tokens(tokens)
+  mesh = make_mesh(cfg.workers)
+  is_main = jax.process_index() == 0
+  ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
+  if not cfg.resume and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+    raise CheckpointError(
+      f"{ckpt_dir} already holds checkpoints; pass --resume to continue that run, "
+      "or choose a new --out_dir (a fresh run never overwrites them)."
+    )
+  if cfg.resume and not os.path.isdir(ckpt_dir):
+    raise CheckpointError(
+      f"--resume: checkpoint directory {ckpt_dir} does not exist. Check --out_dir, "
+      "or start without --resume."
+    )
+  train_iter = data_lib.make_train_iterator(
+    train_tokens,
+    seq_len=cfg.seq_len,
+    global_batch_size=cfg.batch_size,
+    num_workers=cfg.workers,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+    seed=cfg.seed,
+  )
+  eval_batches = data_lib.make_eval_batches(
+    val_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches
+  )
+
+  replicated = NamedSharding(mesh, P())
+  batch_sharding = NamedSharding(mesh, P("data"))
+  graphdef, abstract = nnx.split(
+    nnx.eval_shape(lambda: model_lib.Llama(model_cfg, rngs=nnx.Rngs(cfg.seed))), nnx.Param
+  )
+
+  @functools.partial(jax.jit, out_shardings=replicated)
+  def init_params():
+    return nnx.split(model_lib.Llama(model_cfg, rngs=nnx.Rngs(cfg.seed)), nnx.Param)[1]
+
+  tx = build_optimizer(cfg)
+  state_specs = dj.worker_state_specs(tx, abstract, mesh)
+  step_fn = jax.jit(
+    jax.shard_map(
+      functools.partial(train_step, graphdef=graphdef, tx=tx),
+      mesh=mesh,
+      in_specs=(P(), state_specs, P("data"), P("data")),
+      out_specs=(P(), state_specs, P()),
+    ),
+    donate_argnums=(0, 1),
+  )
+  eval_fn = jax.jit(
+    jax.shard_map(
+      functools.partial(eval_step, graphdef=graphdef),
+      mesh=mesh,
+      in_specs=(P(), P("data"), P("data")),
+      out_specs=P(),
+    )
+  )
+  spread_fn = jax.jit(jax.shard_map(_replica_spread, mesh=mesh, in_specs=P(), out_specs=P()))
+
+  checkpointer = (
+    Checkpointer(ckpt_dir, save_every=cfg.checkpoint_every, fingerprint=_fingerprint(cfg))
+    if (cfg.checkpoint_every or cfg.resume)
+    else None
+  )
+
+  start_step = 0
+  if cfg.resume:
+    abstract_state = {
+      "params": jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), abstract
+      ),
+      "opt_state": dj.abstract_worker_state(tx, abstract, mesh),
+    }
+    start_step, restored, data_state = checkpointer.restore_latest(abstract_state)
+    params, opt_state = restored["params"], restored["opt_state"]
+    train_iter.set_state(data_state)
+  else:
+    params = init_params()
+    opt_state = dj.init_worker_state(tx, params, mesh)
+
+  def to_global(batch):
+    return [
+      jax.make_array_from_process_local_data(batch_sharding, np.asarray(batch[k]))
+      for k in ("inputs", "targets")
+    ]
+
+  sample_inputs = jax.ShapeDtypeStruct(
+    (cfg.batch_size, cfg.seq_len), jnp.int32, sharding=batch_sharding
+  )
+  compiled = step_fn.lower(params, opt_state, sample_inputs, sample_inputs).compile()
+  measured = dj.parse_collective_bytes(compiled.as_text())
+  sent = bytes_sent_per_step(cfg, abstract)
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract))
+
+  writer = reporting.MetricsWriter(
+    cfg.out_dir, enabled=is_main, truncate_after=start_step if cfg.resume else None
+  )
+  progress = reporting.Progress(cfg.steps, enabled=is_main and cfg.progress, every=cfg.log_every)
+  progress.message(
+    f"{cfg.optimizer} | preset {cfg.preset} ({num_params / 1e6:.2f}M params) | "
+    f"{cfg.workers} workers x {cfg.batch_size // cfg.workers} seqs x {cfg.seq_len} tokens | "
+    f"lr {cfg.learning_rate:g} | sends {reporting._human_bytes(sent['bytes_sent'])}/step/worker"
+    f" (HLO: {reporting._human_bytes(measured.total)} into collectives)"
+  )
+
+  timer = reporting.StepTimer()
+  tokens_per_step = cfg.batch_size * cfg.seq_len
+  pending = None  # (step, loss array, seconds) read one step late
+
+  def flush(entry, val_loss=None):
+    step, loss_arr, seconds = entry
+    record = {
+      "step": step,
+      "loss": float(loss_arr),
+      "bytes_sent": sent["bytes_sent"],
+      "lr": float(tx_lr(step - 1)),
+      "tokens_per_s": tokens_per_step / max(seconds, 1e-9),
+    }
+    if val_loss is not None:
+      record["val_loss"] = val_loss
+    if not math.isfinite(record["loss"]):
+      raise FloatingPointError(f"loss became {record['loss']} at step {step}.")
+    writer.write(record)
+    progress.update(step, record["loss"], record["tokens_per_s"], sent["bytes_sent"])
+
+  tx_lr = optax.warmup_cosine_decay_schedule(
+    0.0,
+    cfg.learning_rate,
+    min(cfg.warmup_steps, max(cfg.steps - 1, 0)),
+    max(cfg.steps, cfg.warmup_steps + 1),
+    0.1 * cfg.learning_rate,
+  )
+
+  def evaluate(p):
+    # Eval batches are global; each process feeds its own rows of them.
+    rows = cfg.batch_size // jax.process_count()
+    lo = jax.process_index() * rows
+    local = [{k: v[lo : lo + rows] for k, v in b.items()} for b in eval_batches]
+    losses = [float(eval_fn(p, *to_global(b))) for b in local]
+    return float(np.mean(losses)) if losses else None
+
+  try:
+    for step in range(start_step + 1, cfg.steps + 1):
+      inputs, targets = to_global(next(train_iter))
+      params, opt_state, loss = compiled(params, opt_state, inputs, targets)
+      seconds = timer.lap()
+      if pending is not None:
+        flush(pending)
+      pending = (step, loss, seconds)
+      if cfg.check_replicas and (step % cfg.log_every == 0 or step == cfg.steps):
+        spread = float(spread_fn(params))
+        if spread != 0.0:
+          raise RuntimeError(
+            f"replicas diverged at step {step}: params differ by up to {spread:g} between workers."
+          )
+      val_loss = None
+      if eval_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
+        val_loss = evaluate(params)
+      if val_loss is not None:
+        flush(pending, val_loss)
+        pending = None
+      if checkpointer and checkpointer.should_save(step, cfg.steps):
+        if pending is not None:
+          flush(pending)
+          pending = None
+        checkpointer.save(step, {"params": params, "opt_state": opt_state}, train_iter.get_state())
+    if pending is not None:
+      flush(pending)
+  finally:
+    writer.close()
+    if checkpointer:
+      checkpointer.close()
+
+  records = writer.records
+  last = records[-1] if records else {}
+  tail = [r["loss"] for r in records[-10:]]
+  val = [r["val_loss"] for r in records if "val_loss" in r]
+  steps_done = cfg.steps
+  summary = {
+    "optimizer": cfg.optimizer,
+    "preset": cfg.preset,
+    "num_params": num_params,
+    "steps": steps_done,
+    "workers": cfg.workers,
+    "final_train_loss": last.get("loss"),
+    "final_train_loss_avg10": float(np.mean(tail)) if tail else None,
+    "final_val_loss": val[-1] if val else None,
+    "bytes_sent_per_step": sent["bytes_sent"],
+    "payload_bytes_per_step": sent["payload_bytes"],
+    "measured_collective_bytes_per_step": measured.total,
+    "measured_by_kind": {k: v for k, v in measured.by_kind.items() if v},
+    "total_bytes_sent_per_worker": sent["bytes_sent"] * steps_done,
+    "ratio_vs_ring_allreduce": sent["ring_allreduce_bytes"] / sent["bytes_sent"],
+    "ratio_vs_bf16_grad": sent["grad_bytes_bf16"] / sent["bytes_sent"],
+    "params_digest": params_digest(params),
+    "config": dataclasses.asdict(cfg),
+  }
+  if is_main:
+    with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    if records:
+      reporting.plot_losses(
+        records, os.path.join(cfg.out_dir, "loss.png"), f"{cfg.optimizer} on {cfg.preset}"
+      )
+    progress.message(
+      f"done: train loss {summary['final_train_loss']:.4f}"
+      + (f", val loss {summary['final_val_loss']:.4f}" if val else "")
+      + f" | {reporting._human_bytes(summary['total_bytes_sent_per_worker'])} sent per worker"
+      f" | {summary['ratio_vs_ring_allreduce']:.0f}x less than a ring all-reduce,"
+      f" {summary['ratio_vs_bf16_grad']:.0f}x less than a bf16 gradient"
+      f" | outputs in {cfg.out_dir}"
+    )
+  return summary

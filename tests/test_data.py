@@ -1,0 +1,339 @@
+"""The embedded corpus, token loading, the grain pipeline and its checkpointed state."""
+
+import hashlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from experiments import data
+from experiments.corpus import default_corpus
+
+# Pinned so that an edit to the grammar, or a platform difference, shows up here
+# rather than as a silently different training run.
+_CORPUS_SHA256 = "4fbfb22ee49454669381e49cb5634777dba793b976bcb17aea382fb0791748e3"
+
+
+def _rows(batch):
+  """Each row as its full window (inputs plus the last target), as hashable bytes."""
+  full = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+  return [r.tobytes() for r in full]
+
+
+def _same(a, b):
+  return all(np.array_equal(a[k], b[k]) for k in ("inputs", "targets"))
+
+
+# --- corpus -------------------------------------------------------------------
+
+
+def test_corpus_size_ascii_and_pinned_bytes():
+  text = default_corpus()
+  assert len(text) == 1_200_000
+  assert max(text) < 128
+  assert hashlib.sha256(text).hexdigest() == _CORPUS_SHA256
+  assert default_corpus(5000) == text[:5000]
+  assert default_corpus() is text  # cached
+
+
+def test_corpus_identical_in_a_fresh_process():
+  code = "import hashlib; from experiments.corpus import default_corpus as c; "
+  code += "print(hashlib.sha256(c()).hexdigest())"
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+  )
+  assert out.stdout.strip() == _CORPUS_SHA256
+
+
+def test_corpus_has_structure():
+  text = default_corpus().decode()
+  words = set(re.findall(r"[A-Za-z]+", text))
+  assert len(words) > 300
+  # Every paragraph closes on the character and town it opened with.
+  paragraphs = text.split("\n\n")[:-1]
+  assert len(paragraphs) > 2000
+  for para in paragraphs:
+    opening = re.match(r"\d+\. In the \w+, (\w+) the \w+ of (.+?) set out", para)
+    closing = re.search(r"At last (\w+) came home to (.+?) and put away the [\w ]+\.$", para)
+    assert opening.groups() == closing.groups()
+
+
+# --- loading ------------------------------------------------------------------
+
+
+def test_load_embedded():
+  tokens = data.load_tokens(None, 256)
+  assert tokens.dtype == np.uint8 and tokens.shape == (1_200_000,)
+  assert tokens.tobytes() == default_corpus()
+
+
+def test_load_text_npy_bin(tmp_path):
+  txt = tmp_path / "a.txt"
+  txt.write_bytes(b"hello world")
+  np.testing.assert_array_equal(
+    data.load_tokens(str(txt), 256), np.frombuffer(b"hello world", np.uint8)
+  )
+
+  ids = np.arange(1000, dtype=np.int32) % 700
+  npy = tmp_path / "a.npy"
+  np.save(npy, ids.reshape(10, 100))  # 2-D dumps are flattened
+  loaded = data.load_tokens(str(npy), 700)
+  assert loaded.shape == (1000,)
+  np.testing.assert_array_equal(loaded, ids)
+
+  binf = tmp_path / "a.bin"
+  ids.astype(np.uint16).tofile(binf)
+  loaded = data.load_tokens(str(binf), 700)
+  assert isinstance(loaded, np.memmap) and loaded.dtype == np.uint16
+  np.testing.assert_array_equal(loaded, ids)
+
+
+def test_chunked_id_scan_reports_first_bad_position(tmp_path, monkeypatch):
+  monkeypatch.setattr(data, "_SCAN_CHUNK", 7)
+  ids = np.zeros(50, np.uint16)
+  ids[23], ids[40] = 260, 999
+  path = tmp_path / "t.bin"
+  ids.tofile(path)
+  with pytest.raises(data.DataError, match=r"token id 260 at position 23 .*vocab_size >= 1000"):
+    data.load_tokens(str(path), 256)
+
+
+# --- errors -------------------------------------------------------------------
+
+
+def _one_line(excinfo):
+  assert "\n" not in str(excinfo.value)
+  return str(excinfo.value)
+
+
+def test_missing_file():
+  with pytest.raises(data.DataError) as e:
+    data.load_tokens("/nonexistent/x.txt", 256)
+  msg = _one_line(e)
+  assert "'/nonexistent/x.txt' does not exist" in msg and "--data_path=" in msg
+  assert "omit it for the embedded corpus" in msg
+
+
+@pytest.mark.parametrize("name", ["e.txt", "e.bin", "e.npy"])
+def test_empty_file(tmp_path, name):
+  (tmp_path / name).write_bytes(b"")
+  with pytest.raises(data.DataError, match="is empty"):
+    data.load_tokens(str(tmp_path / name), 256)
+
+
+def test_too_short_file(tmp_path):
+  (tmp_path / "one.txt").write_bytes(b"x")
+  with pytest.raises(data.DataError, match=r"holds 1 token\(s\), too few"):
+    data.load_tokens(str(tmp_path / "one.txt"), 256)
+
+
+def test_id_outside_vocab(tmp_path):
+  ids = np.full(20, 5, np.int32)
+  ids[12] = 300
+  np.save(tmp_path / "v.npy", ids)
+  with pytest.raises(data.DataError) as e:
+    data.load_tokens(str(tmp_path / "v.npy"), 256)
+  msg = _one_line(e)
+  assert "token id 300 at position 12 " in msg and "outside the vocabulary of 256" in msg
+  assert "vocab_size >= 301" in msg and "re-tokenize" in msg
+
+
+def test_text_bytes_outside_small_vocab(tmp_path):
+  (tmp_path / "t.txt").write_bytes(b"abc\xff")
+  with pytest.raises(data.DataError, match="token id 255 at position 3 .*vocab_size >= 256"):
+    data.load_tokens(str(tmp_path / "t.txt"), 128)
+
+
+def test_negative_id(tmp_path):
+  np.save(tmp_path / "n.npy", np.array([1, 2, -1, 3], np.int64))
+  with pytest.raises(data.DataError, match="token id -1 at position 2 .* is negative"):
+    data.load_tokens(str(tmp_path / "n.npy"), 256)
+
+
+def test_float_npy(tmp_path):
+  np.save(tmp_path / "f.npy", np.ones(10, np.float32))
+  with pytest.raises(data.DataError, match="dtype float32, not integer token ids"):
+    data.load_tokens(str(tmp_path / "f.npy"), 256)
+
+
+def test_odd_sized_bin(tmp_path):
+  (tmp_path / "o.bin").write_bytes(b"abc")
+  with pytest.raises(data.DataError, match="odd count.*uint16"):
+    data.load_tokens(str(tmp_path / "o.bin"), 256)
+
+
+def test_batch_not_divisible_by_workers():
+  tokens = np.arange(1000) % 256
+  with pytest.raises(data.DataError) as e:
+    data.make_train_iterator(tokens, seq_len=8, global_batch_size=30, num_workers=8)
+  msg = _one_line(e)
+  assert "--batch_size=30" in msg and "--workers=8" in msg and "use --batch_size=32" in msg
+  with pytest.raises(data.DataError, match="use --batch_size=8 "):
+    data.make_train_iterator(tokens, seq_len=8, global_batch_size=3, num_workers=8)
+
+
+def test_workers_not_divisible_by_processes():
+  with pytest.raises(data.DataError, match=r"--workers=6 does not divide evenly over 4 processes"):
+    data.make_train_iterator(
+      np.zeros(100, np.uint8),
+      seq_len=4,
+      global_batch_size=12,
+      num_workers=6,
+      process_index=0,
+      process_count=4,
+    )
+
+
+def test_seq_len_too_long():
+  with pytest.raises(data.DataError) as e:
+    data.make_train_iterator(
+      np.zeros(100, np.uint8), seq_len=128, global_batch_size=4, num_workers=2
+    )
+  msg = _one_line(e)
+  assert "--seq_len=128" in msg and "holds only 100" in msg and "--seq_len=99 or smaller" in msg
+
+
+# --- split and windows --------------------------------------------------------
+
+
+def test_split_is_a_contiguous_tail_without_overlap():
+  tokens = np.arange(1001, dtype=np.int32)
+  train, val = data.split_tokens(tokens, val_fraction=0.05)
+  assert len(val) == 51 and len(train) + len(val) == len(tokens)
+  np.testing.assert_array_equal(np.concatenate([train, val]), tokens)
+  assert not set(train.tolist()) & set(val.tolist())
+  _, none = data.split_tokens(tokens, val_fraction=0.0)
+  assert len(none) == 0
+  with pytest.raises(data.DataError, match="val_fraction"):
+    data.split_tokens(tokens, val_fraction=1.0)
+
+
+def test_windows_and_shifted_targets():
+  tokens = np.arange(103, dtype=np.uint16)
+  windows = data.TokenWindows(tokens, seq_len=9)
+  assert len(windows) == 10  # the 3-token remainder is dropped
+  np.testing.assert_array_equal(windows[4], np.arange(40, 50))
+  assert windows[4].dtype == np.int32
+  with pytest.raises(IndexError):
+    windows[10]
+
+  it = data.make_train_iterator(tokens, seq_len=9, global_batch_size=4, num_workers=2)
+  seen = []
+  for _ in range(5):  # two full epochs of 10 windows
+    batch = next(it)
+    assert batch["inputs"].shape == (4, 9) and batch["inputs"].dtype == np.int32
+    np.testing.assert_array_equal(batch["targets"], batch["inputs"] + 1)
+    assert np.all(batch["inputs"][:, 0] % 10 == 0)  # windows start on boundaries
+    seen.extend(batch["inputs"][:, 0].tolist())
+  # Each epoch is a permutation of all windows, reshuffled the next time.
+  assert sorted(seen[:10]) == sorted(seen[10:]) == list(range(0, 100, 10))
+  assert seen[:10] != seen[10:]
+
+
+def test_processes_get_disjoint_shares_of_the_global_batch():
+  tokens, _ = data.split_tokens(data.load_tokens(None, 256))
+  kw = dict(seq_len=32, global_batch_size=8, num_workers=4, seed=3)
+  whole = data.make_train_iterator(tokens, **kw)
+  parts = [
+    data.make_train_iterator(tokens, process_index=p, process_count=2, **kw) for p in range(2)
+  ]
+  for _ in range(6):
+    g = next(whole)
+    p0, p1 = next(parts[0]), next(parts[1])
+    assert p0["inputs"].shape == (4, 32)
+    for k in ("inputs", "targets"):
+      np.testing.assert_array_equal(np.concatenate([p0[k], p1[k]]), g[k])
+    assert not set(_rows(p0)) & set(_rows(p1))
+    # Per-worker slices (2 rows per worker) differ across all 4 global workers.
+    assert len(set(_rows(g))) == 8
+
+
+def test_different_seeds_differ():
+  tokens = np.arange(2000) % 256
+  a = data.make_train_iterator(tokens, seq_len=7, global_batch_size=4, num_workers=1, seed=0)
+  b = data.make_train_iterator(tokens, seq_len=7, global_batch_size=4, num_workers=1, seed=1)
+  assert not _same(next(a), next(b))
+
+
+# --- iterator state -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("read_threads", [0, 2])
+def test_state_round_trip_across_epochs(read_threads):
+  # 13 windows and 2 processes x 3 rows: epochs end mid-batch.
+  tokens = np.arange(13 * 6) % 251
+  kw = dict(seq_len=5, global_batch_size=6, num_workers=2, process_index=1, process_count=2)
+  it = data.make_train_iterator(tokens, read_threads=read_threads, **kw)
+  for _ in range(3):
+    next(it)
+  state = it.get_state()
+  assert state == {"next_index": 3}
+  expected = [next(it) for _ in range(12)]  # crosses several epoch boundaries
+
+  fresh = data.make_train_iterator(tokens, read_threads=read_threads, **kw)
+  fresh.set_state(state)
+  assert all(_same(a, b) for a, b in zip(expected, [next(fresh) for _ in range(12)]))
+  # Rewinding the same iterator works too.
+  it.set_state(state)
+  assert all(_same(a, b) for a, b in zip(expected, [next(it) for _ in range(12)]))
+
+
+def test_orbax_checkpoint_manager_round_trip(tmp_path):
+  tokens = np.arange(40 * 9) % 256
+  kw = dict(seq_len=8, global_batch_size=4, num_workers=2)
+  it = data.make_train_iterator(tokens, **kw)
+  for _ in range(13):  # past the first epoch of 40 windows
+    next(it)
+  params = {"w": np.arange(3.0)}
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    mngr.save(
+      13,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params), data=data.iterator_checkpoint_args(it)
+      ),
+    )
+    # Advancing before the save is finalised must not leak into the checkpoint.
+    expected = [next(it) for _ in range(5)]
+    mngr.wait_until_finished()
+  assert (tmp_path / "ckpt/13/data/process_0-of-1.json").exists()
+
+  restored_it = data.make_train_iterator(tokens, **kw)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    assert mngr.latest_step() == 13
+    out = mngr.restore(
+      13,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardRestore({"w": np.zeros(3)}),
+        data=data.iterator_checkpoint_args(restored_it, restore=True),
+      ),
+    )
+  assert out["data"] is restored_it and restored_it.get_state() == {"next_index": 13}
+  np.testing.assert_array_equal(out["params"]["w"], params["w"])
+  assert all(_same(a, b) for a, b in zip(expected, [next(restored_it) for _ in range(5)]))
+
+
+# --- evaluation batches -------------------------------------------------------
+
+
+def test_eval_batches_deterministic_and_in_order():
+  tokens = np.arange(1000) % 256
+  batches = data.make_eval_batches(tokens, seq_len=9, batch_size=4, max_batches=3)
+  again = data.make_eval_batches(tokens, seq_len=9, batch_size=4, max_batches=3)
+  assert len(batches) == 3 and all(_same(a, b) for a, b in zip(batches, again))
+  assert batches[0]["inputs"].shape == (4, 9) and batches[0]["inputs"].dtype == np.int32
+  np.testing.assert_array_equal(batches[1]["inputs"][0], tokens[40:49])
+  np.testing.assert_array_equal(batches[1]["targets"][0], tokens[41:50])
+  assert len(data.make_eval_batches(tokens, seq_len=9, batch_size=4, max_batches=None)) == 25
+
+
+def test_eval_batches_fall_back_to_overlapping_windows():
+  tokens = np.arange(30)
+  (batch,) = data.make_eval_batches(tokens, seq_len=9, batch_size=8, max_batches=5)
+  assert batch["inputs"].shape == (8, 9)
+  assert batch["inputs"][0, 0] == 0 and batch["targets"][-1, -1] == 29
+  np.testing.assert_array_equal(batch["targets"], batch["inputs"] + 1)
+  with pytest.raises(data.DataError, match="validation split holds only 30"):
+    data.make_eval_batches(tokens, seq_len=30, batch_size=2, max_batches=1)
