@@ -74,6 +74,9 @@ def _define():
     "log_every", d.log_every, "Progress line every N steps off a terminal."
   )
   _D["progress"] = flags.DEFINE_bool("progress", d.progress, "Show the progress line.")
+  _D["stop_at_step"] = flags.DEFINE_integer(
+    "stop_at_step", 0, "Stop after this step as if interrupted (0: run all --steps)."
+  )
   _D["check_replicas"] = flags.DEFINE_bool(
     "check_replicas",
     d.check_replicas,

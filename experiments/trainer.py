@@ -73,6 +73,7 @@ class TrainConfig:
   log_every: int = 10
   progress: bool = True
   check_replicas: bool = False
+  stop_at_step: int = 0
 
   def resolved(self) -> TrainConfig:
     """Fills every ``None`` from the recipe for (preset, optimizer)."""
@@ -401,7 +402,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     return float(np.mean(losses)) if losses else None
 
   try:
-    for step in range(start_step + 1, cfg.steps + 1):
+    last_step = cfg.stop_at_step or cfg.steps
+    for step in range(start_step + 1, last_step + 1):
       inputs, targets = to_global(next(train_iter))
       params, opt_state, loss = compiled(params, opt_state, inputs, targets)
       seconds = timer.lap()
@@ -420,7 +422,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
       if val_loss is not None:
         flush(pending, val_loss)
         pending = None
-      if checkpointer and checkpointer.should_save(step, cfg.steps):
+      if checkpointer and checkpointer.should_save(step, last_step):
         if pending is not None:
           flush(pending)
           pending = None
@@ -436,7 +438,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
   last = records[-1] if records else {}
   tail = [r["loss"] for r in records[-10:]]
   val = [r["val_loss"] for r in records if "val_loss" in r]
-  steps_done = cfg.steps
+  steps_done = records[-1]["step"] if records else start_step
   summary = {
     "optimizer": cfg.optimizer,
     "preset": cfg.preset,
@@ -456,6 +458,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     "params_digest": params_digest(params),
     "config": dataclasses.asdict(cfg),
   }
+  # Every process records its own copy's digest, so replicas can be compared across hosts.
+  os.makedirs(cfg.out_dir, exist_ok=True)
+  with open(os.path.join(cfg.out_dir, f"params_digest.process{jax.process_index()}"), "w") as f:
+    f.write(summary["params_digest"] + "\n")
   if is_main:
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)

@@ -1,0 +1,203 @@
+"""The train driver: exact resume, clear errors, safe checkpoints, multi-host."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import portpicker
+import pytest
+
+from experiments import trainer
+
+ROOT = pathlib.Path(__file__).parent.parent
+TINY = {
+  "preset": "tiny",
+  "workers": 4,
+  "batch_size": 8,
+  "seq_len": 32,
+  "progress": False,
+  "eval_every": 3,
+  "eval_batches": 1,
+}
+
+
+def _losses(out_dir):
+  with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("optimizer", ["demo", "adamw"])
+def test_resume_is_exact(tmp_path, optimizer):
+  straight = trainer.run(
+    trainer.TrainConfig(
+      optimizer=optimizer, steps=6, checkpoint_every=3, out_dir=str(tmp_path / "a"), **TINY
+    )
+  )
+  trainer.run(
+    trainer.TrainConfig(
+      optimizer=optimizer,
+      steps=6,
+      checkpoint_every=3,
+      stop_at_step=3,
+      out_dir=str(tmp_path / "b"),
+      **TINY,
+    )
+  )
+  resumed = trainer.run(
+    trainer.TrainConfig(
+      optimizer=optimizer,
+      steps=6,
+      checkpoint_every=3,
+      resume=True,
+      out_dir=str(tmp_path / "b"),
+      **TINY,
+    )
+  )
+
+  a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+  assert [r["step"] for r in b] == list(range(1, 7))
+  assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit-identical floats
+  assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
+  assert straight["params_digest"] == resumed["params_digest"]
+
+
+def test_metrics_summary_and_plot(tmp_path):
+  summary = trainer.run(trainer.TrainConfig(steps=6, out_dir=str(tmp_path), **TINY))
+  records = _losses(tmp_path)
+  assert {"step", "loss", "bytes_sent"} <= set(records[0])
+  assert any("val_loss" in r for r in records)
+  assert all(r["bytes_sent"] == summary["payload_bytes_per_step"] for r in records)
+  # The figure sent per step is what the compiled step's all-gather carries.
+  assert summary["measured_by_kind"]["all-gather"] == summary["payload_bytes_per_step"]
+  assert summary["measured_by_kind"].get("all-reduce", 0) <= 8  # the loss metric only
+  assert summary["total_bytes_sent_per_worker"] == 6 * summary["payload_bytes_per_step"]
+  assert summary["ratio_vs_ring_allreduce"] > 10
+  assert (tmp_path / "loss.png").stat().st_size > 1000
+  assert (tmp_path / "summary.json").exists()
+
+
+def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
+  trainer.run(trainer.TrainConfig(steps=3, checkpoint_every=3, out_dir=str(tmp_path), **TINY))
+  before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+  with pytest.raises(trainer.CheckpointError, match="pass --resume"):
+    trainer.run(trainer.TrainConfig(steps=3, checkpoint_every=3, out_dir=str(tmp_path), **TINY))
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def test_resume_skips_an_unfinished_save_and_refuses_another_run(tmp_path):
+  trainer.run(
+    trainer.TrainConfig(steps=6, checkpoint_every=3, stop_at_step=3, out_dir=str(tmp_path), **TINY)
+  )
+  ckpts = tmp_path / "checkpoints"
+  # What an interrupted save leaves: orbax's temporary directory, never renamed into place.
+  partial = ckpts / "6.orbax-checkpoint-tmp-1234"
+  partial.mkdir()
+  (partial / "junk").write_bytes(b"\x00" * 10)
+  resumed = trainer.run(
+    trainer.TrainConfig(steps=6, checkpoint_every=3, resume=True, out_dir=str(tmp_path), **TINY)
+  )
+  assert resumed["steps"] == 6
+  with pytest.raises(trainer.CheckpointError, match="different run"):
+    trainer.run(
+      trainer.TrainConfig(
+        steps=6, checkpoint_every=3, resume=True, learning_rate=0.5, out_dir=str(tmp_path), **TINY
+      )
+    )
+
+
+def _cli(args, timeout=120):
+  return subprocess.run(
+    [sys.executable, "-m", "experiments.train", *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
+
+
+def _error_line(out):
+  assert out.returncode != 0
+  assert "Traceback" not in out.stderr, out.stderr[-2000:]
+  errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, out.stderr[-2000:]
+  return errors[0]
+
+
+def test_cli_errors_are_one_clear_line(tmp_path):
+  small = [
+    "--preset=tiny",
+    "--workers=2",
+    "--batch_size=4",
+    "--seq_len=16",
+    "--steps=2",
+    "--noprogress",
+    f"--out_dir={tmp_path / 'run'}",
+  ]
+  line = _error_line(_cli([*small, f"--data_path={tmp_path / 'missing.txt'}"]))
+  assert "does not exist" in line and "--data_path" in line
+
+  bad = tmp_path / "bad.npy"
+  np.save(bad, np.array([1, 2, 300, 4] * 100, np.int32))
+  line = _error_line(_cli([*small, f"--data_path={bad}"]))
+  assert "300" in line and "vocab" in line
+
+  line = _error_line(_cli([*small, "--batch_size=5"]))
+  assert "--batch_size=5" in line and "--workers=2" in line
+
+  line = _error_line(_cli([*small, "--preset=huge"]))
+  assert "unknown --preset 'huge'" in line and "tiny" in line
+
+  line = _error_line(_cli([*small, "--resume", f"--out_dir={tmp_path / 'nothing'}"]))
+  assert "--resume" in line and "does not exist" in line
+
+  corrupt = tmp_path / "corrupt"
+  (corrupt / "checkpoints" / "2").mkdir(parents=True)
+  (corrupt / "checkpoints" / "2" / "state").write_text("not a checkpoint")
+  line = _error_line(_cli([*small, "--resume", f"--out_dir={corrupt}"]))
+  assert "--resume" in line and "checkpoint" in line
+
+  out = _cli([*small, "--optimizer=sgd"])
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert "demo" in out.stderr and "adamw" in out.stderr
+
+
+def test_two_processes_with_gloo_end_identical_and_learn(tmp_path):
+  port = portpicker.pick_unused_port()
+  common = [
+    "--num_processes=2",
+    f"--coordinator_address=127.0.0.1:{port}",
+    "--workers=4",
+    "--preset=tiny",
+    "--steps=10",
+    "--batch_size=8",
+    "--seq_len=32",
+    "--eval_every=5",
+    "--check_replicas",
+    "--log_every=2",
+    "--noprogress",
+    f"--out_dir={tmp_path}",
+  ]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-m", "experiments.train", *common, f"--process_id={i}"],
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  try:
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
+  digests = [(tmp_path / f"params_digest.process{i}").read_text() for i in range(2)]
+  assert digests[0] == digests[1]
+  losses = [r["loss"] for r in _losses(tmp_path)]
+  assert len(losses) == 10 and losses[-1] < losses[0]
