@@ -92,18 +92,34 @@ def get_preset(name: str) -> ModelConfig:
     raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
 
 
-def describe_presets() -> str:
-  """A text table of every preset: name, parameters, shape."""
+def describe_presets(num_workers: int = 8) -> str:
+  """A table of every preset, built under ``jax.eval_shape`` (nothing is allocated).
+
+  Besides the shape it gives the DeMo payload per worker per step at the
+  reference defaults (top-k 32, chunk 64, values in fp32) and at Psyche's
+  top-k 8 with 1-bit values, and the ring all-reduce it replaces.
+  """
+  import distro_jax as dj
+  from experiments.model import abstract_params
+
   header = (
     f"{'name':<12} {'params':>14} {'layers':>6} {'d_model':>7} {'heads':>5} {'kv':>3} "
-    f"{'d_ff':>5} {'vocab':>6} {'tied':>5}"
+    f"{'d_ff':>5} {'vocab':>6} {'tied':>5} {'payload k32':>12} {'payload k8 1bit':>15} "
+    f"{'ring all-reduce':>16}"
   )
   rows = [header]
   for name, c in PRESETS.items():
+    params = abstract_params(c)
+    default = dj.wire_bytes(params, num_workers=num_workers)
+    psyche = dj.wire_bytes(params, num_workers=num_workers, compression_topk=8, quantize_1bit=True)
     rows.append(
       f"{name:<12} {param_count(c):>14,} {c.n_layers:>6} {c.d_model:>7} {c.n_heads:>5} "
-      f"{c.n_kv_heads:>3} {c.d_ff:>5} {c.vocab_size:>6} {c.tie_embeddings!s:>5}"
+      f"{c.n_kv_heads:>3} {c.d_ff:>5} {c.vocab_size:>6} {c.tie_embeddings!s:>5} "
+      f"{default.payload:>12,} {psyche.payload:>15,} {default.ring_allreduce:>16,.0f}"
     )
+  rows.append(
+    f"(bytes per worker per step; ring all-reduce of the fp32 gradient at W={num_workers})"
+  )
   return "\n".join(rows)
 
 

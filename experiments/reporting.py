@@ -12,10 +12,11 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["MetricsWriter", "Progress", "plot_losses"]
+__all__ = ["MetricsWriter", "Progress", "StepTimer", "human_bytes", "plot_losses"]
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+  """1234567 -> '1.2 MB' (decimal units, as link rates are quoted)."""
   for unit in ("B", "KB", "MB", "GB", "TB"):
     if abs(n) < 1000 or unit == "TB":
       return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
@@ -45,7 +46,7 @@ class Progress:
     bar = "=" * filled + (">" if filled < width else "") + " " * max(0, width - filled - 1)
     line = (
       f"step {step:>6}/{self.total} [{bar}] loss {loss:7.4f} | "
-      f"{tokens_per_s / 1e3:8.1f}k tok/s | {_human_bytes(bytes_sent)}/step sent"
+      f"{tokens_per_s / 1e3:8.1f}k tok/s | {human_bytes(bytes_sent)}/step sent"
     )
     if self.tty:
       self.stream.write("\r" + line)

@@ -52,7 +52,7 @@ class TrainConfig:
   optimizer: str = "demo"
   preset: str = "tiny"
   data_path: str | None = None
-  steps: int = 300
+  steps: int = 1000
   workers: int = 8
   batch_size: int = 32
   seq_len: int = 128
@@ -114,6 +114,18 @@ def validate(cfg: TrainConfig) -> None:
     )
   if cfg.compression_decay is not None and not 0 <= cfg.compression_decay < 1:
     raise ConfigError(f"--compression_decay must be in [0, 1), got {cfg.compression_decay}.")
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+  """The reference's schedule: linear warmup from 0, then cosine down to 0.1x."""
+  warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=cfg.learning_rate,
+    warmup_steps=warmup,
+    decay_steps=max(cfg.steps, warmup + 1),
+    end_value=0.1 * cfg.learning_rate,
+  )
 
 
 def build_optimizer(
@@ -361,8 +373,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
   progress.message(
     f"{cfg.optimizer} | preset {cfg.preset} ({num_params / 1e6:.2f}M params) | "
     f"{cfg.workers} workers x {cfg.batch_size // cfg.workers} seqs x {cfg.seq_len} tokens | "
-    f"lr {cfg.learning_rate:g} | sends {reporting._human_bytes(sent['bytes_sent'])}/step/worker"
-    f" (HLO: {reporting._human_bytes(measured.total)} into collectives)"
+    f"lr {cfg.learning_rate:g} | sends {reporting.human_bytes(sent['bytes_sent'])}/step/worker"
+    f" (HLO: {reporting.human_bytes(measured.total)} into collectives)"
   )
 
   timer = reporting.StepTimer()
@@ -385,13 +397,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     writer.write(record)
     progress.update(step, record["loss"], record["tokens_per_s"], sent["bytes_sent"])
 
-  tx_lr = optax.warmup_cosine_decay_schedule(
-    0.0,
-    cfg.learning_rate,
-    min(cfg.warmup_steps, max(cfg.steps - 1, 0)),
-    max(cfg.steps, cfg.warmup_steps + 1),
-    0.1 * cfg.learning_rate,
-  )
+  tx_lr = lr_schedule(cfg)
 
   def evaluate(p):
     # Eval batches are global; each process feeds its own rows of them.
@@ -472,7 +478,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     progress.message(
       f"done: train loss {summary['final_train_loss']:.4f}"
       + (f", val loss {summary['final_val_loss']:.4f}" if val else "")
-      + f" | {reporting._human_bytes(summary['total_bytes_sent_per_worker'])} sent per worker"
+      + f" | {reporting.human_bytes(summary['total_bytes_sent_per_worker'])} sent per worker"
       f" | {summary['ratio_vs_ring_allreduce']:.0f}x less than a ring all-reduce,"
       f" {summary['ratio_vs_bf16_grad']:.0f}x less than a bf16 gradient"
       f" | outputs in {cfg.out_dir}"

@@ -177,3 +177,13 @@ def test_too_long_sequence_rejected(tiny_model):
 def test_unknown_preset():
   with pytest.raises(ValueError, match=r"unknown preset 'nope'; choose one of: tiny"):
     get_preset("nope")
+
+
+def test_describe_presets_prints_params_and_payload_without_allocating():
+  from experiments.presets import describe_presets
+
+  table = describe_presets(num_workers=8)
+  row = next(line for line in table.splitlines() if line.startswith("report-1.2b"))
+  cells = row.split()
+  assert cells[1] == "1,204,881,408"
+  assert cells[-3] == "56,644,608"  # payload at top-k 32, chunk 64, fp32 values
