@@ -1,7 +1,9 @@
 """Codec and wire format: per-chunk top-k, the byte message, and aggregation.
 
 One worker's message for a whole parameter tree is a single ``uint8`` vector,
-so one collective carries it. For each tensor, in tree order, it holds the
+so one collective carries it. Its first byte says whether the sender's values
+are finite (1) or not (0); receivers leave a message marked 0 out of the
+aggregate. Then, for each tensor, in tree order, it holds the
 chunk-local indices (``rows * k`` entries in the narrowest unsigned type that
 holds the chunk size) and then the values (``rows * k`` entries in the
 parameter dtype). With 1-bit values the value blocks are left out and the
@@ -28,6 +30,9 @@ __all__ = [
   "select_topk",
   "zero_selected",
 ]
+
+
+HEADER_BYTES = 1  # the validity flag
 
 
 def index_dtype(chunk_size: int) -> np.dtype:
@@ -87,7 +92,7 @@ class WireLayout(NamedTuple):
   @property
   def num_bytes(self) -> int:
     """Bytes one worker sends per step: the length of its message."""
-    return self.index_bytes + self.value_bytes
+    return HEADER_BYTES + self.index_bytes + self.value_bytes
 
 
 def select_topk(coeffs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -129,7 +134,10 @@ def _from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Ar
 
 
 def encode_message(
-  indices: list[jax.Array], values: list[jax.Array], layout: WireLayout
+  indices: list[jax.Array],
+  values: list[jax.Array],
+  layout: WireLayout,
+  valid: jax.Array | bool = True,
 ) -> jax.Array:
   """Serializes one worker's top-k selections into its wire message.
 
@@ -137,11 +145,13 @@ def encode_message(
     indices: per tensor, int ``(rows, k)`` chunk-local positions.
     values: per tensor, float ``(rows, k)`` coefficients (full precision).
     layout: the :class:`WireLayout` of the tree.
+    valid: False marks the message as one to leave out (the sender's values
+      were not finite).
 
   Returns:
     ``uint8[layout.num_bytes]``.
   """
-  parts = []
+  parts = [jnp.asarray(valid, jnp.uint8).reshape(1)]
   for t, idx in zip(layout.tensors, indices):
     parts.append(_to_bytes(idx.astype(t.index_dtype)))
   if layout.quantize_1bit:
@@ -153,7 +163,9 @@ def encode_message(
   return jnp.concatenate(parts)
 
 
-def decode_message(message: jax.Array, layout: WireLayout) -> list[tuple[jax.Array, jax.Array]]:
+def decode_message(
+  message: jax.Array, layout: WireLayout
+) -> tuple[list[tuple[jax.Array, jax.Array]], jax.Array]:
   """Parses messages back into (int32 indices, float32 values) per tensor.
 
   Args:
@@ -161,9 +173,11 @@ def decode_message(message: jax.Array, layout: WireLayout) -> list[tuple[jax.Arr
     layout: the :class:`WireLayout` of the tree.
 
   Returns:
-    Per tensor, ``(indices, values)`` of shape ``(..., rows, k)``.
+    ``(tensors, valid)``: per tensor, ``(indices, values)`` of shape
+    ``(..., rows, k)``; and the bool validity flag of each message, ``(...)``.
   """
-  out_idx, offset = [], 0
+  valid = message[..., 0] == 1
+  out_idx, offset = [], HEADER_BYTES
   for t in layout.tensors:
     n = t.entries * t.index_dtype.itemsize
     raw = message[..., offset : offset + n]
@@ -186,7 +200,7 @@ def decode_message(message: jax.Array, layout: WireLayout) -> list[tuple[jax.Arr
       raw = message[..., offset : offset + n]
       out_val.append(_from_bytes(raw, dt, (t.rows, t.k)).astype(jnp.float32))
       offset += n
-  return list(zip(out_idx, out_val))
+  return list(zip(out_idx, out_val)), valid
 
 
 def _worker_keys(indices_WxRxK: jax.Array, values_WxRxK: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -37,10 +37,16 @@ class DemoState(NamedTuple):
       float32 ``(rows, chunk_size)`` (see :mod:`distro_jax.dct`). The DCT is
       orthonormal, so this is the reference's buffer ``m`` in another basis,
       and error feedback is exactly "zero the coefficients that were sent".
+    contributors: how many workers' messages went into the last aggregate;
+      those whose values were not finite are left out. int32 scalar, the same
+      on every worker.
+    excluded: how many messages the last step left out, int32 scalar.
   """
 
   count: jax.Array
   momentum: Any
+  contributors: jax.Array
+  excluded: jax.Array
 
 
 _STATIC_HINT = (
@@ -155,7 +161,8 @@ def scale_by_demo(
     momentum = jax.tree.map(
       lambda p: jnp.zeros(wire.plan_chunk_leaf(p, chunk).coeff_shape, jnp.float32), params
     )
-    return DemoState(count=jnp.zeros([], jnp.int32), momentum=momentum)
+    zero = jnp.zeros([], jnp.int32)
+    return DemoState(count=zero, momentum=momentum, contributors=zero, excluded=zero)
 
   def update_fn(updates, state, params=None):
     _check_trees(updates, params)
@@ -181,22 +188,53 @@ def scale_by_demo(
       sel_idx.append(idx)
       sel_val.append(val)
 
-    message = codec.encode_message(sel_idx, sel_val, layout)
+    # A non-finite gradient anywhere in a chunk spreads over all its
+    # coefficients, so checking what was selected catches it. Such a worker
+    # sends a message marked invalid and restarts from zero momentum.
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in sel_val]))
+    sel_val = [jnp.where(finite, v, 0.0) for v in sel_val]
+    new_momenta = [jnp.where(finite, m, 0.0) for m in new_momenta]
+    message = codec.encode_message(sel_idx, sel_val, layout, valid=finite)
     gathered = exchange.all_gather_messages(message, axis_name)
     assert gathered.shape == (num_workers, layout.num_bytes)
 
+    tensors, valid_W = codec.decode_message(gathered, layout)
     directions = []
-    for (idx_w, val_w), plan, x in zip(codec.decode_message(gathered, layout), plans, wire_dtypes):
-      dense, _ = codec.aggregate(idx_w, val_w, plan.chunk_size)
+    for (idx_w, val_w), plan, x in zip(tensors, plans, wire_dtypes):
+      dense, _ = codec.aggregate(idx_w, val_w, plan.chunk_size, valid_W)
       directions.append(dct.decode(dense, plan).astype(x.dtype))
 
+    contributors = jnp.sum(valid_W, dtype=jnp.int32)
     new_state = DemoState(
       count=optax.safe_increment(state.count),
       momentum=treedef.unflatten(new_momenta),
+      contributors=contributors,
+      excluded=num_workers - contributors,
     )
     return treedef.unflatten(directions), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _skip_when_nothing_received(
+  tx: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Makes a step whose every message was left out a no-op: no update, state as before.
+
+  ``tx`` is a chain whose first state is a :class:`DemoState`. Without this,
+  the rest of the chain would still act on the empty aggregate (weight decay
+  would shrink the params, Adam's moments would decay).
+  """
+  tx = optax.with_extra_args_support(tx)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    new_updates, new_state = tx.update(updates, state, params, **extra_args)
+    received = new_state[0].contributors > 0
+    new_updates = jax.tree.map(lambda u: jnp.where(received, u, jnp.zeros_like(u)), new_updates)
+    new_state = jax.tree.map(lambda n, o: jnp.where(received, n, o), new_state, state)
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
 def demo(
@@ -212,7 +250,9 @@ def demo(
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
 
   A short ``optax.chain`` of :func:`scale_by_demo`, ``optax.scale_by_sign``,
-  ``optax.add_decayed_weights`` and ``optax.scale_by_learning_rate``. Call its
+  ``optax.add_decayed_weights`` and ``optax.scale_by_learning_rate`` (built
+  with :func:`distro`, so a step in which every worker's message was left out
+  for non-finite values changes nothing). Call its
   ``update`` inside ``jax.shard_map`` over a mesh that binds ``axis_name``,
   with each worker's local gradients; each worker's state is its own (see
   :func:`distro_jax.init_worker_state`).
@@ -241,18 +281,18 @@ def demo(
     >>> updates, state = tx.update({"w": jnp.ones((64, 64))}, state, params)
     >>> params = optax.apply_updates(params, updates)
   """
-  return optax.chain(
-    scale_by_demo(
-      learning_rate,
-      compression_decay=compression_decay,
-      compression_topk=compression_topk,
-      compression_chunk=compression_chunk,
-      quantize_1bit=quantize_1bit,
-      axis_name=axis_name,
+  return distro(
+    optax.chain(
+      optax.scale_by_sign(),
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate),
     ),
-    optax.scale_by_sign(),
-    optax.add_decayed_weights(weight_decay),
-    optax.scale_by_learning_rate(learning_rate),
+    learning_rate,
+    compression_decay=compression_decay,
+    compression_topk=compression_topk,
+    compression_chunk=compression_chunk,
+    quantize_1bit=quantize_1bit,
+    axis_name=axis_name,
   )
 
 
@@ -291,16 +331,18 @@ def distro(
     >>> tx = dj.distro(optax.adamw(1e-3), 1e-3, axis_name=None)
     >>> state = tx.init({"w": jnp.ones((8,))})
   """
-  return optax.chain(
-    scale_by_demo(
-      learning_rate,
-      compression_decay=compression_decay,
-      compression_topk=compression_topk,
-      compression_chunk=compression_chunk,
-      quantize_1bit=quantize_1bit,
-      axis_name=axis_name,
-    ),
-    inner,
+  return _skip_when_nothing_received(
+    optax.chain(
+      scale_by_demo(
+        learning_rate,
+        compression_decay=compression_decay,
+        compression_topk=compression_topk,
+        compression_chunk=compression_chunk,
+        quantize_1bit=quantize_1bit,
+        axis_name=axis_name,
+      ),
+      inner,
+    )
   )
 
 

@@ -41,7 +41,8 @@ class WireBytes(NamedTuple):
   """Bytes per worker per step, and what they are compared with.
 
   Attributes:
-    payload: the DisTrO message, the bytes one worker puts on the wire.
+    payload: the DisTrO message, the bytes one worker puts on the wire: a
+      1-byte validity flag, then indices and values.
     grad_bf16: the full gradient in bf16, the DisTrO report's baseline.
     grad_fp32: the full gradient in fp32.
     grad: the full gradient in the parameters' own dtypes.
@@ -92,7 +93,7 @@ def wire_bytes(
   Example:
     >>> import jax.numpy as jnp, distro_jax as dj
     >>> b = dj.wire_bytes({"w": jnp.zeros((4096, 4096))}, num_workers=8)
-    >>> b.payload == 4096 * 32 * (2 + 4)
+    >>> b.payload == 1 + 4096 * 32 * (2 + 4)  # the flag byte, then indices and values
     True
   """
   layout = wire_layout(

@@ -77,6 +77,18 @@ def _define():
   _D["stop_at_step"] = flags.DEFINE_integer(
     "stop_at_step", 0, "Stop after this step as if interrupted (0: run all --steps)."
   )
+  _D["skip_nonfinite"] = flags.DEFINE_bool(
+    "skip_nonfinite",
+    d.skip_nonfinite,
+    "AdamW: skip steps whose update is not finite (optax.apply_if_finite). DisTrO "
+    "optimizers always leave out a worker whose message is not finite.",
+  )
+  _D["inject_nan_step"] = flags.DEFINE_integer(
+    "inject_nan_step", 0, "Fault drill: make one worker's gradient NaN at this step (0: never)."
+  )
+  _D["inject_nan_worker"] = flags.DEFINE_integer(
+    "inject_nan_worker", 0, "Fault drill: which worker --inject_nan_step hits."
+  )
   _D["check_replicas"] = flags.DEFINE_bool(
     "check_replicas",
     d.check_replicas,
@@ -126,7 +138,14 @@ def main(argv: list[str]) -> None:
     _setup_devices()
     cfg = trainer.TrainConfig(**{k: v.value for k, v in _D.items()})
     trainer.run(cfg)
-  except (trainer.ConfigError, DataError, CheckpointError, ValueError, FloatingPointError) as e:
+  except (
+    trainer.ConfigError,
+    trainer.ReplicaDivergenceError,
+    DataError,
+    CheckpointError,
+    ValueError,
+    FloatingPointError,
+  ) as e:
     logging.debug("failed", exc_info=True)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

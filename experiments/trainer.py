@@ -38,6 +38,10 @@ __all__ = ["ConfigError", "TrainConfig", "build_optimizer", "run", "train_step"]
 OPTIMIZERS = ("demo", "distro_adamw", "adamw")
 
 
+class ReplicaDivergenceError(RuntimeError):
+  """Workers no longer hold bit-identical params (``--check_replicas``)."""
+
+
 class ConfigError(ValueError):
   """A flag value that cannot work; the message names the flag and the fix."""
 
@@ -74,6 +78,9 @@ class TrainConfig:
   progress: bool = True
   check_replicas: bool = False
   stop_at_step: int = 0
+  skip_nonfinite: bool = False
+  inject_nan_step: int = 0
+  inject_nan_worker: int = 0
 
   def resolved(self) -> TrainConfig:
     """Fills every ``None`` from the recipe for (preset, optimizer)."""
@@ -156,9 +163,12 @@ def build_optimizer(
     return optax.chain(clip, dj.demo(lr, weight_decay=cfg.weight_decay, **compression))
   if cfg.optimizer == "distro_adamw":
     return optax.chain(clip, dj.distro_adamw(lr, weight_decay=cfg.weight_decay, **compression))
-  return optax.chain(
-    dj.pmean_gradients(axis_name), clip, optax.adamw(lr, weight_decay=cfg.weight_decay)
-  )
+  adamw = optax.chain(clip, optax.adamw(lr, weight_decay=cfg.weight_decay))
+  if cfg.skip_nonfinite:
+    # What optax users reach for: skip a step whose gradient is not finite. It
+    # wraps the part after the all-reduce, so every worker makes the same call.
+    adamw = optax.apply_if_finite(adamw, max_consecutive_errors=1000)
+  return optax.chain(dj.pmean_gradients(axis_name), adamw)
 
 
 def bytes_sent_per_step(cfg: TrainConfig, params: Any) -> dict[str, float]:
@@ -184,28 +194,58 @@ def _loss(params, graphdef, inputs_BxL, targets_BxL):
   return model_lib.next_token_loss(logits_BxLxV, targets_BxL)
 
 
-def train_step(params, opt_state, inputs_BxL, targets_BxL, *, graphdef, tx):
+def _inject_fault(grads, step, fault):
+  """NaN in one worker's gradient at one step, to exercise the failure path."""
+  fault_step, fault_worker = fault
+  hit = (step == fault_step) & (jax.lax.axis_index("data") == fault_worker)
+  return jax.tree.map(lambda g: jnp.where(hit, jnp.nan, g), grads)
+
+
+def train_step(params, opt_state, step, inputs_BxL, targets_BxL, *, graphdef, tx, fault=None):
   """One worker's step: its own loss and gradient, then the optimizer's exchange.
 
-  Returns the new params (identical on every worker), the worker's new
-  optimizer state, and the loss averaged over workers.
+  Args:
+    params: the params, identical on every worker.
+    opt_state: this worker's optimizer state.
+    step: the 1-based step number, an int32 scalar.
+    inputs_BxL: this worker's input tokens.
+    targets_BxL: this worker's next tokens.
+    graphdef: the model's static structure.
+    tx: the optimizer.
+    fault: ``(step, worker)`` whose gradient becomes NaN, or None.
+
+  Returns:
+    ``(params, opt_state, metrics)``. ``metrics["loss"]`` averages the finite
+    worker losses; ``metrics["excluded"]`` counts messages a DisTrO optimizer
+    left out this step (0 for AdamW).
   """
   loss, grads = dj.local_value_and_grad(_loss)(params, graphdef, inputs_BxL, targets_BxL)
+  if fault is not None:
+    grads = _inject_fault(grads, step, fault)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  return params, opt_state, jax.lax.pmean(loss, "data")
+  finite = jnp.isfinite(loss)
+  num_finite = jax.lax.psum(finite.astype(jnp.float32), "data")
+  total = jax.lax.psum(jnp.where(finite, loss, 0.0), "data")
+  mean_loss = jnp.where(num_finite > 0, total / jnp.maximum(num_finite, 1.0), jnp.nan)
+  excluded = optax.tree_utils.tree_get(opt_state, "excluded", jnp.zeros([], jnp.int32))
+  return params, opt_state, {"loss": mean_loss, "excluded": excluded}
 
 
 def eval_step(params, inputs_BxL, targets_BxL, *, graphdef):
   return jax.lax.pmean(_loss(params, graphdef, inputs_BxL, targets_BxL), "data")
 
 
-def _replica_spread(params):
-  """Largest difference of any param between workers (0 when replicas agree)."""
-  spread = [
-    jnp.max(jax.lax.pmax(x, "data") - jax.lax.pmin(x, "data")) for x in jax.tree.leaves(params)
-  ]
-  return jnp.max(jnp.stack(spread).astype(jnp.float32))
+def _replica_mismatches(params):
+  """How many param entries differ, bit for bit, between any two workers."""
+
+  def count(x):
+    bits = jax.lax.bitcast_convert_type(
+      x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    )
+    return jnp.sum(jax.lax.pmax(bits, "data") != jax.lax.pmin(bits, "data"), dtype=jnp.int32)
+
+  return sum(count(x) for x in jax.tree.leaves(params))
 
 
 def make_mesh(workers: int) -> jax.sharding.Mesh:
@@ -311,12 +351,13 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     return nnx.split(model_lib.Llama(model_cfg, rngs=nnx.Rngs(cfg.seed)), nnx.Param)[1]
 
   tx = build_optimizer(cfg)
+  fault = (cfg.inject_nan_step, cfg.inject_nan_worker) if cfg.inject_nan_step else None
   state_specs = dj.worker_state_specs(tx, abstract, mesh)
   step_fn = jax.jit(
     jax.shard_map(
-      functools.partial(train_step, graphdef=graphdef, tx=tx),
+      functools.partial(train_step, graphdef=graphdef, tx=tx, fault=fault),
       mesh=mesh,
-      in_specs=(P(), state_specs, P("data"), P("data")),
+      in_specs=(P(), state_specs, P(), P("data"), P("data")),
       out_specs=(P(), state_specs, P()),
     ),
     donate_argnums=(0, 1),
@@ -329,7 +370,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
       out_specs=P(),
     )
   )
-  spread_fn = jax.jit(jax.shard_map(_replica_spread, mesh=mesh, in_specs=P(), out_specs=P()))
+  mismatch_fn = jax.jit(jax.shard_map(_replica_mismatches, mesh=mesh, in_specs=P(), out_specs=P()))
 
   checkpointer = (
     Checkpointer(ckpt_dir, save_every=cfg.checkpoint_every, fingerprint=_fingerprint(cfg))
@@ -361,7 +402,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
   sample_inputs = jax.ShapeDtypeStruct(
     (cfg.batch_size, cfg.seq_len), jnp.int32, sharding=batch_sharding
   )
-  compiled = step_fn.lower(params, opt_state, sample_inputs, sample_inputs).compile()
+  step_arg = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+  compiled = step_fn.lower(params, opt_state, step_arg, sample_inputs, sample_inputs).compile()
   measured = dj.parse_collective_bytes(compiled.as_text())
   sent = bytes_sent_per_step(cfg, abstract)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract))
@@ -382,18 +424,25 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
   pending = None  # (step, loss array, seconds) read one step late
 
   def flush(entry, val_loss=None):
-    step, loss_arr, seconds = entry
+    step, metrics, seconds = entry
     record = {
       "step": step,
-      "loss": float(loss_arr),
+      "loss": float(metrics["loss"]),
       "bytes_sent": sent["bytes_sent"],
       "lr": float(tx_lr(step - 1)),
       "tokens_per_s": tokens_per_step / max(seconds, 1e-9),
     }
+    if cfg.optimizer != "adamw":
+      record["excluded_contributions"] = int(metrics["excluded"])
     if val_loss is not None:
       record["val_loss"] = val_loss
     if not math.isfinite(record["loss"]):
-      raise FloatingPointError(f"loss became {record['loss']} at step {step}.")
+      raise FloatingPointError(
+        f"the loss became {record['loss']} on every worker at step {step}; no checkpoint "
+        "was written after it. Lower --learning_rate or --clip_norm"
+        + (", or pass --skip_nonfinite" if cfg.optimizer == "adamw" else "")
+        + "."
+      )
     writer.write(record)
     progress.update(step, record["loss"], record["tokens_per_s"], sent["bytes_sent"])
 
@@ -411,16 +460,18 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     last_step = cfg.stop_at_step or cfg.steps
     for step in range(start_step + 1, last_step + 1):
       inputs, targets = to_global(next(train_iter))
-      params, opt_state, loss = compiled(params, opt_state, inputs, targets)
+      step_arr = jax.device_put(np.int32(step), replicated)
+      params, opt_state, metrics = compiled(params, opt_state, step_arr, inputs, targets)
       seconds = timer.lap()
       if pending is not None:
         flush(pending)
-      pending = (step, loss, seconds)
+      pending = (step, metrics, seconds)
       if cfg.check_replicas and (step % cfg.log_every == 0 or step == cfg.steps):
-        spread = float(spread_fn(params))
-        if spread != 0.0:
-          raise RuntimeError(
-            f"replicas diverged at step {step}: params differ by up to {spread:g} between workers."
+        mismatches = int(mismatch_fn(params))
+        if mismatches:
+          raise ReplicaDivergenceError(
+            f"replicas diverged at step {step}: {mismatches} param entries differ between "
+            "workers. This is a bug; please report it with the flags of this run."
           )
       val_loss = None
       if eval_batches and (step % cfg.eval_every == 0 or step == cfg.steps):

@@ -53,8 +53,10 @@ def test_message_round_trip_full_precision():
   layout = _layout(False)
   msg = dj.encode_message(idx, val, layout)
   assert msg.dtype == jnp.uint8 and msg.shape == (layout.num_bytes,)
-  assert layout.num_bytes == 3 * 2 * (2 + 4) + 2 * 5 * (1 + 4)
-  for (i, v), i0, v0 in zip(dj.decode_message(msg, layout), idx, val):
+  assert layout.num_bytes == 1 + 3 * 2 * (2 + 4) + 2 * 5 * (1 + 4)  # flag byte first
+  tensors, valid = dj.decode_message(msg, layout)
+  assert bool(valid)
+  for (i, v), i0, v0 in zip(tensors, idx, val):
     np.testing.assert_array_equal(i, i0)
     np.testing.assert_array_equal(v, v0)
 
@@ -63,8 +65,8 @@ def test_message_round_trip_bf16_values():
   idx, val = _selection(np.random.default_rng(1))
   layout = _layout(False, "bfloat16")
   msg = dj.encode_message(idx, val, layout)
-  assert layout.num_bytes == 3 * 2 * (2 + 2) + 2 * 5 * (1 + 2)
-  for (_, v), v0 in zip(dj.decode_message(msg, layout), val):
+  assert layout.num_bytes == 1 + 3 * 2 * (2 + 2) + 2 * 5 * (1 + 2)
+  for (_, v), v0 in zip(dj.decode_message(msg, layout)[0], val):
     np.testing.assert_array_equal(v, v0.astype(jnp.bfloat16).astype(jnp.float32))
 
 
@@ -73,8 +75,8 @@ def test_one_bit_values_are_packed_signs():
   layout = _layout(True)
   msg = dj.encode_message(idx, val, layout)
   # 16 sign bits pack into 2 bytes after the indices.
-  assert layout.num_bytes == 3 * 2 * 2 + 2 * 5 * 1 + 2 == msg.shape[0]
-  for (i, v), i0, v0 in zip(dj.decode_message(msg, layout), idx, val):
+  assert layout.num_bytes == 1 + 3 * 2 * 2 + 2 * 5 * 1 + 2 == msg.shape[0]
+  for (i, v), i0, v0 in zip(dj.decode_message(msg, layout)[0], idx, val):
     np.testing.assert_array_equal(i, i0)
     np.testing.assert_array_equal(v, np.where(np.asarray(v0) >= 0, 1.0, -1.0))
 
@@ -87,8 +89,9 @@ def test_decode_message_keeps_leading_worker_axis():
   for _ in range(4):
     idx, val = _selection(rng)
     sels.append((idx, val))
-    msgs.append(dj.encode_message(idx, val, layout))
-  decoded = dj.decode_message(jnp.stack(msgs), layout)
+    msgs.append(dj.encode_message(idx, val, layout, valid=len(msgs) != 2))
+  decoded, valid = dj.decode_message(jnp.stack(msgs), layout)
+  np.testing.assert_array_equal(valid, [True, True, False, True])
   for t, (i_w, v_w) in enumerate(decoded):
     assert i_w.shape[0] == 4
     for w in range(4):

@@ -10,7 +10,7 @@ import distro_jax as dj
 
 @pytest.mark.parametrize(
   "quantize_1bit, expected",
-  [(False, 4096 * 32 * (2 + 4)), (True, 4096 * 32 * (2 + 1 / 8))],
+  [(False, 4096 * 32 * (2 + 4)), (True, 4096 * 32 * (2 + 1 / 8))],  # plus the 1-byte flag
 )
 def test_measured_collective_bytes_equal_computed_payload(quantize_1bit, expected):
   mesh = mesh_of(8)
@@ -25,7 +25,7 @@ def test_measured_collective_bytes_equal_computed_payload(quantize_1bit, expecte
   measured = dj.collective_bytes(step, p, state, grads_abstract)
   computed = dj.wire_bytes(params, quantize_1bit=quantize_1bit, num_workers=8).payload
 
-  assert computed == expected
+  assert computed == expected + 1
   assert abs(measured.total - computed) <= 0.01 * computed
   assert measured.by_kind["all-gather"] == measured.total
   for kind in ("all-reduce", "reduce-scatter", "collective-permute", "all-to-all"):
@@ -35,14 +35,14 @@ def test_measured_collective_bytes_equal_computed_payload(quantize_1bit, expecte
 def test_wire_bytes_baselines():
   params = {"w": jnp.zeros((4096, 4096), jnp.bfloat16)}
   b = dj.wire_bytes(params, num_workers=4)
-  assert b.payload == 4096 * 32 * (2 + 2)
+  assert b.payload == 1 + 4096 * 32 * (2 + 2)
   assert b.grad_bf16 == b.grad == 4096 * 4096 * 2
   assert b.grad_fp32 == 4096 * 4096 * 4
   assert b.ring_allreduce == pytest.approx(2 * 3 / 4 * 4096 * 4096 * 2)
   assert b.ratio_vs_bf16 == pytest.approx(4096 * 4096 * 2 / b.payload)
   # Psyche: top-k 8, 1-bit values, 64x64 chunks -> 17 bytes per chunk, ~480x below bf16.
   psyche = dj.wire_bytes(params, compression_topk=8, quantize_1bit=True)
-  assert psyche.payload == 4096 * 17
+  assert psyche.payload == 1 + 4096 * 17
   assert 480 <= psyche.ratio_vs_bf16 <= 482
 
 

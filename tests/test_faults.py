@@ -1,0 +1,126 @@
+"""A worker with non-finite gradients is left out; the others go on, identical."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from sharded_step import build, mesh_of, per_device_copies, place_grads
+
+import distro_jax as dj
+
+SHAPES = {"w": (64, 96), "b": (96,)}
+
+
+def _grads(rng, workers):
+  return {k: rng.normal(size=(workers, *s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def _assert_replicas_identical(params):
+  for leaf in jax.tree.leaves(params):
+    copies = per_device_copies(leaf)
+    for c in copies[1:]:
+      np.testing.assert_array_equal(c.view(np.uint32), copies[0].view(np.uint32))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize(
+  "make_tx",
+  [lambda: dj.demo(1e-2, weight_decay=0.1), lambda: dj.distro_adamw(1e-2)],
+  ids=["demo", "distro_adamw"],
+)
+def test_one_bad_worker_is_excluded_and_replicas_stay_identical(bad, make_tx):
+  workers, faulty, bad_step = 8, 5, 3
+  mesh = mesh_of(workers)
+  rng = np.random.default_rng(0)
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
+  step, params, state = build(make_tx(), params, mesh)
+  for t in range(6):
+    grads = _grads(rng, workers)
+    if t == bad_step:
+      grads["w"][faulty, 3, 7] = bad
+    params, state = step(params, state, place_grads(grads, mesh))
+    demo_state = state[0]
+    assert int(demo_state.excluded) == (1 if t == bad_step else 0)
+    assert int(demo_state.contributors) == workers - (1 if t == bad_step else 0)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+    _assert_replicas_identical(params)
+    if t == bad_step:
+      momentum = np.asarray(demo_state.momentum["w"]).reshape(workers, -1)
+      assert np.all(momentum[faulty] == 0)  # the faulty worker starts over
+      assert np.any(momentum[faulty - 1] != 0)
+
+
+def test_all_workers_bad_is_a_no_op():
+  workers = 4
+  mesh = mesh_of(workers)
+  rng = np.random.default_rng(1)
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
+  step, params, state = build(dj.demo(1e-2, weight_decay=0.1), params, mesh)
+  params, state = step(params, state, place_grads(_grads(rng, workers), mesh))
+  before_p = jax.tree.map(np.asarray, params)
+  before_s = jax.tree.map(np.asarray, state)
+  grads = _grads(rng, workers)
+  grads["b"][:] = np.nan
+  params, state = step(params, state, place_grads(grads, mesh))
+  for a, b in zip(jax.tree.leaves(before_p), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)
+  after_s = jax.tree.map(np.asarray, state)
+  for a, b in zip(jax.tree.leaves(before_s), jax.tree.leaves(after_s)):
+    np.testing.assert_array_equal(a, b)
+  # The next good step trains again.
+  params, state = step(params, state, place_grads(_grads(rng, workers), mesh))
+  assert int(state[0].contributors) == workers
+  assert not np.array_equal(np.asarray(params["w"]), before_p["w"])
+
+
+def test_one_bit_messages_flag_a_bad_worker_too():
+  workers = 4
+  mesh = mesh_of(workers)
+  rng = np.random.default_rng(2)
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
+  step, params, state = build(dj.demo(1e-2, compression_topk=4, quantize_1bit=True), params, mesh)
+  grads = _grads(rng, workers)
+  grads["w"][0, 0, 0] = np.nan
+  params, state = step(params, state, place_grads(grads, mesh))
+  assert int(state[0].excluded) == 1
+  _assert_replicas_identical(params)
+
+
+def _run(tmp_path, **kw):
+  from experiments import trainer
+
+  cfg = dict(
+    preset="tiny",
+    workers=8,
+    batch_size=8,
+    seq_len=32,
+    steps=6,
+    progress=False,
+    eval_every=100,
+    eval_batches=1,
+    out_dir=str(tmp_path),
+    check_replicas=True,
+    log_every=1,
+  )
+  cfg.update(kw)
+  return trainer.run(trainer.TrainConfig(**cfg))
+
+
+def test_driver_counts_the_excluded_worker_and_keeps_training(tmp_path):
+  import json
+
+  summary = _run(tmp_path, inject_nan_step=3, inject_nan_worker=6)
+  records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["excluded_contributions"] for r in records] == [0, 0, 1, 0, 0, 0]
+  assert all(np.isfinite(r["loss"]) for r in records)
+  assert np.isfinite(summary["final_val_loss"])
+
+
+def test_driver_adamw_skips_a_nonfinite_step_when_asked(tmp_path):
+  from experiments import trainer
+
+  with pytest.raises(FloatingPointError, match="--skip_nonfinite"):
+    _run(tmp_path / "a", optimizer="adamw", inject_nan_step=3)
+  summary = _run(tmp_path / "b", optimizer="adamw", inject_nan_step=3, skip_nonfinite=True)
+  assert np.isfinite(summary["final_train_loss"])
+  del trainer
