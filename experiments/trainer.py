@@ -317,7 +317,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
   mesh = make_mesh(cfg.workers)
   is_main = jax.process_index() == 0
   ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
-  if not cfg.resume and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+  # Orbax names finished checkpoints by their step; a save that died leaves
+  # only a temporary directory, which does not count.
+  saved = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+  if not cfg.resume and saved:
     raise CheckpointError(
       f"{ckpt_dir} already holds checkpoints; pass --resume to continue that run, "
       "or choose a new --out_dir (a fresh run never overwrites them)."

@@ -1,0 +1,95 @@
+"""Property tests of the chunked DCT and the codec on random shapes, chunks and k."""
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distro_jax as dj
+from distro_jax import wire
+
+SIZES = st.sampled_from([1, 2, 3, 5, 6, 7, 8, 12, 13, 16, 31, 36, 64, 97])
+SHAPES = st.lists(SIZES, min_size=0, max_size=4).map(tuple).filter(lambda s: np.prod(s) <= 20_000)
+SETTINGS = settings(max_examples=15, deadline=None)
+
+
+def _selection(x, chunk, k):
+  plan = dj.plan_chunks(x.shape, chunk)
+  idx, val = dj.select_topk(dj.encode(x, plan), min(k, plan.chunk_size))
+  return plan, idx, val
+
+
+@SETTINGS
+@given(shape=SHAPES, chunk=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_keeping_every_coefficient_reconstructs_the_tensor(shape, chunk, seed):
+  x = jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+  plan, idx, val = _selection(x, chunk, 10**6)
+  layout = wire.wire_layout(x, compression_topk=10**6, compression_chunk=chunk, quantize_1bit=False)
+  message = dj.encode_message([idx], [val], layout)
+  (tensors, valid) = dj.decode_message(message[None], layout)
+  dense, _ = dj.aggregate(*tensors[0], plan.chunk_size, valid)
+  np.testing.assert_allclose(dj.decode(dense, plan), x, atol=1e-5, rtol=1e-5)
+
+
+@SETTINGS
+@given(
+  shape=SHAPES,
+  chunk=st.integers(1, 70),
+  k=st.integers(1, 40),
+  q1=st.booleans(),
+  dtype=st.sampled_from(["float32", "bfloat16"]),
+)
+def test_byte_accounting_is_the_message_length(shape, chunk, k, q1, dtype):
+  x = jnp.zeros(shape, dtype)
+  plan, idx, val = _selection(x, chunk, k)
+  layout = wire.wire_layout(x, compression_topk=k, compression_chunk=chunk, quantize_1bit=q1)
+  message = dj.encode_message([idx], [val], layout)
+  assert message.dtype == jnp.uint8
+  assert (
+    message.size
+    == layout.num_bytes
+    == dj.wire_bytes(x, compression_topk=k, compression_chunk=chunk, quantize_1bit=q1).payload
+  )
+
+
+@SETTINGS
+@given(
+  workers=st.integers(2, 9),
+  rows=st.integers(1, 6),
+  chunk=st.integers(1, 40),
+  k=st.integers(1, 40),
+  seed=st.integers(0, 2**16),
+  data=st.data(),
+)
+def test_worker_order_changes_the_aggregate_by_not_one_bit(workers, rows, chunk, k, seed, data):
+  k = min(k, chunk)
+  rng = np.random.default_rng(seed)
+  idx = np.stack(
+    [np.stack([rng.choice(chunk, k, replace=False) for _ in range(rows)]) for _ in range(workers)]
+  )
+  # Coarse values make shared coefficients and exact ties common.
+  val = rng.integers(-3, 4, size=(workers, rows, k)).astype(np.float32) * rng.choice([1, 0.1])
+  perm = np.asarray(data.draw(st.permutations(range(workers))))
+  a, na = dj.aggregate(jnp.asarray(idx), jnp.asarray(val), chunk)
+  b, nb = dj.aggregate(jnp.asarray(idx[perm]), jnp.asarray(val[perm]), chunk)
+  np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+  np.testing.assert_array_equal(na, nb)
+
+
+@SETTINGS
+@given(
+  workers=st.integers(1, 9),
+  shape=SHAPES,
+  chunk=st.integers(1, 70),
+  k=st.integers(1, 40),
+  seed=st.integers(0, 2**16),
+)
+def test_identical_payloads_aggregate_to_that_payload(workers, shape, chunk, k, seed):
+  x = jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+  plan, idx, val = _selection(x, chunk, k)
+  one, _ = dj.aggregate(idx[None], val[None], plan.chunk_size)
+  many, count = dj.aggregate(
+    jnp.repeat(idx[None], workers, 0), jnp.repeat(val[None], workers, 0), plan.chunk_size
+  )
+  np.testing.assert_array_equal(many, one)
+  assert set(np.unique(np.asarray(count))) <= {0, workers}
