@@ -21,7 +21,10 @@ class Recipe:
 
 
 _DEFAULTS = {
-  "demo": Recipe(learning_rate=3e-3, warmup_steps=30),
+  # From the sweep in the README (small preset, 300 steps, 8 workers, 1 MB of
+  # English): lr 3e-3 was best for both DeMo and AdamW, and the short run
+  # favours decay 0.95 over the reference's 0.999, which report-1.2b keeps.
+  "demo": Recipe(learning_rate=3e-3, warmup_steps=30, compression_decay=0.95),
   "distro_adamw": Recipe(learning_rate=3e-3, warmup_steps=30),
   "adamw": Recipe(learning_rate=3e-3, warmup_steps=30),
 }

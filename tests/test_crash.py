@@ -98,5 +98,3 @@ def test_same_seed_gives_bit_identical_losses(tmp_path):
   b = trainer.run(trainer.TrainConfig(out_dir=str(tmp_path / "b"), **cfg))
   assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
   assert a["params_digest"] == b["params_digest"]
-  c = trainer.run(trainer.TrainConfig(out_dir=str(tmp_path / "c"), seed=1, **cfg))
-  assert c["params_digest"] != a["params_digest"]
