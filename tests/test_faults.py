@@ -124,3 +124,24 @@ def test_driver_adamw_skips_a_nonfinite_step_when_asked(tmp_path):
   summary = _run(tmp_path / "b", optimizer="adamw", inject_nan_step=3, skip_nonfinite=True)
   assert np.isfinite(summary["final_train_loss"])
   del trainer
+
+
+def test_replica_check_fires_when_one_device_differs():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from experiments import trainer
+
+  mesh = mesh_of(4)
+  sharding = NamedSharding(mesh, P())
+  values = [np.zeros((3, 5), np.float32) for _ in range(4)]
+  values[2][1, 4] = 1e-30  # one entry on one device, too small to see in a loss
+  arrays = [jax.device_put(v, d) for v, d in zip(values, mesh.devices.flat)]
+  drifted = jax.make_array_from_single_device_arrays((3, 5), sharding, arrays)
+  check = jax.jit(
+    jax.shard_map(
+      trainer._replica_mismatches, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False
+    )
+  )
+  assert int(check({"w": drifted})) == 1
+  assert int(check({"w": jax.device_put(values[0], sharding)})) == 0
