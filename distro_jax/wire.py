@@ -23,6 +23,7 @@ def plan_tree(params: Any, compression_chunk: int) -> list[dct.ChunkPlan]:
 
 
 def plan_chunk_leaf(x: Any, compression_chunk: int) -> dct.ChunkPlan:
+  """The :class:`~distro_jax.dct.ChunkPlan` of one array or ``ShapeDtypeStruct``."""
   return dct.plan_chunks(tuple(np.shape(x)), compression_chunk)
 
 

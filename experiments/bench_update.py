@@ -10,13 +10,6 @@ for Psyche's top-k 8 with 1-bit values.
 
 from __future__ import annotations
 
-import os
-import sys
-
-if "--workers" in " ".join(sys.argv) or "XLA_FLAGS" not in os.environ:
-  _w = next((a.split("=")[1] for a in sys.argv if a.startswith("--workers=")), "8")
-  os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_w}")
-
 import statistics
 import time
 
@@ -30,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
 
-FLAGS = flags.DEFINE_integer("workers", 8, "Data-parallel workers (simulated CPU devices).")
+_WORKERS = flags.DEFINE_integer("workers", 8, "Data-parallel workers (simulated CPU devices).")
 _D_MODEL = flags.DEFINE_integer("d_model", 384, "Model width of the params tree.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Transformer blocks in the params tree.")
 _VOCAB = flags.DEFINE_integer("vocab", 8192, "Embedding rows.")
@@ -72,7 +65,9 @@ def _median_seconds(fn, args, repeats: int) -> float:
 
 def main(argv):
   del argv
-  workers = FLAGS.value
+  workers = _WORKERS.value
+  # Simulated CPU devices; set before the first device query, no effect on GPUs.
+  jax.config.update("jax_num_cpu_devices", workers)
   devices = jax.devices()[:workers]
   if len(devices) < workers:
     raise app.UsageError(f"--workers={workers} but only {len(devices)} devices are visible.")

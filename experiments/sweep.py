@@ -10,20 +10,16 @@ keep the driver's defaults (the recipe for the preset). Results go to
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
 import os
-import sys
+import time
 
-_W = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--workers=")), "8")
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_W}")
+import jax
+from absl import app, flags
 
-import dataclasses  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-
-from absl import app, flags  # noqa: E402
-
-from experiments import trainer  # noqa: E402
+from experiments import trainer
 
 _PRESET = flags.DEFINE_string("preset", "small", "Model preset.")
 _DATA = flags.DEFINE_string("data_path", None, "Training data (default: embedded corpus).")
@@ -58,6 +54,7 @@ def _convert(v: str):
 
 def main(argv):
   del argv
+  jax.config.update("jax_num_cpu_devices", _WORKERS.value)  # before any device query
   rows = []
   for point in _parse_grid(_GRID.value):
     name = ",".join(f"{k}={v}" for k, v in point.items())
