@@ -15,6 +15,8 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from experiments.data import iterator_checkpoint_args
+
 __all__ = ["CheckpointError", "Checkpointer"]
 
 
@@ -50,13 +52,19 @@ class Checkpointer:
   def should_save(self, step: int, last_step: int) -> bool:
     return self.save_every > 0 and (step % self.save_every == 0 or step == last_step)
 
-  def save(self, step: int, state: Any, data_state: dict) -> None:
-    """Writes one checkpoint and waits until it is complete on disk."""
+  def save(self, step: int, state: Any, data_iterator: Any) -> None:
+    """Writes one checkpoint and waits until it is complete on disk.
+
+    Args:
+      step: the step just finished.
+      state: the train state (params and optimizer state).
+      data_iterator: the grain iterator; each process saves its own position.
+    """
     self._manager.save(
       step,
       args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        data=ocp.args.JsonSave(data_state),
+        data=iterator_checkpoint_args(data_iterator),
         meta=ocp.args.JsonSave({"step": step, **self.fingerprint}),
       ),
       force=True,
@@ -66,14 +74,15 @@ class Checkpointer:
   def complete_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict]:
+  def restore_latest(self, abstract_state: Any, data_iterator: Any) -> tuple[int, Any]:
     """Restores the newest readable checkpoint.
 
     Args:
       abstract_state: ``jax.ShapeDtypeStruct`` tree with shardings, the target.
+      data_iterator: the grain iterator, set in place to the saved position.
 
     Returns:
-      ``(step, state, data_state)``.
+      ``(step, state)``.
 
     Raises:
       CheckpointError: if there is no complete checkpoint, none can be read, or
@@ -106,7 +115,7 @@ class Checkpointer:
           step,
           args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
-            data=ocp.args.JsonRestore(),
+            data=iterator_checkpoint_args(data_iterator, restore=True),
           ),
         )
       except Exception as e:  # noqa: BLE001
@@ -114,7 +123,7 @@ class Checkpointer:
         continue
       if failures:
         logging.warning("Skipped unreadable checkpoints: %s", "; ".join(failures))
-      return step, restored["state"], restored["data"]
+      return step, restored["state"]
     raise CheckpointError(
       f"--resume: no checkpoint in {self.directory} could be read ({'; '.join(failures)}). "
       "Remove the damaged step directories or start without --resume."

@@ -389,9 +389,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
       ),
       "opt_state": dj.abstract_worker_state(tx, abstract, mesh),
     }
-    start_step, restored, data_state = checkpointer.restore_latest(abstract_state)
+    start_step, restored = checkpointer.restore_latest(abstract_state, train_iter)
     params, opt_state = restored["params"], restored["opt_state"]
-    train_iter.set_state(data_state)
   else:
     params = init_params()
     opt_state = dj.init_worker_state(tx, params, mesh)
@@ -486,7 +485,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if pending is not None:
           flush(pending)
           pending = None
-        checkpointer.save(step, {"params": params, "opt_state": opt_state}, train_iter.get_state())
+        checkpointer.save(step, {"params": params, "opt_state": opt_state}, train_iter)
     if pending is not None:
       flush(pending)
   finally:
