@@ -62,6 +62,14 @@ class Progress:
       self.stream.flush()
 
 
+def _parse(line: str) -> dict[str, Any] | None:
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError:
+    return None
+  return record if isinstance(record, dict) else None
+
+
 class MetricsWriter:
   """Appends one JSON object per step to ``OUT_DIR/metrics.jsonl`` (process 0 only)."""
 
@@ -75,8 +83,9 @@ class MetricsWriter:
     if truncate_after is not None and os.path.exists(self.path):
       # On resume, drop lines past the checkpoint: those steps are replayed.
       with open(self.path) as f:
-        kept = [json.loads(line) for line in f if line.strip()]
-      self.records = [r for r in kept if r["step"] <= truncate_after]
+        kept = [_parse(line) for line in f]
+      # A process killed mid-write can leave a torn last line; it is dropped.
+      self.records = [r for r in kept if r is not None and r.get("step", 1 << 62) <= truncate_after]
       with open(self.path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in self.records)
     elif truncate_after is None and os.path.exists(self.path):

@@ -201,3 +201,14 @@ def test_two_processes_with_gloo_end_identical_and_learn(tmp_path):
   assert digests[0] == digests[1]
   losses = [r["loss"] for r in _losses(tmp_path)]
   assert len(losses) == 10 and losses[-1] < losses[0]
+
+
+def test_resume_drops_a_torn_metrics_line(tmp_path):
+  from experiments.reporting import MetricsWriter
+
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+  writer = MetricsWriter(str(tmp_path), enabled=True, truncate_after=2)
+  writer.write({"step": 3, "loss": 1.25})
+  writer.close()
+  assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
