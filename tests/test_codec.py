@@ -155,3 +155,20 @@ def test_aggregate_matches_brute_force_mean():
   dense, n = jax.jit(dj.aggregate, static_argnums=2)(idx, val, 10)
   np.testing.assert_allclose(dense, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(n, count)
+
+
+def test_two_stage_topk_picks_exactly_what_a_full_top_k_picks():
+  rng = np.random.default_rng(7)
+  rows = [
+    rng.normal(size=4096),
+    np.zeros(4096),  # all ties
+    np.where(rng.random(4096) < 0.002, rng.normal(size=4096), 0.0),  # fewer nonzeros than k
+    np.round(rng.normal(size=4096)),  # many exact ties
+    np.repeat(rng.normal(size=512), 8),  # ties inside groups
+  ]
+  y = jnp.asarray(np.stack(rows), jnp.float32)
+  for k in (1, 8, 32, 128):
+    idx, val = dj.select_topk(y, k)
+    _, ref = jax.lax.top_k(jnp.abs(y), k)
+    np.testing.assert_array_equal(np.sort(idx, axis=1), np.sort(ref, axis=1))
+    np.testing.assert_array_equal(val, np.take_along_axis(np.asarray(y), np.asarray(idx), 1))
