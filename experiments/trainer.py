@@ -423,7 +423,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
   timer = reporting.StepTimer()
   tokens_per_step = cfg.batch_size * cfg.seq_len
-  pending = None  # (step, loss array, seconds) read one step late
+  pending = None  # (step, metrics arrays, seconds), read one step late
+  tx_lr = lr_schedule(cfg)
 
   def flush(entry, val_loss=None):
     step, metrics, seconds = entry
@@ -447,8 +448,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
       )
     writer.write(record)
     progress.update(step, record["loss"], record["tokens_per_s"], sent["bytes_sent"])
-
-  tx_lr = lr_schedule(cfg)
 
   def evaluate(p):
     # Eval batches are global; each process feeds its own rows of them.
