@@ -14,7 +14,7 @@ from distro_jax.codec import (
   select_topk,
 )
 from distro_jax.dct import ChunkPlan, chunk_length, dct_basis, decode, encode, plan_chunks
-from distro_jax.exchange import local_value_and_grad, pmean_gradients, worker_local
+from distro_jax.exchange import local_value_and_grad, pmean_gradients, varies_over, worker_local
 from distro_jax.hlo_bytes import CollectiveBytes, collective_bytes, parse_collective_bytes
 from distro_jax.transforms import DemoState, demo, distro, distro_adamw, scale_by_demo
 from distro_jax.wire import WireBytes, wire_bytes, wire_layout
@@ -49,6 +49,7 @@ __all__ = [
   "pmean_gradients",
   "scale_by_demo",
   "select_topk",
+  "varies_over",
   "wire_bytes",
   "wire_layout",
   "worker_local",

@@ -94,13 +94,17 @@ def worker_local(tree: Any, axis_name: Hashable | None = "data") -> Any:
   """
   if axis_name is None:
     return tree
+  return jax.tree.map(
+    lambda x: x if varies_over(x, axis_name) else jax.lax.pcast(x, axis_name, to="varying"), tree
+  )
 
-  def cast(x):
-    aval = jax.typeof(x)
-    vma = aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
-    return x if axis_name in vma else jax.lax.pcast(x, axis_name, to="varying")
 
-  return jax.tree.map(cast, tree)
+def varies_over(x: jax.Array, axis_name: Hashable) -> bool:
+  """Whether ``x`` is typed as differing across ``axis_name`` inside ``shard_map``."""
+  aval = jax.typeof(x)
+  # JAX 0.10 keeps the varying axes on ``manual_axis_type``; earlier ones on ``vma``.
+  vma = aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
+  return axis_name in vma
 
 
 def local_value_and_grad(

@@ -24,17 +24,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from distro_jax.exchange import varies_over
+
 __all__ = ["abstract_worker_state", "init_worker_state", "worker_state_specs"]
 
 
-def _varies_over(x: jax.Array, axis_name: Hashable) -> bool:
-  aval = jax.typeof(x)
-  vma = aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
-  return axis_name in vma
-
-
 def _as_varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
-  if _varies_over(x, axis_name):
+  if varies_over(x, axis_name):
     return x
   return jax.lax.pcast(x, axis_name, to="varying")
 
@@ -81,7 +77,7 @@ def worker_state_specs(
       ]
       grads = jax.tree.map(lambda x: _as_varying(x, axis_name), p)
       _, new_state = tx.update(grads, treedef.unflatten(state_leaves), p)
-      seen.extend(_varies_over(x, axis_name) for x in jax.tree.leaves(new_state))
+      seen.extend(varies_over(x, axis_name) for x in jax.tree.leaves(new_state))
       return jnp.zeros(())
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P())
@@ -116,9 +112,10 @@ def worker_state_specs(
     if mark and leaf.ndim == 0:
       raise ValueError(
         f"Optimizer state leaf {path} is a per-worker scalar; the per-worker layout "
-        "concatenates leaves along axis 0 and cannot hold it. Keep per-worker "
-        "transformations (such as optax.MultiSteps) away from scalar params, or "
-        "give such params shape (1,)."
+        "concatenates leaves along axis 0 and cannot hold it. It comes from a "
+        "stateful wrapper fed each worker's own gradient (optax.apply_if_finite, or "
+        "optax.MultiSteps around a scalar param): apply it after the exchange or "
+        "all-reduce, where the state is shared, or give scalar params shape (1,)."
       )
   return treedef.unflatten([P(axis_name) if mark else P() for mark in varying])
 
