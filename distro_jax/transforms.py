@@ -52,11 +52,44 @@ class DemoState(NamedTuple):
 _STATIC_HINT = (
   "It fixes the payload's shape, so it must be a static Python int. Under "
   "optax.inject_hyperparams, pass static_args=('compression_topk', "
-  "'compression_chunk')."
+  "'compression_chunk') when you set it."
 )
 
 
+class StaticInt:
+  """An int default that ``optax.inject_hyperparams`` leaves static.
+
+  ``inject_hyperparams`` turns every int argument, defaults included, into an
+  array hyperparameter, which is traced inside ``jit``. The top-k and chunk
+  sizes fix the message's shape and cannot be traced, so their defaults are
+  this non-int stand-in: ``inject_hyperparams(dj.demo)(learning_rate=...)``
+  then works with no ``static_args``. It compares, hashes and prints as its
+  value.
+  """
+
+  __slots__ = ("value",)
+
+  def __init__(self, value: int):
+    self.value = int(value)
+
+  def __index__(self) -> int:
+    return self.value
+
+  __int__ = __index__
+
+  def __eq__(self, other: object) -> bool:
+    return self.value == other
+
+  def __hash__(self) -> int:
+    return hash(self.value)
+
+  def __repr__(self) -> str:
+    return repr(self.value)
+
+
 def _positive_int(name: str, value: Any) -> int:
+  if isinstance(value, StaticInt):
+    value = value.value
   if isinstance(value, jax.core.Tracer):
     raise TypeError(f"{name} is a traced value. {_STATIC_HINT}")
   if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
@@ -108,8 +141,8 @@ def scale_by_demo(
   learning_rate: optax.ScalarOrSchedule,
   *,
   compression_decay: float = 0.999,
-  compression_topk: int = 32,
-  compression_chunk: int = 64,
+  compression_topk: int = StaticInt(32),
+  compression_chunk: int = StaticInt(64),
   quantize_1bit: bool = False,
   axis_name: Hashable | None = "data",
 ) -> optax.GradientTransformation:
@@ -241,8 +274,8 @@ def demo(
   learning_rate: optax.ScalarOrSchedule,
   *,
   compression_decay: float = 0.999,
-  compression_topk: int = 32,
-  compression_chunk: int = 64,
+  compression_topk: int = StaticInt(32),
+  compression_chunk: int = StaticInt(64),
   weight_decay: float = 0.0,
   quantize_1bit: bool = False,
   axis_name: Hashable | None = "data",
@@ -301,8 +334,8 @@ def distro(
   learning_rate: optax.ScalarOrSchedule,
   *,
   compression_decay: float = 0.999,
-  compression_topk: int = 32,
-  compression_chunk: int = 64,
+  compression_topk: int = StaticInt(32),
+  compression_chunk: int = StaticInt(64),
   quantize_1bit: bool = False,
   axis_name: Hashable | None = "data",
 ) -> optax.GradientTransformationExtraArgs:
@@ -354,8 +387,8 @@ def distro_adamw(
   eps: float = 1e-8,
   weight_decay: float = 0.0,
   compression_decay: float = 0.999,
-  compression_topk: int = 32,
-  compression_chunk: int = 64,
+  compression_topk: int = StaticInt(32),
+  compression_chunk: int = StaticInt(64),
   quantize_1bit: bool = False,
   axis_name: Hashable | None = "data",
 ) -> optax.GradientTransformationExtraArgs:

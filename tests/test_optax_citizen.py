@@ -55,12 +55,35 @@ def test_inject_hyperparams_over_numeric_hyperparameters():
   assert np.abs(np.asarray(u2["w"])).max() == pytest.approx(5e-2)
 
 
-def test_inject_hyperparams_without_static_args_says_what_to_do():
+def test_inject_hyperparams_with_default_sizes_needs_no_static_args():
   params = _params()
-  tx = optax.inject_hyperparams(dj.demo)(learning_rate=1e-2, axis_name=None)
+  tx = optax.inject_hyperparams(dj.demo)(learning_rate=1e-2, weight_decay=0.0, axis_name=None)
+  state = tx.init(params)
+  assert set(state.hyperparams) == {"learning_rate", "compression_decay", "weight_decay"}
+  update = jax.jit(tx.update)
+  u1, state = update(_grads(1, params), state, params)
+  state.hyperparams["learning_rate"] = jnp.asarray(2e-2)
+  u2, state = update(_grads(2, params), state, params)
+  assert np.abs(np.asarray(u1["w"])).max() == pytest.approx(1e-2)
+  assert np.abs(np.asarray(u2["w"])).max() == pytest.approx(2e-2)
+
+
+def test_inject_hyperparams_with_a_traced_size_says_what_to_do():
+  params = _params()
+  tx = optax.inject_hyperparams(dj.demo)(learning_rate=1e-2, compression_topk=8, axis_name=None)
   state = tx.init(params)
   with pytest.raises(TypeError, match="static_args"):
     jax.jit(tx.update)(_grads(1, params), state, params)
+
+
+def test_signature_defaults_are_the_reference_ones():
+  import inspect
+
+  sig = inspect.signature(dj.demo).parameters
+  assert sig["compression_topk"].default == 32 and repr(sig["compression_topk"].default) == "32"
+  assert sig["compression_chunk"].default == 64
+  assert sig["compression_decay"].default == 0.999
+  assert sig["axis_name"].default == "data"
 
 
 def test_schedule_as_learning_rate():
