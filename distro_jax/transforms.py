@@ -38,15 +38,13 @@ class DemoState(NamedTuple):
       orthonormal, so this is the reference's buffer ``m`` in another basis,
       and error feedback is exactly "zero the coefficients that were sent".
     contributors: how many workers' messages went into the last aggregate;
-      those whose values were not finite are left out. int32 scalar, the same
-      on every worker.
-    excluded: how many messages the last step left out, int32 scalar.
+      those whose values were not finite are left out (so ``W - contributors``
+      were excluded). int32 scalar, the same on every worker.
   """
 
   count: jax.Array
   momentum: Any
   contributors: jax.Array
-  excluded: jax.Array
 
 
 _STATIC_HINT = (
@@ -195,7 +193,7 @@ def scale_by_demo(
       lambda p: jnp.zeros(wire.plan_chunk_leaf(p, chunk).coeff_shape, jnp.float32), params
     )
     zero = jnp.zeros([], jnp.int32)
-    return DemoState(count=zero, momentum=momentum, contributors=zero, excluded=zero)
+    return DemoState(count=zero, momentum=momentum, contributors=zero)
 
   def update_fn(updates, state, params=None):
     _check_trees(updates, params)
@@ -237,12 +235,10 @@ def scale_by_demo(
       dense, _ = codec.aggregate(idx_w, val_w, plan.chunk_size, valid_W)
       directions.append(dct.decode(dense, plan).astype(x.dtype))
 
-    contributors = jnp.sum(valid_W, dtype=jnp.int32)
     new_state = DemoState(
       count=optax.safe_increment(state.count),
       momentum=treedef.unflatten(new_momenta),
-      contributors=contributors,
-      excluded=num_workers - contributors,
+      contributors=jnp.sum(valid_W, dtype=jnp.int32),
     )
     return treedef.unflatten(directions), new_state
 

@@ -228,8 +228,10 @@ def train_step(params, opt_state, step, inputs_BxL, targets_BxL, *, graphdef, tx
   num_finite = jax.lax.psum(finite.astype(jnp.float32), "data")
   total = jax.lax.psum(jnp.where(finite, loss, 0.0), "data")
   mean_loss = jnp.where(num_finite > 0, total / jnp.maximum(num_finite, 1.0), jnp.nan)
-  excluded = optax.tree_utils.tree_get(opt_state, "excluded", jnp.zeros([], jnp.int32))
-  return params, opt_state, {"loss": mean_loss, "excluded": excluded}
+  # AdamW has no DemoState: every worker counts as contributing.
+  workers = jax.lax.axis_size("data")
+  contributors = optax.tree_utils.tree_get(opt_state, "contributors", jnp.int32(workers))
+  return params, opt_state, {"loss": mean_loss, "excluded": workers - contributors}
 
 
 def eval_step(params, inputs_BxL, targets_BxL, *, graphdef):

@@ -1,6 +1,5 @@
 """SIGKILL in the middle of a 2-process run, then --resume: nothing lost, nothing different."""
 
-import json
 import os
 import pathlib
 import signal
@@ -9,8 +8,7 @@ import sys
 import time
 
 import portpicker
-
-from experiments import trainer
+from tiny_runs import read_metrics, run_tiny
 
 ROOT = pathlib.Path(__file__).parent.parent
 FLAGS = [
@@ -55,8 +53,7 @@ def _wait(procs, timeout=240):
 
 
 def _losses(out_dir):
-  lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-  return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
+  return [(r["step"], r["loss"], r.get("val_loss")) for r in read_metrics(out_dir)]
 
 
 def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(tmp_path):
@@ -78,23 +75,13 @@ def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(tmp_path)
 
   _wait(_launch(crashed, "--resume"))
   assert _losses(crashed) == _losses(straight)
-  assert [s for s, _ in _losses(crashed)] == list(range(1, 17))
+  assert [r[0] for r in _losses(crashed)] == list(range(1, 17))
   digests = {(crashed / f"params_digest.process{i}").read_text() for i in range(2)}
   assert digests == {(straight / "params_digest.process0").read_text()}
 
 
 def test_same_seed_gives_bit_identical_losses(tmp_path):
-  cfg = dict(
-    preset="tiny",
-    workers=4,
-    batch_size=8,
-    seq_len=32,
-    steps=5,
-    progress=False,
-    eval_every=5,
-    eval_batches=1,
-  )
-  a = trainer.run(trainer.TrainConfig(out_dir=str(tmp_path / "a"), **cfg))
-  b = trainer.run(trainer.TrainConfig(out_dir=str(tmp_path / "b"), **cfg))
+  a = run_tiny(tmp_path / "a", steps=5, eval_every=5)
+  b = run_tiny(tmp_path / "b", steps=5, eval_every=5)
   assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
   assert a["params_digest"] == b["params_digest"]

@@ -1,7 +1,6 @@
 """The train driver: exact resume, clear errors, safe checkpoints, multi-host."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -9,24 +8,12 @@ import sys
 import numpy as np
 import portpicker
 import pytest
+import tiny_runs
 
 from experiments import trainer
 
 ROOT = pathlib.Path(__file__).parent.parent
-TINY = {
-  "preset": "tiny",
-  "workers": 4,
-  "batch_size": 8,
-  "seq_len": 32,
-  "progress": False,
-  "eval_every": 3,
-  "eval_batches": 1,
-}
-
-
-def _losses(out_dir):
-  with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
+TINY = {**tiny_runs.TINY, "eval_every": 3}
 
 
 @pytest.mark.parametrize("optimizer", ["demo", "adamw"])
@@ -57,7 +44,7 @@ def test_resume_is_exact(tmp_path, optimizer):
     )
   )
 
-  a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+  a, b = tiny_runs.read_metrics(tmp_path / "a"), tiny_runs.read_metrics(tmp_path / "b")
   assert [r["step"] for r in b] == list(range(1, 7))
   assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit-identical floats
   assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
@@ -66,7 +53,7 @@ def test_resume_is_exact(tmp_path, optimizer):
 
 def test_metrics_summary_and_plot(tmp_path):
   summary = trainer.run(trainer.TrainConfig(steps=6, out_dir=str(tmp_path), **TINY))
-  records = _losses(tmp_path)
+  records = tiny_runs.read_metrics(tmp_path)
   assert {"step", "loss", "bytes_sent"} <= set(records[0])
   assert any("val_loss" in r for r in records)
   assert all(r["bytes_sent"] == summary["payload_bytes_per_step"] for r in records)
@@ -199,7 +186,7 @@ def test_two_processes_with_gloo_end_identical_and_learn(tmp_path):
   assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
   digests = [(tmp_path / f"params_digest.process{i}").read_text() for i in range(2)]
   assert digests[0] == digests[1]
-  losses = [r["loss"] for r in _losses(tmp_path)]
+  losses = [r["loss"] for r in tiny_runs.read_metrics(tmp_path)]
   assert len(losses) == 10 and losses[-1] < losses[0]
 
 

@@ -1,0 +1,26 @@
+"""Short driver runs on the tiny preset, shared by the driver and reliability tests."""
+
+import json
+import os
+
+from experiments import trainer
+
+TINY = {
+  "preset": "tiny",
+  "workers": 4,
+  "batch_size": 8,
+  "seq_len": 32,
+  "progress": False,
+  "eval_batches": 1,
+}
+
+
+def run_tiny(out_dir, **overrides):
+  """``trainer.run`` on the tiny preset; ``overrides`` replace any TrainConfig field."""
+  return trainer.run(trainer.TrainConfig(out_dir=str(out_dir), **{**TINY, **overrides}))
+
+
+def read_metrics(out_dir):
+  """The records of ``OUT_DIR/metrics.jsonl``."""
+  with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
