@@ -13,7 +13,16 @@ from distro_jax.codec import (
   index_dtype,
   select_topk,
 )
-from distro_jax.dct import ChunkPlan, chunk_length, dct_basis, decode, encode, plan_chunks
+from distro_jax.dct import (
+  ChunkPlan,
+  chunk_length,
+  dct_basis,
+  decode,
+  encode,
+  from_chunks,
+  plan_chunks,
+  to_chunks,
+)
 from distro_jax.exchange import local_value_and_grad, pmean_gradients, varies_over, worker_local
 from distro_jax.hlo_bytes import CollectiveBytes, collective_bytes, parse_collective_bytes
 from distro_jax.transforms import DemoState, demo, distro, distro_adamw, scale_by_demo
@@ -41,6 +50,7 @@ __all__ = [
   "distro_adamw",
   "encode",
   "encode_message",
+  "from_chunks",
   "index_dtype",
   "init_worker_state",
   "local_value_and_grad",
@@ -49,6 +59,7 @@ __all__ = [
   "pmean_gradients",
   "scale_by_demo",
   "select_topk",
+  "to_chunks",
   "varies_over",
   "wire_bytes",
   "wire_layout",

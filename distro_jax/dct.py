@@ -30,7 +30,9 @@ __all__ = [
   "dct_basis",
   "decode",
   "encode",
+  "from_chunks",
   "plan_chunks",
+  "to_chunks",
 ]
 
 
@@ -175,3 +177,35 @@ def decode(y: jax.Array, plan: ChunkPlan) -> jax.Array:
   t = jnp.einsum("ip,zabij->zapbj", d1, y_BxAxBxIxJ, precision=_HIGHEST)
   x = jnp.einsum("jq,zapbj->zapbq", d2, t, precision=_HIGHEST)
   return x.reshape(plan.shape)
+
+
+def to_chunks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
+  """The blocks of :func:`encode` with no transform: the no-DCT ablation's "coefficients".
+
+  Args:
+    x: a tensor of shape ``plan.shape``, any float dtype.
+    plan: its :class:`ChunkPlan`.
+
+  Returns:
+    Float32 array of shape ``plan.coeff_shape``; row ``r`` holds the entries
+    of chunk ``r``, row-major with the ``c1`` axis first, as :func:`encode`
+    lays out coefficients.
+  """
+  a, b = plan.n1 // plan.c1, plan.n2 // plan.c2
+  x_BxAxPxBxQ = x.astype(jnp.float32).reshape(plan.batch, a, plan.c1, b, plan.c2)
+  return x_BxAxPxBxQ.transpose(0, 1, 3, 2, 4).reshape(plan.coeff_shape)
+
+
+def from_chunks(y: jax.Array, plan: ChunkPlan) -> jax.Array:
+  """Inverse of :func:`to_chunks`.
+
+  Args:
+    y: float32 array of shape ``plan.coeff_shape``.
+    plan: the :class:`ChunkPlan` it was made with.
+
+  Returns:
+    A float32 tensor of shape ``plan.shape``.
+  """
+  a, b = plan.n1 // plan.c1, plan.n2 // plan.c2
+  y_BxAxBxPxQ = y.reshape(plan.batch, a, b, plan.c1, plan.c2)
+  return y_BxAxBxPxQ.transpose(0, 1, 3, 2, 4).reshape(plan.shape)

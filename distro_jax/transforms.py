@@ -142,6 +142,7 @@ def scale_by_demo(
   compression_topk: int = StaticInt(32),
   compression_chunk: int = StaticInt(64),
   quantize_1bit: bool = False,
+  use_dct: bool = True,
   axis_name: Hashable | None = "data",
 ) -> optax.GradientTransformation:
   """Decoupled momentum, compressed and exchanged; yields the aggregate ``Q``.
@@ -163,6 +164,9 @@ def scale_by_demo(
     compression_chunk: chunk length target per axis. Static.
     quantize_1bit: send only the signs of the values (1 bit each). The error
       feedback still removes the unquantized values. Static.
+    use_dct: ``False`` is an ablation: the same chunks, top-k and error
+      feedback, on the raw momentum entries instead of DCT coefficients. It
+      shows what the transform buys. Static.
     axis_name: the mapped axis of the data-parallel workers, bound by an
       enclosing ``jax.shard_map``; ``None`` for a single worker with no
       collective.
@@ -187,6 +191,7 @@ def scale_by_demo(
   chunk = _positive_int("compression_chunk", compression_chunk)
   _check_decay(compression_decay)
   quantize_1bit = bool(quantize_1bit)
+  to_chunks, from_chunks = (dct.encode, dct.decode) if use_dct else (dct.to_chunks, dct.from_chunks)
 
   def init_fn(params):
     momentum = jax.tree.map(
@@ -213,7 +218,7 @@ def scale_by_demo(
 
     new_momenta, sel_idx, sel_val = [], [], []
     for g, m, plan, t in zip(grads, momenta, plans, layout.tensors):
-      m = compression_decay * m + lr * dct.encode(g, plan)
+      m = compression_decay * m + lr * to_chunks(g, plan)
       idx, val = codec.select_topk(m, t.k)
       new_momenta.append(codec.zero_selected(m, idx))
       sel_idx.append(idx)
@@ -233,7 +238,7 @@ def scale_by_demo(
     directions = []
     for (idx_w, val_w), plan, x in zip(tensors, plans, wire_dtypes):
       dense, _ = codec.aggregate(idx_w, val_w, plan.chunk_size, valid_W)
-      directions.append(dct.decode(dense, plan).astype(x.dtype))
+      directions.append(from_chunks(dense, plan).astype(x.dtype))
 
     new_state = DemoState(
       count=optax.safe_increment(state.count),
@@ -274,6 +279,7 @@ def demo(
   compression_chunk: int = StaticInt(64),
   weight_decay: float = 0.0,
   quantize_1bit: bool = False,
+  use_dct: bool = True,
   axis_name: Hashable | None = "data",
 ) -> optax.GradientTransformationExtraArgs:
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
@@ -293,6 +299,8 @@ def demo(
     compression_chunk: chunk length target per axis. Static.
     weight_decay: decoupled weight decay, scaled by the learning rate.
     quantize_1bit: send 1-bit signs instead of values. Static.
+    use_dct: ``False`` selects raw entries instead of DCT coefficients (an
+      ablation). Static.
     axis_name: the data-parallel axis; ``None`` for one worker, no collective.
 
   Returns:
@@ -321,6 +329,7 @@ def demo(
     compression_topk=compression_topk,
     compression_chunk=compression_chunk,
     quantize_1bit=quantize_1bit,
+    use_dct=use_dct,
     axis_name=axis_name,
   )
 
@@ -333,6 +342,7 @@ def distro(
   compression_topk: int = StaticInt(32),
   compression_chunk: int = StaticInt(64),
   quantize_1bit: bool = False,
+  use_dct: bool = True,
   axis_name: Hashable | None = "data",
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO: the compressed exchange of :func:`scale_by_demo`, then ``inner``.
@@ -350,6 +360,8 @@ def distro(
     compression_topk: coefficients kept per chunk. Static.
     compression_chunk: chunk length target per axis. Static.
     quantize_1bit: send 1-bit signs instead of values. Static.
+    use_dct: ``False`` selects raw entries instead of DCT coefficients (an
+      ablation). Static.
     axis_name: the data-parallel axis; ``None`` for one worker, no collective.
 
   Returns:
@@ -368,6 +380,7 @@ def distro(
         compression_topk=compression_topk,
         compression_chunk=compression_chunk,
         quantize_1bit=quantize_1bit,
+        use_dct=use_dct,
         axis_name=axis_name,
       ),
       inner,

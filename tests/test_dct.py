@@ -63,3 +63,17 @@ def test_bf16_input_is_transformed_in_float32():
   y = dj.encode(x, plan)
   assert y.dtype == jnp.float32
   np.testing.assert_allclose(dj.decode(y, plan), np.asarray(x, np.float32), atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (96, 40), (2, 64, 128)])
+def test_to_chunks_is_encode_without_the_transform(shape):
+  x = np.random.default_rng(3).normal(size=shape).astype(np.float32)
+  plan = dj.plan_chunks(shape, 64)
+  blocks = np.asarray(dj.to_chunks(jnp.asarray(x), plan), np.float64)
+  assert blocks.shape == plan.coeff_shape
+  # Row r of encode is the 2-D DCT of block r, flattened c1-major.
+  kron = np.kron(np.asarray(dj.dct_basis(plan.c1)), np.asarray(dj.dct_basis(plan.c2)))
+  np.testing.assert_allclose(
+    blocks @ kron.T.astype(np.float64), np.asarray(dj.encode(jnp.asarray(x), plan)), atol=1e-5
+  )
+  np.testing.assert_array_equal(np.asarray(dj.from_chunks(jnp.asarray(blocks), plan)), x)

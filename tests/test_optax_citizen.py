@@ -142,3 +142,20 @@ def test_distro_feeds_the_aggregate_to_any_inner_transformation():
   g = _grads(2, params)
   q, _ = tx.update(g, tx.init(params), params)
   np.testing.assert_allclose(q["b"], g["b"], atol=1e-5)
+
+
+def test_no_dct_ablation_sends_the_largest_raw_entries_of_each_chunk():
+  params = {"w": jnp.zeros((16, 16))}
+  g = {"w": jnp.asarray(np.random.default_rng(4).normal(size=(16, 16)), jnp.float32)}
+  kw = {"compression_decay": 0.0, "compression_topk": 3, "compression_chunk": 8}
+  tx = dj.scale_by_demo(1.0, use_dct=False, axis_name=None, **kw)
+  q, _ = tx.update(g, tx.init(params), params)
+  q_blocks = np.asarray(q["w"]).reshape(2, 8, 2, 8).transpose(0, 2, 1, 3).reshape(4, 64)
+  g_blocks = np.asarray(g["w"]).reshape(2, 8, 2, 8).transpose(0, 2, 1, 3).reshape(4, 64)
+  for qb, gb in zip(q_blocks, g_blocks):
+    top3 = np.argsort(-np.abs(gb))[:3]
+    assert set(np.flatnonzero(qb)) == set(top3)
+    np.testing.assert_array_equal(qb[top3], gb[top3])
+  # The DCT's selection decodes to a dense direction, which is the point of it.
+  q_dct, _ = dj.scale_by_demo(1.0, axis_name=None, **kw).update(g, tx.init(params), params)
+  assert np.count_nonzero(np.asarray(q_dct["w"])) > 200
