@@ -23,6 +23,7 @@ from distro_jax.dct import (
   plan_chunks,
   to_chunks,
 )
+from distro_jax.diloco import DilocoState, diloco, inner_params
 from distro_jax.exchange import local_value_and_grad, pmean_gradients, varies_over, worker_local
 from distro_jax.hlo_bytes import CollectiveBytes, collective_bytes, parse_collective_bytes
 from distro_jax.transforms import DemoState, demo, distro, distro_adamw, scale_by_demo
@@ -35,6 +36,7 @@ __all__ = [
   "ChunkPlan",
   "CollectiveBytes",
   "DemoState",
+  "DilocoState",
   "TensorWire",
   "WireBytes",
   "WireLayout",
@@ -46,6 +48,7 @@ __all__ = [
   "decode",
   "decode_message",
   "demo",
+  "diloco",
   "distro",
   "distro_adamw",
   "encode",
@@ -53,6 +56,7 @@ __all__ = [
   "from_chunks",
   "index_dtype",
   "init_worker_state",
+  "inner_params",
   "local_value_and_grad",
   "parse_collective_bytes",
   "plan_chunks",

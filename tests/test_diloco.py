@@ -1,0 +1,80 @@
+"""dj.diloco: local steps, then an averaged outer Nesterov step, on simulated workers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from sharded_step import build, mesh_of, per_device_copies, place_grads
+
+import distro_jax as dj
+
+
+def _numpy_diloco(p0, grads_TxW, lr, sync_every, outer_lr, mu):
+  """DiLoCo in float64 NumPy, with plain SGD inside; returns the outer params after each step."""
+  outer = p0.astype(np.float64)
+  local = [outer.copy() for _ in grads_TxW[0]]
+  m = np.zeros_like(outer)
+  history = []
+  for t, grads_W in enumerate(grads_TxW, start=1):
+    local = [x - lr * g for x, g in zip(local, grads_W)]
+    if t % sync_every == 0:
+      delta = np.mean([outer - x for x in local], axis=0)
+      m = mu * m + delta
+      outer = outer - outer_lr * (delta + mu * m)
+      local = [outer.copy() for _ in local]
+    history.append(outer)
+  return history
+
+
+def test_matches_numpy_reference_and_replicas_stay_identical():
+  workers, steps, sync_every = 4, 7, 3
+  rng = np.random.default_rng(0)
+  p0 = rng.normal(size=(8, 16)).astype(np.float32)
+  grads = rng.normal(size=(steps, workers, 8, 16)).astype(np.float32)
+  mesh = mesh_of(workers)
+  tx = dj.diloco(optax.sgd(0.1), sync_every=sync_every, outer_learning_rate=0.7, outer_momentum=0.9)
+  step, params, state = build(tx, {"w": jnp.asarray(p0)}, mesh)
+  expected = _numpy_diloco(p0, grads, 0.1, sync_every, 0.7, 0.9)
+  for t in range(steps):
+    params, state = step(params, state, {"w": place_grads(grads[t], mesh)})
+    copies = per_device_copies(params["w"])
+    assert all(np.array_equal(c, copies[0]) for c in copies)
+    np.testing.assert_allclose(copies[0], expected[t], atol=1e-5)
+  # Between synchronizations the shared params do not move.
+  np.testing.assert_array_equal(expected[3], expected[4])
+
+
+def test_only_collective_is_one_fp32_all_reduce_of_the_params():
+  mesh = mesh_of(8)
+  params = {"w": jnp.zeros((64, 32), jnp.bfloat16), "b": jnp.zeros((32,), jnp.float32)}
+  tx = dj.diloco(optax.adamw(1e-3), sync_every=50)
+  step, params, state = build(tx, params, mesh)
+  grads = jax.tree.map(lambda p: jnp.zeros((8, *p.shape), p.dtype), params)
+  measured = dj.collective_bytes(step, params, state, place_grads(grads, mesh))
+  assert [k for k, v in measured.by_kind.items() if v] == ["all-reduce"]
+  # The pseudo-gradient is averaged in float32, whatever the param dtype.
+  assert measured.total == (64 * 32 + 32) * 4
+
+
+def test_inner_params_is_where_the_gradient_is_taken():
+  params = {"w": jnp.ones(3)}
+  tx = optax.chain(optax.clip_by_global_norm(1.0), dj.diloco(optax.sgd(1.0), axis_name=None))
+  state = tx.init(params)
+  _, state = tx.update({"w": jnp.full(3, 0.1)}, state, params)
+  np.testing.assert_allclose(dj.inner_params(state, params)["w"], 0.9)
+  # Every other optimizer computes its gradient at the shared params.
+  assert dj.inner_params(optax.adamw(1e-3).init(params), params) is params
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True])
+def test_sync_every_must_be_a_positive_int(bad):
+  with pytest.raises(ValueError, match="sync_every must be a positive int"):
+    dj.diloco(optax.sgd(1.0), sync_every=bad)
+
+
+def test_init_is_shape_only():
+  tx = dj.diloco(optax.adamw(1e-3))
+  shapes = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((4, 4), jnp.bfloat16)})
+  assert shapes.local_params["w"].dtype == jnp.bfloat16
+  assert shapes.outer_momentum["w"].dtype == jnp.float32
