@@ -45,6 +45,7 @@ _DTYPE_BYTES = {
   "f8e4m3b11fnuz": 1,
 }
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 
 
@@ -127,7 +128,8 @@ def parse_collective_bytes(hlo_text: str) -> CollectiveBytes:
   shapes: dict[str, str] = {}
   instrs: list[tuple[str, str, str]] = []
   for line in hlo_text.splitlines():
-    m = _DEF.match(line)
+    # Long operand lists carry /*index=N*/ markers that would hide a name.
+    m = _DEF.match(_COMMENT.sub("", line))
     if not m or "(" not in m.group(2):
       continue
     name, rest = m.groups()

@@ -38,3 +38,28 @@ def test_no_collectives_in_a_local_function():
   import jax.numpy as jnp
 
   assert dj.collective_bytes(lambda x: x @ x, jnp.ones((4, 4))).total == 0
+
+
+def test_long_operand_lists_with_index_markers_count_every_operand():
+  # XLA prints /*index=N*/ before every fifth operand of a combined all-reduce.
+  hlo = """
+ENTRY %main () -> f32[] {
+  %a = f32[10]{0} parameter(0)
+  %ar = (f32[10]{0}, f32[10]{0}, f32[10]{0}, f32[10]{0}, f32[10]{0}, /*index=5*/f32[10]{0}, f32[10]{0}) all-reduce(%a, %a, %a, %a, %a, /*index=5*/%a, %a), to_apply=%add
+  ROOT %r = f32[] constant(0)
+}
+"""
+  assert dj.parse_collective_bytes(hlo).by_kind["all-reduce"] == 7 * 40
+
+
+def test_pmean_of_many_leaves_counts_them_all():
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((8,), ("data",))
+  tree = {f"w{i}": jnp.zeros((8, 16)) for i in range(12)}
+  fn = jax.jit(
+    jax.shard_map(lambda t: jax.lax.pmean(t, "data"), mesh=mesh, in_specs=P(), out_specs=P())
+  )
+  assert dj.collective_bytes(fn, tree).by_kind["all-reduce"] == 12 * 8 * 16 * 4
