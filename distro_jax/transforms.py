@@ -399,6 +399,7 @@ def distro_adamw(
   compression_topk: int = StaticInt(32),
   compression_chunk: int = StaticInt(64),
   quantize_1bit: bool = False,
+  use_dct: bool = True,
   axis_name: Hashable | None = "data",
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO-AdamW: the compressed exchange followed by ``optax.adamw``.
@@ -413,6 +414,8 @@ def distro_adamw(
     compression_topk: coefficients kept per chunk. Static.
     compression_chunk: chunk length target per axis. Static.
     quantize_1bit: send 1-bit signs instead of values. Static.
+    use_dct: ``False`` selects raw entries instead of DCT coefficients (an
+      ablation). Static.
     axis_name: the data-parallel axis; ``None`` for one worker, no collective.
 
   Returns:
@@ -428,5 +431,6 @@ def distro_adamw(
     compression_topk=compression_topk,
     compression_chunk=compression_chunk,
     quantize_1bit=quantize_1bit,
+    use_dct=use_dct,
     axis_name=axis_name,
   )

@@ -27,6 +27,8 @@ _DEFAULTS = {
   "demo": Recipe(learning_rate=3e-3, warmup_steps=30, compression_decay=0.95),
   "distro_adamw": Recipe(learning_rate=3e-3, warmup_steps=30),
   "adamw": Recipe(learning_rate=3e-3, warmup_steps=30),
+  # DiLoCo's inner optimizer is AdamW; its outer step has its own flags.
+  "diloco": Recipe(learning_rate=3e-3, warmup_steps=30),
 }
 
 # Larger models want smaller steps; the DisTrO report's 1.2B run used 4e-4.
@@ -34,6 +36,7 @@ _BY_PRESET: dict[tuple[str, str], Recipe] = {
   ("report-1.2b", "demo"): Recipe(learning_rate=4e-4, warmup_steps=250),
   ("report-1.2b", "distro_adamw"): Recipe(learning_rate=4e-4, warmup_steps=250),
   ("report-1.2b", "adamw"): Recipe(learning_rate=4e-4, warmup_steps=250),
+  ("report-1.2b", "diloco"): Recipe(learning_rate=4e-4, warmup_steps=250),
 }
 
 

@@ -1,4 +1,4 @@
-r"""Train a Llama-style LM with DisTrO (DeMo) or AdamW all-reduce, from absl flags.
+r"""Train a Llama-style LM with DisTrO (DeMo), AdamW all-reduce or DiLoCo, from absl flags.
 
 With no flags: the ``tiny`` preset, DeMo, 8 simulated CPU workers, the
 embedded corpus.
@@ -15,8 +15,12 @@ embedded corpus.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Any
 
 from absl import app, flags, logging
+
+if TYPE_CHECKING:
+  from experiments.trainer import TrainConfig
 
 _D = {}  # flag name -> FlagHolder
 
@@ -49,6 +53,18 @@ def _define():
     "compression_decay", None, "Momentum decay in [0, 1); 0 is stateless (default: recipe)."
   )
   _D["quantize_1bit"] = flags.DEFINE_bool("quantize_1bit", d.quantize_1bit, "Send 1-bit values.")
+  _D["use_dct"] = flags.DEFINE_bool(
+    "use_dct", d.use_dct, "DCT before top-k; --nouse_dct is the no-transform ablation."
+  )
+  _D["diloco_sync_every"] = flags.DEFINE_integer(
+    "diloco_sync_every", d.diloco_sync_every, "DiLoCo: inner steps between synchronizations (H)."
+  )
+  _D["diloco_outer_lr"] = flags.DEFINE_float(
+    "diloco_outer_lr", d.diloco_outer_lr, "DiLoCo: outer Nesterov learning rate."
+  )
+  _D["diloco_outer_momentum"] = flags.DEFINE_float(
+    "diloco_outer_momentum", d.diloco_outer_momentum, "DiLoCo: outer Nesterov momentum."
+  )
   _D["warmup_steps"] = flags.DEFINE_integer(
     "warmup_steps", None, "Linear warmup steps before the cosine (default: recipe)."
   )
@@ -104,8 +120,8 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in a multi-
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index.")
 
 
-def _setup_devices() -> None:
-  """Simulated CPU devices and, when asked, the multi-process runtime.
+def setup_devices() -> None:
+  """Simulated CPU devices and, when asked, the multi-process runtime, from the flags.
 
   Must run before anything touches a JAX backend.
   """
@@ -127,6 +143,13 @@ def _setup_devices() -> None:
     )
 
 
+def config_from_flags(**overrides: Any) -> TrainConfig:
+  """The :class:`~experiments.trainer.TrainConfig` the flags describe, with ``overrides``."""
+  from experiments.trainer import TrainConfig
+
+  return TrainConfig(**{**{k: v.value for k, v in _D.items()}, **overrides})
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -135,8 +158,8 @@ def main(argv: list[str]) -> None:
   from experiments.data import DataError
 
   try:
-    _setup_devices()
-    cfg = trainer.TrainConfig(**{k: v.value for k, v in _D.items()})
+    setup_devices()
+    cfg = config_from_flags()
     trainer.run(cfg)
   except (
     trainer.ConfigError,

@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ from experiments.checkpointing import Checkpointer, CheckpointError
 
 __all__ = ["ConfigError", "TrainConfig", "build_optimizer", "run", "train_step"]
 
-OPTIMIZERS = ("demo", "distro_adamw", "adamw")
+OPTIMIZERS = ("demo", "distro_adamw", "adamw", "diloco")
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -65,6 +66,10 @@ class TrainConfig:
   compression_chunk: int = 64
   compression_decay: float | None = None
   quantize_1bit: bool = False
+  use_dct: bool = True
+  diloco_sync_every: int = 50
+  diloco_outer_lr: float = 0.7
+  diloco_outer_momentum: float = 0.9
   warmup_steps: int | None = None
   clip_norm: float | None = None
   weight_decay: float | None = None
@@ -81,6 +86,7 @@ class TrainConfig:
   skip_nonfinite: bool = False
   inject_nan_step: int = 0
   inject_nan_worker: int = 0
+  time_optimizer: bool = False
 
   def resolved(self) -> TrainConfig:
     """Fills every ``None`` from the recipe for (preset, optimizer)."""
@@ -110,6 +116,7 @@ def validate(cfg: TrainConfig) -> None:
     "seq_len",
     "compression_topk",
     "compression_chunk",
+    "diloco_sync_every",
   ):
     if getattr(cfg, name) <= 0:
       raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}.")
@@ -157,12 +164,22 @@ def build_optimizer(
     "compression_topk": cfg.compression_topk,
     "compression_chunk": cfg.compression_chunk,
     "quantize_1bit": cfg.quantize_1bit,
+    "use_dct": cfg.use_dct,
     "axis_name": axis_name,
   }
   if cfg.optimizer == "demo":
     return optax.chain(clip, dj.demo(lr, weight_decay=cfg.weight_decay, **compression))
   if cfg.optimizer == "distro_adamw":
     return optax.chain(clip, dj.distro_adamw(lr, weight_decay=cfg.weight_decay, **compression))
+  if cfg.optimizer == "diloco":
+    # Each worker clips and steps its own gradient between synchronizations.
+    return dj.diloco(
+      optax.chain(clip, optax.adamw(lr, weight_decay=cfg.weight_decay)),
+      sync_every=cfg.diloco_sync_every,
+      outer_learning_rate=cfg.diloco_outer_lr,
+      outer_momentum=cfg.diloco_outer_momentum,
+      axis_name=axis_name,
+    )
   adamw = optax.chain(clip, optax.adamw(lr, weight_decay=cfg.weight_decay))
   if cfg.skip_nonfinite:
     # What optax users reach for: skip a step whose gradient is not finite. It
@@ -172,7 +189,14 @@ def build_optimizer(
 
 
 def bytes_sent_per_step(cfg: TrainConfig, params: Any) -> dict[str, float]:
-  """Bytes one worker sends per step, and the baselines, for ``params``."""
+  """Bytes per worker per step for ``params``, and the baselines.
+
+  ``payload_bytes`` is what one worker puts into the collective (the HLO
+  operand): the DisTrO message, AdamW's gradient, or DiLoCo's fp32
+  pseudo-gradient amortized over its H steps. ``bytes_sent`` is what a ring
+  moves per worker where the collective is an all-reduce (``2 (W-1)/W`` times
+  the operand), and the message itself for DisTrO.
+  """
   wb = dj.wire_bytes(
     params,
     compression_topk=cfg.compression_topk,
@@ -180,10 +204,17 @@ def bytes_sent_per_step(cfg: TrainConfig, params: Any) -> dict[str, float]:
     quantize_1bit=cfg.quantize_1bit,
     num_workers=cfg.workers,
   )
-  sent = wb.ring_allreduce if cfg.optimizer == "adamw" else wb.payload
+  ring_factor = 2 * (cfg.workers - 1) / cfg.workers
+  if cfg.optimizer == "adamw":
+    payload, sent = wb.grad, wb.ring_allreduce
+  elif cfg.optimizer == "diloco":
+    payload = wb.grad_fp32 / cfg.diloco_sync_every
+    sent = payload * ring_factor
+  else:
+    payload = sent = wb.payload
   return {
     "bytes_sent": sent,
-    "payload_bytes": wb.payload,
+    "payload_bytes": payload,
     "grad_bytes_bf16": wb.grad_bf16,
     "ring_allreduce_bytes": wb.ring_allreduce,
   }
@@ -219,23 +250,106 @@ def train_step(params, opt_state, step, inputs_BxL, targets_BxL, *, graphdef, tx
     worker losses; ``metrics["excluded"]`` counts messages a DisTrO optimizer
     left out this step (0 for AdamW).
   """
-  loss, grads = dj.local_value_and_grad(_loss)(params, graphdef, inputs_BxL, targets_BxL)
+  # DiLoCo workers take their gradient at their own inner params.
+  at = dj.inner_params(opt_state, params)
+  loss, grads = dj.local_value_and_grad(_loss)(at, graphdef, inputs_BxL, targets_BxL)
   if fault is not None:
     grads = _inject_fault(grads, step, fault)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  finite = jnp.isfinite(loss)
-  num_finite = jax.lax.psum(finite.astype(jnp.float32), "data")
-  total = jax.lax.psum(jnp.where(finite, loss, 0.0), "data")
-  mean_loss = jnp.where(num_finite > 0, total / jnp.maximum(num_finite, 1.0), jnp.nan)
+  mean_loss = _mean_finite_loss(loss)
   # AdamW has no DemoState: every worker counts as contributing.
   workers = jax.lax.axis_size("data")
   contributors = optax.tree_utils.tree_get(opt_state, "contributors", jnp.int32(workers))
   return params, opt_state, {"loss": mean_loss, "excluded": workers - contributors}
 
 
+def _mean_finite_loss(loss):
+  finite = jnp.isfinite(loss)
+  num_finite = jax.lax.psum(finite.astype(jnp.float32), "data")
+  total = jax.lax.psum(jnp.where(finite, loss, 0.0), "data")
+  return jnp.where(num_finite > 0, total / jnp.maximum(num_finite, 1.0), jnp.nan)
+
+
+def metrics_collective_bytes(mesh: jax.sharding.Mesh) -> int:
+  """Collective bytes of the train step's loss averaging, apart from the optimizer's exchange.
+
+  Subtracting them from the step's HLO total leaves what the optimizer sends.
+  """
+  fn = jax.jit(jax.shard_map(_mean_finite_loss, mesh=mesh, in_specs=P("data"), out_specs=P()))
+  loss = jax.ShapeDtypeStruct(
+    (mesh.shape["data"],), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+  )
+  return dj.collective_bytes(fn, loss).total
+
+
 def eval_step(params, inputs_BxL, targets_BxL, *, graphdef):
   return jax.lax.pmean(_loss(params, graphdef, inputs_BxL, targets_BxL), "data")
+
+
+def gradient_step(params, opt_state, inputs_BxL, targets_BxL, *, graphdef):
+  """The train step without the optimizer: loss and gradient, no collective.
+
+  Returns this worker's squared gradient norm, shape ``(1,)``, so that the
+  gradient is computed in full. Timing it against :func:`train_step` gives the
+  optimizer's share of the step (exchange and update together).
+  """
+  at = dj.inner_params(opt_state, params)
+  _, grads = dj.local_value_and_grad(_loss)(at, graphdef, inputs_BxL, targets_BxL)
+  return optax.tree_utils.tree_sum(jax.tree.map(lambda g: jnp.sum(jnp.square(g)), grads))[None]
+
+
+def time_step_parts(
+  full_step: Any,
+  gradient_only: Any,
+  params: Any,
+  opt_state: Any,
+  *,
+  first_step: int,
+  block: int,
+  rounds: int,
+) -> dict[str, float]:
+  """Seconds per full step and per gradient-only step, timed in alternation.
+
+  Each round times ``block`` consecutive steps, then ``block`` gradient-only
+  calls; the medians over rounds of the per-call means are reported. A block
+  should span whatever an optimizer does only now and then (DiLoCo's
+  synchronization), so that its cost is amortized as in training.
+
+  Args:
+    full_step: ``(params, opt_state, step) -> (params, opt_state)``, donating.
+    gradient_only: ``(params, opt_state) -> array``.
+    params: params to start from.
+    opt_state: optimizer state to start from.
+    first_step: the step number before the first timed step.
+    block: calls per timed block.
+    rounds: blocks of each kind.
+
+  Returns:
+    ``step_seconds``, ``gradient_seconds`` and ``optimizer_time_fraction``
+    (``1 - gradient_seconds / step_seconds``, floored at 0).
+  """
+  jax.block_until_ready(gradient_only(params, opt_state))  # compile outside the timing
+  step_s, grad_s = [], []
+  step = first_step
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    for _ in range(block):
+      step += 1
+      params, opt_state = full_step(params, opt_state, step)
+    jax.block_until_ready((params, opt_state))
+    step_s.append((time.perf_counter() - t0) / block)
+    t0 = time.perf_counter()
+    for _ in range(block):
+      out = gradient_only(params, opt_state)
+    jax.block_until_ready(out)
+    grad_s.append((time.perf_counter() - t0) / block)
+  step_med, grad_med = float(np.median(step_s)), float(np.median(grad_s))
+  return {
+    "step_seconds": step_med,
+    "gradient_seconds": grad_med,
+    "optimizer_time_fraction": max(step_med - grad_med, 0.0) / step_med,
+  }
 
 
 def _replica_mismatches(params):
@@ -282,6 +396,10 @@ def _fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     "compression_chunk",
     "compression_decay",
     "quantize_1bit",
+    "use_dct",
+    "diloco_sync_every",
+    "diloco_outer_lr",
+    "diloco_outer_momentum",
     "warmup_steps",
     "clip_norm",
     "weight_decay",
@@ -376,6 +494,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     )
   )
   mismatch_fn = jax.jit(jax.shard_map(_replica_mismatches, mesh=mesh, in_specs=P(), out_specs=P()))
+  grad_fn = jax.jit(
+    jax.shard_map(
+      functools.partial(gradient_step, graphdef=graphdef),
+      mesh=mesh,
+      in_specs=(P(), state_specs, P("data"), P("data")),
+      out_specs=P("data"),
+    )
+  )
 
   checkpointer = (
     Checkpointer(ckpt_dir, save_every=cfg.checkpoint_every, fingerprint=_fingerprint(cfg))
@@ -409,6 +535,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
   step_arg = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
   compiled = step_fn.lower(params, opt_state, step_arg, sample_inputs, sample_inputs).compile()
   measured = dj.parse_collective_bytes(compiled.as_text())
+  # DiLoCo's all-reduce sits in a branch taken once every H steps.
+  per_step = cfg.diloco_sync_every if cfg.optimizer == "diloco" else 1
+  measured_exchange = (measured.total - metrics_collective_bytes(mesh)) / per_step
   sent = bytes_sent_per_step(cfg, abstract)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract))
 
@@ -512,12 +641,29 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     "payload_bytes_per_step": sent["payload_bytes"],
     "measured_collective_bytes_per_step": measured.total,
     "measured_by_kind": {k: v for k, v in measured.by_kind.items() if v},
+    "measured_exchange_bytes_per_step": measured_exchange,
     "total_bytes_sent_per_worker": sent["bytes_sent"] * steps_done,
-    "ratio_vs_ring_allreduce": sent["ring_allreduce_bytes"] / sent["bytes_sent"],
-    "ratio_vs_bf16_grad": sent["grad_bytes_bf16"] / sent["bytes_sent"],
+    "ratio_vs_ring_allreduce": sent["ring_allreduce_bytes"] / sent["payload_bytes"],
+    "ratio_vs_bf16_grad": sent["grad_bytes_bf16"] / sent["payload_bytes"],
     "params_digest": params_digest(params),
     "config": dataclasses.asdict(cfg),
   }
+  if cfg.time_optimizer and steps_done > start_step:
+    # After the digest: timing keeps stepping the (donated) params.
+    def full_step(p, s, step):
+      return compiled(p, s, jax.device_put(np.int32(step), replicated), inputs, targets)[:2]
+
+    summary.update(
+      time_step_parts(
+        full_step,
+        lambda p, s: grad_fn(p, s, inputs, targets),
+        params,
+        opt_state,
+        first_step=steps_done,
+        block=cfg.diloco_sync_every if cfg.optimizer == "diloco" else 4,
+        rounds=3 if cfg.optimizer == "diloco" else 5,
+      )
+    )
   # Every process records its own copy's digest, so replicas can be compared across hosts.
   os.makedirs(cfg.out_dir, exist_ok=True)
   with open(os.path.join(cfg.out_dir, f"params_digest.process{jax.process_index()}"), "w") as f:

@@ -1,0 +1,320 @@
+r"""DisTrO against AdamW all-reduce and its peers: same model, data, steps and seed.
+
+  python -m experiments.compare      # small preset, 8 workers, 300 steps, embedded corpus
+  python -m experiments.compare --data_path=english.txt \
+      --methods=adamw,demo,demo-k8-1bit,demo-k2-1bit,diloco
+
+Every method is one full run of the training driver (``trainer.run``), under
+``OUT_DIR/<method>/``. The comparison writes ``OUT_DIR/results.md`` (the
+table, the internet time model and the DisTrO report's setting projected by
+the same model), ``results.json`` (one object per method),
+``projection.json``, ``loss_vs_step.png`` and ``loss_vs_bytes.png``.
+
+Methods:
+  adamw                    AdamW with a gradient all-reduce.
+  demo                     DeMo at the reference sizes (top-k 32 of 64x64 chunks).
+  demo-kK[-cC][-1bit]      DeMo with top-k K, chunk C, optionally 1-bit values.
+  demo-stateless           DeMo with decay 0: each step sends only its gradient.
+  topk-nodct[-kK][-1bit]   top-k and error feedback on raw entries, no DCT.
+  distro_adamw             the DeMo exchange followed by AdamW.
+  diloco[-hH]              H local AdamW steps (default 50), then an outer Nesterov step.
+
+The training flags are the driver's (``python -m experiments.train --help``);
+``--optimizer`` is ignored here, ``--methods`` chooses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from absl import app, flags
+
+from experiments import time_model
+from experiments import train as train_cli  # defines the driver's flags, shared here
+
+__all__ = ["DEFAULT_METHODS", "method_overrides", "run_comparison", "markdown_table"]
+
+DEFAULT_METHODS = ("adamw", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco")
+
+_METHODS = flags.DEFINE_list(
+  "methods", list(DEFAULT_METHODS), "Comma-separated methods to compare (see the module help)."
+)
+flags.FLAGS.set_default("preset", "small")
+flags.FLAGS.set_default("steps", 300)
+flags.FLAGS.set_default("out_dir", "runs/compare")
+
+_DEMO = re.compile(r"(demo|topk-nodct)(?:-k(\d+))?(?:-c(\d+))?(-1bit)?")
+_DILOCO = re.compile(r"diloco(?:-h(\d+))?")
+
+
+def method_overrides(name: str) -> dict[str, Any]:
+  """The :class:`~experiments.trainer.TrainConfig` fields that make method ``name``.
+
+  Args:
+    name: a method name, e.g. ``"demo-k8-1bit"`` or ``"diloco-h100"``.
+
+  Returns:
+    Field overrides, always including ``optimizer``.
+
+  Raises:
+    ValueError: for a name that is not a method, listing the valid forms.
+  """
+  if name in ("adamw", "distro_adamw"):
+    return {"optimizer": name}
+  if name == "demo-stateless":
+    return {"optimizer": "demo", "compression_decay": 0.0}
+  if m := _DILOCO.fullmatch(name):
+    return {"optimizer": "diloco", **({"diloco_sync_every": int(m[1])} if m[1] else {})}
+  if m := _DEMO.fullmatch(name):
+    out: dict[str, Any] = {"optimizer": "demo", "use_dct": m[1] == "demo"}
+    if m[2]:
+      out["compression_topk"] = int(m[2])
+    if m[3]:
+      out["compression_chunk"] = int(m[3])
+    if m[4]:
+      out["quantize_1bit"] = True
+    return out
+  raise ValueError(
+    f"unknown method {name!r}. Methods: adamw, demo, demo-kK[-cC][-1bit] (e.g. demo-k8-1bit), "
+    "demo-stateless, topk-nodct[-kK][-1bit], distro_adamw, diloco[-hH] (e.g. diloco-h100)."
+  )
+
+
+def _row(method: str, summary: dict[str, Any], seconds: float) -> dict[str, Any]:
+  return {
+    "method": method,
+    "optimizer": summary["optimizer"],
+    "final_train_loss": summary["final_train_loss"],
+    "final_train_loss_avg10": summary["final_train_loss_avg10"],
+    "final_val_loss": summary["final_val_loss"],
+    "payload_bytes_per_step": summary["payload_bytes_per_step"],
+    "measured_bytes_per_step": summary["measured_exchange_bytes_per_step"],
+    "ratio_vs_bf16_grad": summary["ratio_vs_bf16_grad"],
+    "ratio_vs_ring_allreduce": summary["ratio_vs_ring_allreduce"],
+    "optimizer_time_fraction": summary["optimizer_time_fraction"],
+    "step_seconds": summary["step_seconds"],
+    "gradient_seconds": summary["gradient_seconds"],
+    "bytes_sent_per_step": summary["bytes_sent_per_step"],
+    "learning_rate": summary["config"]["learning_rate"],
+    "run_seconds": seconds,
+  }
+
+
+def run_comparison(
+  base: Any, methods: Sequence[str], out_dir: str, *, progress: bool = False
+) -> list[dict[str, Any]]:
+  """Trains every method on ``base``'s model, data, steps and seed, and reports.
+
+  Args:
+    base: a :class:`~experiments.trainer.TrainConfig`; its ``optimizer`` and
+      ``out_dir`` are replaced per method.
+    methods: method names (see :func:`method_overrides`).
+    out_dir: where the runs, tables and plots go.
+    progress: show each run's progress line.
+
+  Returns:
+    One row per method, as in ``results.json``: ``method``,
+    ``final_train_loss``, ``final_val_loss``, ``payload_bytes_per_step``
+    (computed), ``measured_bytes_per_step`` (the optimizer's collective
+    operand bytes in the compiled train step), ``ratio_vs_bf16_grad``,
+    ``ratio_vs_ring_allreduce``, ``optimizer_time_fraction`` (the share of a
+    step after the gradient: exchange and update), ``step_seconds``, and more.
+
+  Raises:
+    ValueError: for an unknown or repeated method, before anything runs.
+  """
+  from experiments import trainer
+
+  if not methods:
+    raise ValueError("--methods is empty; name at least one method, e.g. --methods=adamw,demo.")
+  if len(set(methods)) != len(methods):
+    raise ValueError(f"--methods repeats a method: {','.join(methods)}.")
+  configs = {
+    m: dataclasses.replace(
+      base,
+      out_dir=os.path.join(out_dir, m),
+      time_optimizer=True,
+      progress=progress,
+      **method_overrides(m),
+    )
+    for m in methods
+  }
+  for cfg in configs.values():
+    trainer.validate(cfg)
+
+  rows = []
+  for method, cfg in configs.items():
+    print(f"[compare] {method}: training {cfg.steps} steps ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    summary = trainer.run(cfg)
+    rows.append(_row(method, summary, time.perf_counter() - t0))
+    print(
+      f"[compare] {method}: val loss {rows[-1]['final_val_loss']:.4f}, "
+      f"{rows[-1]['payload_bytes_per_step']:,.0f} B/step, {rows[-1]['run_seconds']:.0f} s",
+      file=sys.stderr,
+      flush=True,
+    )
+  baseline = next((r for r in rows if r["method"] == "adamw"), None)
+  for r in rows:
+    r["val_gap_vs_adamw"] = (
+      r["final_val_loss"] / baseline["final_val_loss"] - 1 if baseline else None
+    )
+  _write(rows, configs, base, out_dir)
+  return rows
+
+
+def _fmt_ratio(x: float) -> str:
+  return f"{x:,.0f}x" if x >= 10 else f"{x:.2f}x"
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+  """The comparison as a markdown table."""
+  lines = [
+    "| method | train loss | val loss | val vs adamw | payload B/step (computed) "
+    "| B/step in HLO collectives (measured) | vs bf16 grad | vs ring all-reduce "
+    "| optimizer share of step |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for r in rows:
+    gap = "" if r["val_gap_vs_adamw"] is None else f"{100 * r['val_gap_vs_adamw']:+.1f}%"
+    lines.append(
+      f"| {r['method']} | {r['final_train_loss']:.4f} | {r['final_val_loss']:.4f} | {gap} "
+      f"| {r['payload_bytes_per_step']:,.0f} | {r['measured_bytes_per_step']:,.0f} "
+      f"| {_fmt_ratio(r['ratio_vs_bf16_grad'])} | {_fmt_ratio(r['ratio_vs_ring_allreduce'])} "
+      f"| {100 * r['optimizer_time_fraction']:.0f}% |"
+    )
+  return "\n".join(lines)
+
+
+def _curves(cfg: Any) -> list[dict[str, Any]]:
+  """The run's metrics, with what each step actually put on the wire."""
+  with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  total = 0.0
+  for r in records:
+    sent = r["bytes_sent"]
+    if cfg.optimizer == "diloco":
+      # Nothing between synchronizations, then H steps' worth at once.
+      sent = sent * cfg.diloco_sync_every if r["step"] % cfg.diloco_sync_every == 0 else 0.0
+    total += sent
+    r["cumulative_bytes"] = total
+  return records
+
+
+def _smooth(values: list[float], weight: float = 0.9) -> list[float]:
+  out, acc = [], None
+  for v in values:
+    acc = v if acc is None else weight * acc + (1 - weight) * v
+    out.append(acc)
+  return out
+
+
+def _plots(curves: dict[str, list[dict[str, Any]]], out_dir: str, title: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  for name, x_key, x_label, log_x in (
+    ("loss_vs_step.png", "step", "step", False),
+    ("loss_vs_bytes.png", "cumulative_bytes", "cumulative bytes sent per worker", True),
+  ):
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for method, records in curves.items():
+      pts = [(r[x_key], r["loss"]) for r in records if not (log_x and r[x_key] <= 0)]
+      if not pts:
+        continue
+      (line,) = ax.plot(
+        [p[0] for p in pts], _smooth([p[1] for p in pts]), label=f"{method} (train, smoothed)"
+      )
+      val = [(r[x_key], r["val_loss"]) for r in records if "val_loss" in r and r[x_key] > 0]
+      if val:
+        ax.plot([v[0] for v in val], [v[1] for v in val], "o", color=line.get_color(), ms=4)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel("loss (dots: validation)")
+    if log_x:
+      ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, name), dpi=100)
+    plt.close(fig)
+
+
+def _write(rows, configs, base, out_dir) -> None:
+  import jax
+
+  if jax.process_index() != 0:
+    return
+  first = next(iter(configs.values())).resolved()
+  with open(os.path.join(first.out_dir, "summary.json")) as f:
+    num_params = json.load(f)["num_params"]
+  setup = (
+    f"Preset `{base.preset}` ({num_params / 1e6:.2f}M params), {base.workers} workers, "
+    f"{base.steps} steps of {base.batch_size} x {base.seq_len} tokens, seed {base.seed}, "
+    f"data: {base.data_path or 'the embedded corpus'}. Learning rates: "
+    + ", ".join(f"{r['method']} {r['learning_rate']:g}" for r in rows)
+    + "."
+  )
+  projection = time_model.project(rows, time_model.DEFAULT_LINKS, base.steps, base.workers)
+  report = time_model.report_setting()
+  text = "\n\n".join(
+    [
+      "# DisTrO comparison",
+      setup,
+      markdown_table(rows),
+      "Payload: what one worker puts into the collective per step (DeMo's message, "
+      "AdamW's gradient, DiLoCo's fp32 pseudo-gradient divided by H). Measured: the "
+      "optimizer's collective operand bytes in the compiled train step (DiLoCo's divided "
+      "by H). Ratios are against the payload. Optimizer share: 1 - (loss and gradient "
+      "time) / (train step time), medians of interleaved timings in this run.",
+      f"## Internet time model: these runs ({base.steps} steps, {base.workers} workers)",
+      time_model.markdown(projection),
+      f"## The DisTrO report's setting ({time_model.REPORT.preset}, "
+      f"{time_model.REPORT.workers} workers, {time_model.REPORT.steps:,} steps)",
+      f"Compute per step is the report's AdamW time, {time_model.REPORT.adamw_hours} h / "
+      f"{time_model.REPORT.steps:,} steps = {time_model.REPORT.compute_seconds:.2f} s. "
+      f"Published: {time_model.REPORT.adamw_hours} h for AdamW and "
+      f"{time_model.REPORT.distro_hours} h for DisTrO on datacenter links.",
+      time_model.markdown(report),
+    ]
+  )
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "results.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(out_dir, "results.json"), "w") as f:
+    json.dump(rows, f, indent=2)
+  with open(os.path.join(out_dir, "projection.json"), "w") as f:
+    json.dump({"this_run": projection, "report_setting": report}, f, indent=2)
+  curves = {m: _curves(c) for m, c in configs.items()}
+  _plots(curves, out_dir, f"{first.preset}, {first.workers} workers")
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from experiments import trainer
+  from experiments.checkpointing import CheckpointError
+  from experiments.data import DataError
+
+  try:
+    train_cli.setup_devices()
+    base = train_cli.config_from_flags()
+    rows = run_comparison(base, _METHODS.value, base.out_dir, progress=base.progress)
+  except (trainer.ConfigError, DataError, CheckpointError, ValueError, FloatingPointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(markdown_table(rows))
+  print(f"\nTables, projections and plots: {base.out_dir}/results.md")
+
+
+if __name__ == "__main__":
+  app.run(main)
