@@ -193,17 +193,24 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-def _curves(cfg: Any) -> list[dict[str, Any]]:
-  """The run's metrics, with what each step actually put on the wire."""
+def _curves(cfg: Any, row: dict[str, Any]) -> list[dict[str, Any]]:
+  """The run's metrics, with the bytes each worker's link carried up so far.
+
+  The count is the time model's for a ring, the same for every method: an
+  all-gather moves W-1 messages, an all-reduce ``2 (W-1)/W`` operands, and
+  DiLoCo's all-reduce arrives whole at each synchronization.
+  """
   with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f if line.strip()]
+  up, _ = time_model.link_bytes(
+    time_model.collective_of(cfg.optimizer), row["payload_bytes_per_step"], cfg.workers
+  )
   total = 0.0
   for r in records:
-    sent = r["bytes_sent"]
-    if cfg.optimizer == "diloco":
-      # Nothing between synchronizations, then H steps' worth at once.
-      sent = sent * cfg.diloco_sync_every if r["step"] % cfg.diloco_sync_every == 0 else 0.0
-    total += sent
+    if cfg.optimizer != "diloco":
+      total += up
+    elif r["step"] % cfg.diloco_sync_every == 0:
+      total += up * cfg.diloco_sync_every
     r["cumulative_bytes"] = total
   return records
 
@@ -224,7 +231,7 @@ def _plots(curves: dict[str, list[dict[str, Any]]], out_dir: str, title: str) ->
 
   for name, x_key, x_label, log_x in (
     ("loss_vs_step.png", "step", "step", False),
-    ("loss_vs_bytes.png", "cumulative_bytes", "cumulative bytes sent per worker", True),
+    ("loss_vs_bytes.png", "cumulative_bytes", "cumulative bytes up each worker link (ring)", True),
   ):
     fig, ax = plt.subplots(figsize=(8, 5))
     for method, records in curves.items():
@@ -294,7 +301,7 @@ def _write(rows, configs, base, out_dir) -> None:
     json.dump(rows, f, indent=2)
   with open(os.path.join(out_dir, "projection.json"), "w") as f:
     json.dump({"this_run": projection, "report_setting": report}, f, indent=2)
-  curves = {m: _curves(c) for m, c in configs.items()}
+  curves = {r["method"]: _curves(configs[r["method"]], r) for r in rows}
   _plots(curves, out_dir, f"{first.preset}, {first.workers} workers")
 
 

@@ -33,6 +33,7 @@ __all__ = [
   "DEFAULT_LINKS",
   "REPORT",
   "Link",
+  "collective_of",
   "link_bytes",
   "markdown",
   "project",
@@ -136,8 +137,9 @@ def _projection(name, collective, operand, compute, workers, steps, link) -> dic
   }
 
 
-def _collective(row: dict[str, Any]) -> str:
-  return "all-reduce" if row["optimizer"] in ("adamw", "diloco") else "all-gather"
+def collective_of(optimizer: str) -> str:
+  """The collective an optimizer of ``experiments.trainer`` exchanges with."""
+  return "all-reduce" if optimizer in ("adamw", "diloco") else "all-gather"
 
 
 def project(
@@ -160,7 +162,7 @@ def project(
   return [
     _projection(
       row["method"],
-      _collective(row),
+      collective_of(row["optimizer"]),
       row["payload_bytes_per_step"],
       row["step_seconds"],
       workers,

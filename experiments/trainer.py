@@ -334,15 +334,15 @@ def time_step_parts(
   step = first_step
   for _ in range(rounds):
     t0 = time.perf_counter()
+    # Waiting on every call keeps one step in flight, as in training; queuing
+    # dozens of collective steps can outlast XLA's rendezvous timeout on a busy host.
     for _ in range(block):
       step += 1
-      params, opt_state = full_step(params, opt_state, step)
-    jax.block_until_ready((params, opt_state))
+      params, opt_state = jax.block_until_ready(full_step(params, opt_state, step))
     step_s.append((time.perf_counter() - t0) / block)
     t0 = time.perf_counter()
     for _ in range(block):
-      out = gradient_only(params, opt_state)
-    jax.block_until_ready(out)
+      jax.block_until_ready(gradient_only(params, opt_state))
     grad_s.append((time.perf_counter() - t0) / block)
   step_med, grad_med = float(np.median(step_s)), float(np.median(grad_s))
   return {
