@@ -67,9 +67,19 @@ _PORT = 12355  # each namespace is fresh, so a fixed port cannot clash
 # Set by the launcher; passing them through would break the lab's wiring.
 _RESERVED = ("optimizer", "preset", "steps", "out_dir", "workers", "num_processes",
              "process_id", "coordinator_address", "resume")  # fmt: skip
-# Train-driver defaults for a lab run, unless passed: one 128-token sequence
-# per process keeps the compute per step small next to a slow link.
-_TRAIN_DEFAULTS = {"seq_len": "128", "eval_every": "10", "eval_batches": "2", "log_every": "10"}
+# Train-driver defaults for a lab run, unless passed. One 128-token sequence
+# per process keeps the compute per step small next to a slow link. DisTrO
+# methods send what Psyche sends over the internet, top-k 8 with 1-bit
+# values; the reference's top-k 32 in fp32 is --compression_topk=32
+# --noquantize_1bit (AdamW ignores both).
+_TRAIN_DEFAULTS = {
+  "seq_len": "128",
+  "eval_every": "10",
+  "eval_batches": "2",
+  "log_every": "10",
+  "compression_topk": "8",
+  "quantize_1bit": "true",
+}
 
 
 def parse_rates(text: str, processes: int) -> list[float]:
@@ -155,6 +165,12 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
       time.sleep(0.05)
 
 
+def _raised(log_path: str) -> bool:
+  """Whether a driver's log shows an uncaught exception or the driver's error line."""
+  text = _tail(log_path, 20000)
+  return "Traceback (most recent call last)" in text or "\nerror: " in text
+
+
 def _tail(path: str, chars: int = 2500) -> str:
   try:
     with open(path, errors="replace") as f:
@@ -199,12 +215,15 @@ def run_once(
     stopped = False
     print(f"netlab: {name}: {n} processes started (logs in {run_dir})", flush=True)
     while any(p.poll() is None for p in procs):
-      failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+      # A driver that raised can hang at exit in JAX's shutdown barrier, waiting
+      # for peers that wait for it; its traceback is the failure.
+      failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0) or _raised(logs[i])]
       if failed:
         i = failed[0]
         raise netlab_links.NetlabError(
-          f"{name}: process {i} exited with status {procs[i].returncode}; the end of "
-          f"{logs[i]}:\n{_tail(logs[i])}"
+          f"{name}: process {i} failed"
+          + ("" if procs[i].returncode is None else f" with exit status {procs[i].returncode}")
+          + f"; the end of {logs[i]}:\n{_tail(logs[i])}"
         )
       if _LIMIT.value and time.monotonic() - start > _LIMIT.value:
         stopped = True
@@ -250,10 +269,14 @@ def lab_main(passthrough: Sequence[str]) -> dict:
     )
   os.makedirs(_OUT.value, exist_ok=True)
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  # Shaped and unshaped runs compile the same step: compile it once.
-  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.abspath(_OUT.value), "xla"))
+  # No persistent compile cache: only process 0 writes it, so on a rerun
+  # process 0 starts training while the others still compile, and gloo gives
+  # up on a context whose peers are more than 30 s late.
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   netlab_links.sweep_stale()
   lab = netlab_links.Lab(processes)
+  # Also when started from a shell that ignores SIGINT in background jobs.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   signal.signal(signal.SIGTERM, _raise_exit)
   signal.signal(signal.SIGHUP, _raise_exit)
   lab.create()

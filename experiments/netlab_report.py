@@ -289,7 +289,9 @@ def markdown(report: dict[str, dict[str, Any]], settings: str) -> str:
   lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
   for method, e in report.items():
     links = e.get("link_bytes_per_step_by_process_shaped") or []
-    bound = (e.get("bounding_link") or {}).get("process")
+    # With equal rates every link carries about the same: none stands out.
+    mixed = len(set(e["rates_mbit"])) > 1
+    bound = (e.get("bounding_link") or {}).get("process") if mixed else None
     for i, (x, need) in enumerate(zip(links, e.get("link_seconds_per_step", []))):
       mark = " (bounds the step)" if i == bound else ""
       lines.append(

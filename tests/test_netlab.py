@@ -155,8 +155,9 @@ def test_bad_methods_and_reserved_flags():
     netlab.parse_methods("demo,sgd")
   with pytest.raises(netlab_links.NetlabError, match="--workers is set by netlab"):
     netlab.train_flags(["--workers=8"], 2)
-  flags = netlab.train_flags(["--seq_len=64", "--noprogress"], 4)
+  flags = netlab.train_flags(["--seq_len=64", "--noquantize_1bit"], 4)
   assert "--seq_len=64" in flags and "--seq_len=128" not in flags
+  assert "--noquantize_1bit" in flags and "--quantize_1bit=true" not in flags
   assert "--batch_size=4" in flags
 
 
