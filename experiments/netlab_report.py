@@ -96,19 +96,25 @@ def steps_to_target(records: Sequence[dict], target: float) -> int | None:
   return None if hit is None else hit["step"]
 
 
+# Methods whose one collective is an all-gather of every worker's message;
+# the others all-reduce (AdamW every step, DiLoCo every H steps).
+_ALL_GATHER = ("demo", "distro_adamw")
+
+
 def payload_traffic(method: str, summary: dict[str, Any], workers: int) -> dict[str, float]:
   """What one process must send per step, computed from the run's summary.
 
-  ``message`` is what each worker contributes: the DisTrO message, or the fp32
-  gradient for AdamW. ``payload`` is what the collective's algorithm then sends
-  per process: an all-gather forwards the W-1 other messages around the ring,
-  a ring all-reduce sends ``2 (W-1)/W`` gradients (reduce-scatter, all-gather).
+  ``message`` is what each worker puts into the collective (the driver's
+  ``payload_bytes_per_step``): the DisTrO message, or the gradient (DiLoCo's
+  pseudo-gradient amortized over its H steps). ``payload`` is what the
+  collective's algorithm then sends per process: an all-gather forwards the
+  W-1 other messages, a ring all-reduce sends ``2 (W-1)/W`` operands
+  (reduce-scatter, then all-gather), which is the driver's ``bytes_sent_per_step``.
   """
-  if method == "adamw":
-    ring = summary["bytes_sent_per_step"]  # the driver's ring all-reduce figure
-    return {"message": ring * workers / (2 * (workers - 1)), "payload": ring}
   message = summary["payload_bytes_per_step"]
-  return {"message": message, "payload": (workers - 1) * message}
+  if method in _ALL_GATHER:
+    return {"message": message, "payload": (workers - 1) * message}
+  return {"message": message, "payload": summary["bytes_sent_per_step"]}
 
 
 def link_bytes_per_step(

@@ -229,6 +229,10 @@ def test_summary_computes_payload_and_the_bounding_link():
   )
   e = report["demo"]
   assert e["payload_bytes_per_step"] == 3000  # W-1 messages forwarded per all-gather
+  ring = netlab_report.payload_traffic(
+    "adamw", {"payload_bytes_per_step": 400, "bytes_sent_per_step": 600.0}, w
+  )
+  assert ring == {"message": 400, "payload": 600.0}  # 2 (W-1)/W of the gradient
   assert e["link_bytes_per_step"] == pytest.approx(2500.0)  # mean of 1000..4000 per second
   assert e["bounding_link"]["process"] == 2  # the 1 kbit/s link, not the busiest one
   assert e["target_val_loss"] == -3.0 and e["time_to_target_s_shaped"] == 7.0
