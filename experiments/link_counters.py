@@ -23,7 +23,15 @@ __all__ = ["bytes_between", "load_samples", "read_counters"]
 
 
 def read_counters(ifaces: Sequence[str], root: str = "/sys/class/net") -> dict[str, list[int]]:
-  """``{iface: [rx_bytes, tx_bytes]}`` as the kernel counts them now."""
+  """The kernel's byte counters of ``ifaces`` now.
+
+  Args:
+    ifaces: interface names in the caller's network namespace.
+    root: where sysfs lists the interfaces.
+
+  Returns:
+    ``{iface: [rx_bytes, tx_bytes]}``.
+  """
   out = {}
   for iface in ifaces:
     stats = os.path.join(root, iface, "statistics")
@@ -47,6 +55,15 @@ def load_samples(path: str) -> list[dict]:
 
 def bytes_between(samples: Sequence[dict], iface: str, t0: float, t1: float) -> tuple[float, float]:
   """(rx, tx) bytes that crossed ``iface`` between unix times ``t0`` and ``t1``.
+
+  Args:
+    samples: what this module's main wrote, in time order.
+    iface: one of the sampled interfaces.
+    t0: start of the window, unix seconds.
+    t1: end of the window.
+
+  Returns:
+    ``(rx_bytes, tx_bytes)``, interpolated linearly between samples.
 
   Raises:
     ValueError: the samples do not cover ``[t0, t1]``.

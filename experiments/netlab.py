@@ -85,6 +85,13 @@ _TRAIN_DEFAULTS = {
 def parse_rates(text: str, processes: int) -> list[float]:
   """``"10"`` or ``"10,100,100,1000"`` -> one rate in Mbit/s per process.
 
+  Args:
+    text: the ``--rate_mbit`` value.
+    processes: N.
+
+  Returns:
+    N rates.
+
   Raises:
     netlab_links.NetlabError: not a positive number, or not one rate per process.
   """
@@ -110,6 +117,12 @@ def parse_rates(text: str, processes: int) -> list[float]:
 def parse_methods(text: str) -> list[str]:
   """``"adamw,demo"`` -> the optimizer names, checked against the driver's.
 
+  Args:
+    text: the ``--methods`` value.
+
+  Returns:
+    The names, in the given order.
+
   Raises:
     netlab_links.NetlabError: an unknown or repeated name.
   """
@@ -126,6 +139,13 @@ def parse_methods(text: str) -> list[str]:
 
 def train_flags(passthrough: Sequence[str], processes: int) -> list[str]:
   """The driver flags for every process: the lab's defaults, then the passed-through ones.
+
+  Args:
+    passthrough: the command-line arguments netlab does not define.
+    processes: N; the default batch is one sequence per process.
+
+  Returns:
+    The flags, defaults first, so that a passed flag wins.
 
   Raises:
     netlab_links.NetlabError: a passed-through flag that the lab sets itself,
@@ -192,6 +212,17 @@ def run_once(
   env: dict[str, str],
 ) -> RunResult:
   """One training run: a driver process per namespace, waited on or stopped at the limit.
+
+  Args:
+    lab: the built lab, shaped or not.
+    method: the optimizer.
+    shaped: whether ``lab`` is shaped now (names the run).
+    port: the coordinator's port in namespace 0.
+    extra: driver flags for every process.
+    env: the drivers' environment.
+
+  Returns:
+    The run's records and summary.
 
   Raises:
     netlab_links.NetlabError: a process failed (its log's tail is in the message).

@@ -134,13 +134,23 @@ def _pids_in(namespace: str) -> list[int]:
 
 
 def leftovers(tag: str) -> dict[str, list]:
-  """What of lab ``tag`` still exists: its namespaces and the processes inside them."""
+  """What of lab ``tag`` still exists.
+
+  Args:
+    tag: the lab's name prefix, ``nl<launcher pid>``.
+
+  Returns:
+    ``{"namespaces": [...], "pids": [...]}``: its namespaces and the processes inside them.
+  """
   names = [n for n in _namespaces() if n.startswith(f"{tag}-")]
   return {"namespaces": names, "pids": [p for n in names for p in _pids_in(n)]}
 
 
 def teardown_tag(tag: str) -> None:
   """Kills every process in lab ``tag``'s namespaces, then deletes the namespaces.
+
+  Args:
+    tag: the lab's name prefix, ``nl<launcher pid>``.
 
   Deleting a namespace destroys the interfaces in it (both ends of each veth,
   the bridge, their qdiscs). A namespace still held by a process would only
@@ -274,7 +284,12 @@ class Lab:
     )  # fmt: skip
 
   def shape(self, rates_mbit: Sequence[float], latency_ms: float) -> None:
-    """Limits process ``i``'s link to ``rates_mbit[i]`` in both directions."""
+    """Limits process ``i``'s link to ``rates_mbit[i]`` in both directions.
+
+    Args:
+      rates_mbit: one rate in Mbit/s per process.
+      latency_ms: tbf's queueing budget; a packet that would wait longer is dropped.
+    """
     if len(rates_mbit) != self.num_processes:
       raise NetlabError(f"{len(rates_mbit)} rates for {self.num_processes} processes.")
     for i, rate in enumerate(rates_mbit):
@@ -296,6 +311,14 @@ class Lab:
 
     It dies with the launcher (``PR_SET_PDEATHSIG``), and its hostname is its
     lab address, which is what gloo advertises to its peers.
+
+    Args:
+      i: the process index.
+      argv: the command.
+      **kwargs: passed to ``subprocess.Popen`` (stdout, cwd, env, ...).
+
+    Returns:
+      The started process; its pid leads its session.
     """
     address = self.address(i)
     return subprocess.Popen(
@@ -306,7 +329,15 @@ class Lab:
     )
 
   def popen_hub(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
-    """Starts ``argv`` in the hub namespace, where every process's link can be read."""
+    """Starts ``argv`` in the hub namespace, where every process's link can be read.
+
+    Args:
+      argv: the command.
+      **kwargs: passed to ``subprocess.Popen``.
+
+    Returns:
+      The started process, which dies with the launcher.
+    """
     return subprocess.Popen(
       ["ip", "netns", "exec", self.hub, *argv],
       preexec_fn=lambda: ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL),

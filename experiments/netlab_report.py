@@ -58,6 +58,13 @@ def step_seconds(records: Sequence[dict], skip: int) -> list[float]:
 
   A step's time is the gap between its finish and the previous step's. Steps
   that carry a validation loss are left out: their gap includes the evaluation.
+
+  Args:
+    records: process 0's metrics records, with ``wall_time``.
+    skip: warm-up steps to leave out.
+
+  Returns:
+    Seconds per measured step, in step order.
   """
   rs = _timed(records)
   return [
@@ -74,7 +81,15 @@ def median_step_s(records: Sequence[dict], skip: int) -> float | None:
 
 
 def measure_window(records: Sequence[dict], skip: int) -> tuple[float, float, int] | None:
-  """(start, end, steps): from the finish of step ``skip`` to the last step's finish."""
+  """The measurement window: from the finish of step ``skip`` to the last step's finish.
+
+  Args:
+    records: process 0's metrics records, with ``wall_time``.
+    skip: warm-up steps to leave out (at least 1: the window starts at a finish).
+
+  Returns:
+    ``(start, end, steps)`` in unix seconds and steps, or None if no step is left.
+  """
   rs = _timed(records)
   first = next((r for r in rs if r["step"] == skip), None) if skip else None
   if first is None or rs[-1]["step"] <= skip:
@@ -83,7 +98,15 @@ def measure_window(records: Sequence[dict], skip: int) -> tuple[float, float, in
 
 
 def time_to_target_s(records: Sequence[dict], target: float) -> float | None:
-  """Seconds from the finish of step 1 to the first validation loss <= ``target``."""
+  """Seconds from the finish of step 1 to the first validation loss <= ``target``.
+
+  Args:
+    records: process 0's metrics records, with ``wall_time``.
+    target: the validation loss to reach.
+
+  Returns:
+    The seconds, or None if no validation reached ``target``.
+  """
   rs = _timed(records)
   if not rs:
     return None
@@ -110,6 +133,14 @@ def payload_traffic(method: str, summary: dict[str, Any], workers: int) -> dict[
   collective's algorithm then sends per process: an all-gather forwards the
   W-1 other messages, a ring all-reduce sends ``2 (W-1)/W`` operands
   (reduce-scatter, then all-gather), which is the driver's ``bytes_sent_per_step``.
+
+  Args:
+    method: the optimizer.
+    summary: the run's ``summary.json``.
+    workers: W, one per process.
+
+  Returns:
+    ``{"message": bytes, "payload": bytes}`` per process per step.
   """
   message = summary["payload_bytes_per_step"]
   if method in _ALL_GATHER:
@@ -124,6 +155,14 @@ def link_bytes_per_step(
 
   ``ifaces[i]`` is process i's veth end on the bridge, so what it receives
   (rx) is what the process sent.
+
+  Args:
+    samples: counter samples covering ``window``.
+    ifaces: process i's interface on the bridge, by i.
+    window: ``(start, end, steps)`` from :func:`measure_window`.
+
+  Returns:
+    ``[{"up": bytes, "down": bytes}, ...]`` per step, by process.
   """
   t0, t1, steps = window
   out = []
@@ -253,7 +292,15 @@ def _fmt(x: float | None, spec: str = ".2f", unit: str = "") -> str:
 
 
 def markdown(report: dict[str, dict[str, Any]], settings: str) -> str:
-  """The report as markdown: the settings line, the main table and the per-link table."""
+  """The report as markdown: the settings line, the main table and the per-link table.
+
+  Args:
+    report: what :func:`summarize` returned.
+    settings: one line saying what was run.
+
+  Returns:
+    The markdown text.
+  """
   lines = [
     "# netlab",
     "",
@@ -308,7 +355,13 @@ def markdown(report: dict[str, dict[str, Any]], settings: str) -> str:
 
 
 def plot(runs: Sequence[RunResult], path: str, title: str) -> None:
-  """Loss against wall-clock seconds since step 1, one line per run."""
+  """Loss against wall-clock seconds since step 1, one line per run, saved to ``path``.
+
+  Args:
+    runs: every run; shaped ones solid, unshaped dashed, one colour per method.
+    path: where the PNG goes.
+    title: the figure's title.
+  """
   import matplotlib
 
   matplotlib.use("Agg")
@@ -344,7 +397,14 @@ def plot(runs: Sequence[RunResult], path: str, title: str) -> None:
 def write_report(
   out_dir: str, report: dict[str, dict[str, Any]], runs: Sequence[RunResult], settings: str
 ) -> None:
-  """Writes ``netlab.json``, ``netlab.md`` and ``netlab_loss.png`` into ``out_dir``."""
+  """Writes ``netlab.json``, ``netlab.md`` and ``netlab_loss.png`` into ``out_dir``.
+
+  Args:
+    out_dir: an existing directory.
+    report: what :func:`summarize` returned.
+    runs: every run, for the plot.
+    settings: one line saying what was run.
+  """
   with open(os.path.join(out_dir, "netlab.json"), "w") as f:
     json.dump(report, f, indent=2)
   with open(os.path.join(out_dir, "netlab.md"), "w") as f:
