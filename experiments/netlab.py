@@ -296,6 +296,12 @@ def lab_main(passthrough: Sequence[str]) -> dict:
     raise netlab_links.NetlabError(f"--processes must be at least 2, got {processes}.")
   rates = parse_rates(_RATE.value, processes)
   methods = parse_methods(_METHODS.value)
+  from experiments import presets
+
+  try:
+    presets.get_preset(_PRESET.value)
+  except ValueError as e:
+    raise netlab_links.NetlabError(str(e).replace("unknown preset", "unknown --preset")) from None
   extra = train_flags(passthrough, processes)
   if _STEPS.value <= _SKIP.value:
     raise netlab_links.NetlabError(
