@@ -561,7 +561,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     step, metrics, seconds = entry
     record = {
       "step": step,
-      "loss": float(metrics["loss"]),
+      "loss": float(metrics["loss"]),  # blocks until the step is done, so the next line
+      "wall_time": time.time(),  # is when it finished: netlab times steps across processes
       "bytes_sent": sent["bytes_sent"],
       "lr": float(tx_lr(step - 1)),
       "tokens_per_s": tokens_per_step / max(seconds, 1e-9),

@@ -1,0 +1,98 @@
+r"""Interface byte counters from ``/sys/class/net/*/statistics``, sampled over time.
+
+netlab runs this inside its hub namespace (``/sys/class/net`` shows the
+namespace a process runs in), where every process's veth end sits:
+
+  python -m experiments.link_counters --interval_s=0.2 v0 v1 > counters.jsonl
+
+Each line is ``{"t": unix_time, "bytes": {iface: [rx, tx]}}``. Between
+samples, :func:`bytes_between` interpolates linearly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["bytes_between", "load_samples", "read_counters"]
+
+
+def read_counters(ifaces: Sequence[str], root: str = "/sys/class/net") -> dict[str, list[int]]:
+  """The kernel's byte counters of ``ifaces`` now.
+
+  Args:
+    ifaces: interface names in the caller's network namespace.
+    root: where sysfs lists the interfaces.
+
+  Returns:
+    ``{iface: [rx_bytes, tx_bytes]}``.
+  """
+  out = {}
+  for iface in ifaces:
+    stats = os.path.join(root, iface, "statistics")
+    with open(os.path.join(stats, "rx_bytes")) as rx, open(os.path.join(stats, "tx_bytes")) as tx:
+      out[iface] = [int(rx.read()), int(tx.read())]
+  return out
+
+
+def load_samples(path: str) -> list[dict]:
+  """The JSON lines of ``path`` (this module's samples, or a run's metrics); a torn last
+  line, left by a killed writer, is dropped."""
+  samples = []
+  with open(path) as f:
+    for line in f:
+      try:
+        samples.append(json.loads(line))
+      except json.JSONDecodeError:
+        break
+  return samples
+
+
+def bytes_between(samples: Sequence[dict], iface: str, t0: float, t1: float) -> tuple[float, float]:
+  """(rx, tx) bytes that crossed ``iface`` between unix times ``t0`` and ``t1``.
+
+  Args:
+    samples: what this module's main wrote, in time order.
+    iface: one of the sampled interfaces.
+    t0: start of the window, unix seconds.
+    t1: end of the window.
+
+  Returns:
+    ``(rx_bytes, tx_bytes)``, interpolated linearly between samples.
+
+  Raises:
+    ValueError: the samples do not cover ``[t0, t1]``.
+  """
+  ts = np.array([s["t"] for s in samples])
+  if not len(ts) or t0 < ts[0] or t1 > ts[-1]:
+    span = f"[{ts[0]:.1f}, {ts[-1]:.1f}]" if len(ts) else "nothing"
+    raise ValueError(f"counter samples cover {span}, not [{t0:.1f}, {t1:.1f}]")
+  counts = np.array([s["bytes"][iface] for s in samples], dtype=np.float64)
+  rx = np.interp([t0, t1], ts, counts[:, 0])
+  tx = np.interp([t0, t1], ts, counts[:, 1])
+  return float(rx[1] - rx[0]), float(tx[1] - tx[0])
+
+
+def main(argv: Sequence[str]) -> None:
+  interval, ifaces = 0.2, []
+  for arg in argv:
+    if arg.startswith("--interval_s="):
+      interval = float(arg.split("=", 1)[1])
+    else:
+      ifaces.append(arg)
+  if not ifaces:
+    sys.exit("usage: python -m experiments.link_counters [--interval_s=S] IFACE...")
+  while True:
+    line = json.dumps({"t": time.time(), "bytes": read_counters(ifaces)})
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    time.sleep(interval)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,382 @@
+r"""Bandwidth-shaped links between processes on one Linux machine, and their teardown.
+
+A lab is N network namespaces, one per training process, each with a veth
+pair whose other end sits on a bridge in a hub namespace of its own:
+
+  p0:eth0 <-> hub:v0 --+
+  p1:eth0 <-> hub:v1 --+-- hub:br0
+  ...
+
+Nothing is created in the caller's namespace, so host firewall rules (a
+Docker host's ``FORWARD DROP``, ``br_netfilter``) never see the traffic, and
+deleting the namespaces removes every interface. Shaping is ``tc qdisc tbf``
+on both ends of a process's veth: ``eth0`` egress is its upload, ``v<i>``
+egress its download, so each process's link runs at its rate both ways.
+
+Every name carries the tag ``nl<launcher pid>``. A guardian process, started
+with the lab, tears it down if the launcher dies without doing so (SIGKILL),
+and :func:`sweep_stale` removes labs whose launcher is gone.
+
+  python -m experiments.netlab_links --guard=nl1234   # what the launcher starts
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = [
+  "Lab",
+  "NetlabError",
+  "check_prerequisites",
+  "leftovers",
+  "missing_prerequisite",
+  "sweep_stale",
+  "teardown_tag",
+]
+
+_CLONE_NEWUTS = 0x04000000
+_PR_SET_PDEATHSIG = 1
+_SUBNET = "10.77.0"
+_TAG_RE = re.compile(r"^nl(\d+)-")
+
+
+class NetlabError(RuntimeError):
+  """The lab cannot be built or run; the message says what is needed."""
+
+
+def missing_prerequisite() -> str | None:
+  """Why this machine cannot build a lab, or None if it can (as far as can be seen unbuilt)."""
+  if sys.platform != "linux":
+    return f"netlab needs Linux network namespaces; this is {sys.platform}."
+  if os.geteuid() != 0:
+    return (
+      "netlab needs root: it creates network namespaces, veth pairs, a bridge and tc "
+      "qdiscs (CAP_SYS_ADMIN and CAP_NET_ADMIN). Run it as root, e.g. "
+      "`sudo -E python -m experiments.netlab ...`."
+    )
+  missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+  if missing:
+    return (
+      f"netlab needs iproute2's `ip` and `tc` on PATH; {' and '.join(missing)} not found. "
+      "Install iproute2 (e.g. `apt-get install iproute2`)."
+    )
+  return None
+
+
+def check_prerequisites() -> None:
+  """Raises :class:`NetlabError` naming what is missing (root, ``ip``, ``tc``)."""
+  reason = missing_prerequisite()
+  if reason:
+    raise NetlabError(reason)
+
+
+# What a failing command's stderr means, and what fixes it.
+_HINTS = (
+  (
+    ("tbf", "Unknown qdisc", "qdisc kind is unknown", "No such file"),
+    "The kernel has no tbf qdisc: load it with `modprobe sch_tbf`, or use a kernel built "
+    "with CONFIG_NET_SCH_TBF.",
+  ),
+  (
+    ("type bridge", "Unknown device type", "not supported"),
+    "The kernel lacks bridge or veth support: `modprobe bridge veth`, or use a kernel built "
+    "with CONFIG_BRIDGE and CONFIG_VETH.",
+  ),
+  (
+    ("netns add", "Operation not permitted", "Permission denied"),
+    "Creating network namespaces needs root with CAP_SYS_ADMIN (a container may need "
+    "--privileged or --cap-add=SYS_ADMIN,NET_ADMIN).",
+  ),
+)
+
+
+def _hint(cmd: str, stderr: str) -> str:
+  for needles, hint in _HINTS:
+    if needles[0] in cmd and any(n in stderr for n in needles[1:]):
+      return " " + hint
+  return ""
+
+
+def _run(*argv: str) -> str:
+  """Runs one ``ip``/``tc`` command; a failure raises NetlabError with its stderr and a hint."""
+  try:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+  except FileNotFoundError:
+    raise NetlabError(
+      f"`{argv[0]}` not found; netlab needs iproute2 (e.g. `apt-get install iproute2`)."
+    ) from None
+  if done.returncode:
+    cmd = " ".join(argv)
+    err = done.stderr.strip()
+    raise NetlabError(f"`{cmd}` failed: {err}.{_hint(cmd, err)}")
+  return done.stdout
+
+
+def _namespaces() -> list[str]:
+  out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+  return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _pids_in(namespace: str) -> list[int]:
+  out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
+  return [int(p) for p in out.split()]
+
+
+def leftovers(tag: str) -> dict[str, list]:
+  """What of lab ``tag`` still exists.
+
+  Args:
+    tag: the lab's name prefix, ``nl<launcher pid>``.
+
+  Returns:
+    ``{"namespaces": [...], "pids": [...]}``: its namespaces and the processes inside them.
+  """
+  names = [n for n in _namespaces() if n.startswith(f"{tag}-")]
+  return {"namespaces": names, "pids": [p for n in names for p in _pids_in(n)]}
+
+
+def teardown_tag(tag: str) -> None:
+  """Kills every process in lab ``tag``'s namespaces, then deletes the namespaces.
+
+  Args:
+    tag: the lab's name prefix, ``nl<launcher pid>``.
+
+  Deleting a namespace destroys the interfaces in it (both ends of each veth,
+  the bridge, their qdiscs). A namespace still held by a process would only
+  vanish from ``ip netns list`` and linger, hence the kill first.
+  """
+  names = [n for n in _namespaces() if n.startswith(f"{tag}-")]
+  for name in names:
+    for pid in _pids_in(name):
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+  deadline = time.monotonic() + 10
+  while time.monotonic() < deadline and any(_pids_in(n) for n in names):
+    time.sleep(0.05)
+  for name in names:
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def sweep_stale() -> list[str]:
+  """Tears down labs whose launcher process is gone; returns their tags."""
+  stale = set()
+  for name in _namespaces():
+    m = _TAG_RE.match(name)
+    if m and not _alive(int(m.group(1))):
+      stale.add(f"nl{m.group(1)}")
+  for tag in sorted(stale):
+    teardown_tag(tag)
+  return sorted(stale)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _enter_child_namespaces(hostname: str) -> None:
+  """preexec_fn of a process in the lab: own UTS namespace, die with the launcher.
+
+  Gloo (JAX's CPU collectives) advertises the address that ``gethostname()``
+  resolves to, and JAX gives it no other choice. Naming the process's UTS
+  namespace after its lab address makes that the address peers can reach.
+  """
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.unshare(_CLONE_NEWUTS):
+    raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) failed")
+  socket.sethostname(hostname)
+  libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclasses.dataclass
+class Lab:
+  """N process namespaces on a bridge; see the module docstring.
+
+  Attributes:
+    num_processes: N.
+    tag: the prefix of every name, ``nl<launcher pid>`` by default.
+  """
+
+  num_processes: int
+  tag: str = dataclasses.field(default_factory=lambda: f"nl{os.getpid()}")
+
+  def __post_init__(self):
+    if not 1 <= self.num_processes <= 250:
+      raise NetlabError(f"--processes must be in [1, 250], got {self.num_processes}.")
+    self._guardian: subprocess.Popen | None = None
+    self.shaped_rates: list[float] | None = None
+
+  @property
+  def hub(self) -> str:
+    return f"{self.tag}-hub"
+
+  def namespace(self, i: int) -> str:
+    return f"{self.tag}-p{i}"
+
+  def address(self, i: int) -> str:
+    return f"{_SUBNET}.{i + 1}"
+
+  def hub_interface(self, i: int) -> str:
+    """Process ``i``'s veth end on the bridge: its rx is the process's upload."""
+    return f"v{i}"
+
+  def create(self) -> None:
+    """Builds the namespaces, veths and bridge, and checks that tbf is available.
+
+    Raises:
+      NetlabError: a prerequisite is missing or a command failed; nothing is left behind.
+    """
+    check_prerequisites()
+    self._guardian = subprocess.Popen(
+      [sys.executable, "-m", "experiments.netlab_links", f"--guard={self.tag}"],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.DEVNULL,
+      start_new_session=True,  # Ctrl-C at the terminal must not reach it
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    try:
+      _run("ip", "netns", "add", self.hub)
+      _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+      _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+      for i in range(self.num_processes):
+        ns = self.namespace(i)
+        _run("ip", "netns", "add", ns)
+        _run(
+          "ip", "link", "add", self.hub_interface(i), "netns", self.hub,
+          "type", "veth", "peer", "name", "eth0", "netns", ns,
+        )  # fmt: skip
+        _run("ip", "-n", self.hub, "link", "set", self.hub_interface(i), "master", "br0", "up")
+        _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+      # Probe the qdisc now, before any training starts.
+      self._tbf(self.hub, self.hub_interface(0), 10.0, 100.0)
+      _run("tc", "-n", self.hub, "qdisc", "del", "dev", self.hub_interface(0), "root")
+    except BaseException:
+      self.teardown()
+      raise
+
+  @staticmethod
+  def _tbf(namespace: str, dev: str, rate_mbit: float, latency_ms: float) -> None:
+    rate_bytes = rate_mbit * 1e6 / 8
+    # A veth hands tbf whole GSO super-packets of up to 64 KiB; a smaller burst
+    # would drop them. Above ~50 Mbit/s, 10 ms worth of rate is the larger.
+    burst = max(65536 + 1514, int(rate_bytes * 0.01))
+    _run(
+      "tc", "-n", namespace, "qdisc", "replace", "dev", dev, "root", "tbf",
+      "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", f"{latency_ms}ms",
+    )  # fmt: skip
+
+  def shape(self, rates_mbit: Sequence[float], latency_ms: float) -> None:
+    """Limits process ``i``'s link to ``rates_mbit[i]`` in both directions.
+
+    Args:
+      rates_mbit: one rate in Mbit/s per process.
+      latency_ms: tbf's queueing budget; a packet that would wait longer is dropped.
+    """
+    if len(rates_mbit) != self.num_processes:
+      raise NetlabError(f"{len(rates_mbit)} rates for {self.num_processes} processes.")
+    for i, rate in enumerate(rates_mbit):
+      self._tbf(self.namespace(i), "eth0", rate, latency_ms)  # upload
+      self._tbf(self.hub, self.hub_interface(i), rate, latency_ms)  # download
+    self.shaped_rates = list(rates_mbit)
+
+  def unshape(self) -> None:
+    """Removes the rate limits: the links run at veth speed (the compute-only reference)."""
+    if self.shaped_rates is None:
+      return
+    for i in range(self.num_processes):
+      _run("tc", "-n", self.namespace(i), "qdisc", "del", "dev", "eth0", "root")
+      _run("tc", "-n", self.hub, "qdisc", "del", "dev", self.hub_interface(i), "root")
+    self.shaped_rates = None
+
+  def popen(self, i: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+    """Starts ``argv`` in process ``i``'s namespace, in a session of its own.
+
+    It dies with the launcher (``PR_SET_PDEATHSIG``), and its hostname is its
+    lab address, which is what gloo advertises to its peers.
+
+    Args:
+      i: the process index.
+      argv: the command.
+      **kwargs: passed to ``subprocess.Popen`` (stdout, cwd, env, ...).
+
+    Returns:
+      The started process; its pid leads its session.
+    """
+    address = self.address(i)
+    return subprocess.Popen(
+      ["ip", "netns", "exec", self.namespace(i), *argv],
+      preexec_fn=lambda: _enter_child_namespaces(address),
+      start_new_session=True,
+      **kwargs,
+    )
+
+  def popen_hub(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+    """Starts ``argv`` in the hub namespace, where every process's link can be read.
+
+    Args:
+      argv: the command.
+      **kwargs: passed to ``subprocess.Popen``.
+
+    Returns:
+      The started process, which dies with the launcher.
+    """
+    return subprocess.Popen(
+      ["ip", "netns", "exec", self.hub, *argv],
+      preexec_fn=lambda: ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL),
+      start_new_session=True,
+      **kwargs,
+    )
+
+  def teardown(self) -> None:
+    """Kills whatever runs in the lab and deletes it; idempotent.
+
+    Raises:
+      NetlabError: something of the lab survived (it is named).
+    """
+    teardown_tag(self.tag)
+    if self._guardian is not None:
+      self._guardian.stdin.close()  # the guardian finds nothing left and exits
+      self._guardian.wait(timeout=30)
+      self._guardian = None
+    left = leftovers(self.tag)
+    if left["namespaces"] or left["pids"]:
+      raise NetlabError(f"teardown of {self.tag} left {left}; remove them with `ip netns del`.")
+
+  def __enter__(self) -> Lab:
+    self.create()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.teardown()
+
+
+def _guard(tag: str) -> None:
+  """Waits for the launcher to close (or lose) the pipe, then removes what it left."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  sys.stdin.buffer.read()
+  teardown_tag(tag)
+
+
+if __name__ == "__main__":
+  arg = sys.argv[1] if len(sys.argv) == 2 else ""
+  if not arg.startswith("--guard="):
+    sys.exit("usage: python -m experiments.netlab_links --guard=TAG")
+  _guard(arg.removeprefix("--guard="))
