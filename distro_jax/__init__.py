@@ -25,7 +25,22 @@ from distro_jax.dct import (
 )
 from distro_jax.diloco import DilocoState, diloco, inner_params
 from distro_jax.exchange import local_value_and_grad, pmean_gradients, varies_over, worker_local
-from distro_jax.hlo_bytes import CollectiveBytes, collective_bytes, parse_collective_bytes
+from distro_jax.fsdp import (
+  DeviceBytes,
+  FsdpPlan,
+  clip_by_sharded_global_norm,
+  device_bytes,
+  fsdp_value_and_grad,
+  gather_params,
+  local_shapes,
+  plan_fsdp,
+)
+from distro_jax.hlo_bytes import (
+  CollectiveBytes,
+  collective_bytes,
+  collective_bytes_by_axes,
+  parse_collective_bytes,
+)
 from distro_jax.transforms import DemoState, demo, distro, distro_adamw, scale_by_demo
 from distro_jax.wire import WireBytes, wire_bytes, wire_layout
 from distro_jax.worker_state import abstract_worker_state, init_worker_state, worker_state_specs
@@ -36,30 +51,39 @@ __all__ = [
   "ChunkPlan",
   "CollectiveBytes",
   "DemoState",
+  "DeviceBytes",
   "DilocoState",
+  "FsdpPlan",
   "TensorWire",
   "WireBytes",
   "WireLayout",
   "abstract_worker_state",
   "aggregate",
   "chunk_length",
+  "clip_by_sharded_global_norm",
   "collective_bytes",
+  "collective_bytes_by_axes",
   "dct_basis",
   "decode",
   "decode_message",
   "demo",
+  "device_bytes",
   "diloco",
   "distro",
   "distro_adamw",
   "encode",
   "encode_message",
   "from_chunks",
+  "fsdp_value_and_grad",
+  "gather_params",
   "index_dtype",
   "init_worker_state",
   "inner_params",
+  "local_shapes",
   "local_value_and_grad",
   "parse_collective_bytes",
   "plan_chunks",
+  "plan_fsdp",
   "pmean_gradients",
   "scale_by_demo",
   "select_topk",

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distro_jax.exchange import varying_axes
+
 __all__ = [
   "TensorWire",
   "WireLayout",
@@ -287,5 +289,10 @@ def aggregate(
     return mean, count
 
   init = (jnp.zeros((rows, chunk_size), jnp.float32), jnp.zeros((rows, chunk_size), count_dtype))
+  # The loop carry must be typed as varying over every mesh axis its inputs
+  # vary over (e.g. "fsdp" when each device aggregates its own shard).
+  axes = varying_axes(indices_WxRxK) | varying_axes(values_WxRxK) | varying_axes(valid_W)
+  if axes:
+    init = jax.lax.pcast(init, tuple(sorted(axes, key=str)), to="varying")
   mean, count = jax.lax.fori_loop(0, num_workers, fold, init)
   return mean, count.astype(jnp.int32)

@@ -99,12 +99,17 @@ def worker_local(tree: Any, axis_name: Hashable | None = "data") -> Any:
   )
 
 
-def varies_over(x: jax.Array, axis_name: Hashable) -> bool:
-  """Whether ``x`` is typed as differing across ``axis_name`` inside ``shard_map``."""
+def varying_axes(x: jax.Array) -> frozenset[Hashable]:
+  """The mesh axes across which ``x`` is typed as differing inside ``shard_map``."""
   aval = jax.typeof(x)
   # JAX 0.10 keeps the varying axes on ``manual_axis_type``; earlier ones on ``vma``.
   vma = aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
-  return axis_name in vma
+  return frozenset(vma)
+
+
+def varies_over(x: jax.Array, axis_name: Hashable) -> bool:
+  """Whether ``x`` is typed as differing across ``axis_name`` inside ``shard_map``."""
+  return axis_name in varying_axes(x)
 
 
 def local_value_and_grad(

@@ -9,12 +9,18 @@ looked up there.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
-__all__ = ["CollectiveBytes", "collective_bytes", "parse_collective_bytes"]
+__all__ = [
+  "CollectiveBytes",
+  "collective_bytes",
+  "collective_bytes_by_axes",
+  "parse_collective_bytes",
+]
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -116,15 +122,8 @@ def _operands(call: str) -> list[str]:
   return parts
 
 
-def parse_collective_bytes(hlo_text: str) -> CollectiveBytes:
-  """Reads per-device collective input bytes from HLO text.
-
-  Args:
-    hlo_text: HLO module text, e.g. ``jax.jit(f).lower(...).compile().as_text()``.
-
-  Returns:
-    A :class:`CollectiveBytes`. Asynchronous pairs count once, at ``-start``.
-  """
+def _collectives(hlo_text: str) -> list[tuple[str, str, int, str]]:
+  """``(kind, name, operand bytes, attributes)`` of every collective in HLO text."""
   shapes: dict[str, str] = {}
   instrs: list[tuple[str, str, str]] = []
   for line in hlo_text.splitlines():
@@ -138,8 +137,7 @@ def parse_collective_bytes(hlo_text: str) -> CollectiveBytes:
     opcode = call.split("(", 1)[0].strip()
     instrs.append((name, opcode, call))
 
-  by_kind = dict.fromkeys(KINDS, 0)
-  ops = []
+  found = []
   for name, opcode, call in instrs:
     kind = opcode.removesuffix("-start")
     if kind not in KINDS:
@@ -150,9 +148,78 @@ def parse_collective_bytes(hlo_text: str) -> CollectiveBytes:
         nbytes += _shape_bytes(operand.rsplit(" ", 1)[0])
       else:
         nbytes += _shape_bytes(shapes.get(operand.lstrip("%"), ""))
+    found.append((kind, name, nbytes, call))
+  return found
+
+
+def _tally(found: list[tuple[str, str, int, str]]) -> CollectiveBytes:
+  by_kind = dict.fromkeys(KINDS, 0)
+  for kind, _, nbytes, _ in found:
     by_kind[kind] += nbytes
-    ops.append((kind, name, nbytes))
-  return CollectiveBytes(by_kind, ops)
+  return CollectiveBytes(by_kind, [(kind, name, nbytes) for kind, name, nbytes, _ in found])
+
+
+def parse_collective_bytes(hlo_text: str) -> CollectiveBytes:
+  """Reads per-device collective input bytes from HLO text.
+
+  Args:
+    hlo_text: HLO module text, e.g. ``jax.jit(f).lower(...).compile().as_text()``.
+
+  Returns:
+    A :class:`CollectiveBytes`. Asynchronous pairs count once, at ``-start``.
+  """
+  return _tally(_collectives(hlo_text))
+
+
+_GROUPS_LIST = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[0-9,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+
+
+def _device_groups(attrs: str, num_devices: int) -> list[list[int]]:
+  """The groups of logical device ids a collective runs over, from its attributes."""
+  m = _GROUPS_IOTA.search(attrs)
+  if m:
+    shape = [int(x) for x in m.group(1).split(",")]
+    ids = np.arange(num_devices).reshape([int(x) for x in m.group(2).split(",")])
+    if m.group(3):
+      ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return ids.reshape(shape).tolist()
+  m = _GROUPS_LIST.search(attrs)
+  groups = []
+  if m:
+    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+  # An empty list means one group of every device.
+  return [g for g in groups if g] or [list(range(num_devices))]
+
+
+def collective_bytes_by_axes(
+  hlo_text: str, mesh: jax.sharding.Mesh
+) -> dict[tuple[Hashable, ...], CollectiveBytes]:
+  """Per-device collective bytes, keyed by the mesh axes each collective crosses.
+
+  A collective crosses a mesh axis when the devices of one of its groups sit
+  at different positions along that axis. On a ``("replica", "fsdp")`` mesh,
+  the key ``("replica",)`` is the traffic over the slow links between sites.
+
+  Args:
+    hlo_text: the compiled HLO of a step jitted over ``mesh`` (logical device
+      ``i`` is ``mesh.devices.flat[i]``, as JAX assigns them).
+    mesh: the mesh the step runs on.
+
+  Returns:
+    A dict from a tuple of axis names, in mesh order, to the
+    :class:`CollectiveBytes` of the collectives that cross exactly those axes.
+  """
+  num_devices = mesh.devices.size
+  grouped: dict[tuple[Hashable, ...], list] = {}
+  for op in _collectives(hlo_text):
+    crossed = set()
+    for group in _device_groups(op[3], num_devices):
+      coords = np.array(np.unravel_index(group, mesh.devices.shape))
+      crossed |= {d for d in range(coords.shape[0]) if len(set(coords[d])) > 1}
+    key = tuple(mesh.axis_names[d] for d in sorted(crossed))
+    grouped.setdefault(key, []).append(op)
+  return {key: _tally(ops) for key, ops in grouped.items()}
 
 
 def collective_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CollectiveBytes:

@@ -39,12 +39,19 @@ class DemoState(NamedTuple):
       and error feedback is exactly "zero the coefficients that were sent".
     contributors: how many workers' messages went into the last aggregate;
       those whose values were not finite are left out (so ``W - contributors``
-      were excluded). int32 scalar, the same on every worker.
+      were excluded). int32 scalar, the same on every worker. With
+      ``delayed_apply`` it counts the previous step's messages, and step 1,
+      which has none, counts 0.
+    pending: with ``delayed_apply``, this worker's message of the previous
+      step, ``uint8[message bytes]``, to be all-gathered at the next step;
+      ``None`` otherwise. Before the first step it is all zeros, which marks it
+      invalid, so the first step applies nothing.
   """
 
   count: jax.Array
   momentum: Any
   contributors: jax.Array
+  pending: jax.Array | None = None
 
 
 _STATIC_HINT = (
@@ -144,6 +151,7 @@ def scale_by_demo(
   quantize_1bit: bool = False,
   use_dct: bool = True,
   axis_name: Hashable | None = "data",
+  delayed_apply: bool = False,
 ) -> optax.GradientTransformation:
   """Decoupled momentum, compressed and exchanged; yields the aggregate ``Q``.
 
@@ -170,6 +178,12 @@ def scale_by_demo(
     axis_name: the mapped axis of the data-parallel workers, bound by an
       enclosing ``jax.shard_map``; ``None`` for a single worker with no
       collective.
+    delayed_apply: overlapped exchange. Step t all-gathers the message that
+      step t-1 compressed (kept in :attr:`DemoState.pending`) and returns its
+      aggregate, while step t's own message waits in the state for step t+1.
+      The all-gather then depends on nothing computed from step t's gradient,
+      so XLA may run it alongside the forward and backward pass. The first
+      step returns zeros. Static.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`DemoState`.
@@ -191,6 +205,7 @@ def scale_by_demo(
   chunk = _positive_int("compression_chunk", compression_chunk)
   _check_decay(compression_decay)
   quantize_1bit = bool(quantize_1bit)
+  delayed_apply = bool(delayed_apply)
   to_chunks, from_chunks = (dct.encode, dct.decode) if use_dct else (dct.to_chunks, dct.from_chunks)
 
   def init_fn(params):
@@ -198,7 +213,13 @@ def scale_by_demo(
       lambda p: jnp.zeros(wire.plan_chunk_leaf(p, chunk).coeff_shape, jnp.float32), params
     )
     zero = jnp.zeros([], jnp.int32)
-    return DemoState(count=zero, momentum=momentum, contributors=zero)
+    pending = None
+    if delayed_apply:
+      layout = wire.wire_layout(
+        params, compression_topk=topk, compression_chunk=chunk, quantize_1bit=quantize_1bit
+      )
+      pending = jnp.zeros((layout.num_bytes,), jnp.uint8)
+    return DemoState(count=zero, momentum=momentum, contributors=zero, pending=pending)
 
   def update_fn(updates, state, params=None):
     _check_trees(updates, params)
@@ -228,22 +249,53 @@ def scale_by_demo(
     # coefficients, so checking what was selected catches it. Such a worker
     # sends a message marked invalid and restarts from zero momentum.
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in sel_val]))
+    # Gradients that also vary over axes other than axis_name are sharded
+    # within a worker (FSDP over a site's devices). The shards of one worker
+    # agree on the flag, so a worker is left out whole and the count of
+    # contributors is the same on every device.
+    site_axes = sorted(
+      frozenset().union(*(exchange.varying_axes(g) for g in grads)) - {axis_name}, key=str
+    )
+    if site_axes:
+      finite = jax.lax.pmin(finite.astype(jnp.int32), tuple(site_axes)) > 0
     sel_val = [jnp.where(finite, v, 0.0) for v in sel_val]
     new_momenta = [jnp.where(finite, m, 0.0) for m in new_momenta]
     message = codec.encode_message(sel_idx, sel_val, layout, valid=finite)
+    if delayed_apply:
+      if state.pending is None or state.pending.shape != message.shape:
+        raise ValueError(
+          "delayed_apply=True needs the state of a delayed_apply=True transformation "
+          "(DemoState.pending holding the previous message); build the state with the "
+          "same arguments, e.g. tx.init(params) or dj.init_worker_state(tx, params, mesh)."
+        )
+      message, pending = state.pending, message
+    else:
+      pending = None
     gathered = exchange.all_gather_messages(message, axis_name)
     assert gathered.shape == (num_workers, layout.num_bytes)
 
     tensors, valid_W = codec.decode_message(gathered, layout)
     directions = []
-    for (idx_w, val_w), plan, x in zip(tensors, plans, wire_dtypes):
+    for (idx_w, val_w), plan, x, g in zip(tensors, plans, wire_dtypes, grads):
       dense, _ = codec.aggregate(idx_w, val_w, plan.chunk_size, valid_W)
-      directions.append(from_chunks(dense, plan).astype(x.dtype))
+      direction = from_chunks(dense, plan).astype(x.dtype)
+      whole = tuple(a for a in site_axes if not exchange.varies_over(g, a))
+      if whole:
+        # A param kept whole on every device of a site is decoded identically
+        # on each, but from a message typed as differing; a max over equal
+        # values (on the site's fast links) restores the type, not the value.
+        direction = jax.lax.pmax(direction, whole)
+      directions.append(direction)
 
+    contributors = jnp.sum(valid_W, dtype=jnp.int32)
+    if site_axes:
+      # Equal on every device of a site already; this only types it so.
+      contributors = jax.lax.pmax(contributors, tuple(site_axes))
     new_state = DemoState(
       count=optax.safe_increment(state.count),
       momentum=treedef.unflatten(new_momenta),
-      contributors=jnp.sum(valid_W, dtype=jnp.int32),
+      contributors=contributors,
+      pending=pending,
     )
     return treedef.unflatten(directions), new_state
 
@@ -251,13 +303,16 @@ def scale_by_demo(
 
 
 def _skip_when_nothing_received(
-  tx: optax.GradientTransformation,
+  tx: optax.GradientTransformation, *, delayed_apply: bool = False
 ) -> optax.GradientTransformationExtraArgs:
   """Makes a step whose every message was left out a no-op: no update, state as before.
 
   ``tx`` is a chain whose first state is a :class:`DemoState`. Without this,
   the rest of the chain would still act on the empty aggregate (weight decay
-  would shrink the params, Adam's moments would decay).
+  would shrink the params, Adam's moments would decay). With
+  ``delayed_apply`` the messages left out are the previous step's, while this
+  step's gradient has already gone into the momentum and the next message, so
+  the :class:`DemoState` moves on and only the rest of the chain is held.
   """
   tx = optax.with_extra_args_support(tx)
 
@@ -265,8 +320,10 @@ def _skip_when_nothing_received(
     new_updates, new_state = tx.update(updates, state, params, **extra_args)
     received = new_state[0].contributors > 0
     new_updates = jax.tree.map(lambda u: jnp.where(received, u, jnp.zeros_like(u)), new_updates)
-    new_state = jax.tree.map(lambda n, o: jnp.where(received, n, o), new_state, state)
-    return new_updates, new_state
+    held = jax.tree.map(lambda n, o: jnp.where(received, n, o), new_state, state)
+    if delayed_apply:
+      held = (new_state[0], *held[1:])
+    return new_updates, held
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
@@ -281,6 +338,7 @@ def demo(
   quantize_1bit: bool = False,
   use_dct: bool = True,
   axis_name: Hashable | None = "data",
+  delayed_apply: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
 
@@ -302,6 +360,9 @@ def demo(
     use_dct: ``False`` selects raw entries instead of DCT coefficients (an
       ablation). Static.
     axis_name: the data-parallel axis; ``None`` for one worker, no collective.
+    delayed_apply: apply the aggregate of step t-1 at step t, so that the
+      all-gather can overlap the next forward and backward pass (see
+      :func:`scale_by_demo`). Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -331,6 +392,7 @@ def demo(
     quantize_1bit=quantize_1bit,
     use_dct=use_dct,
     axis_name=axis_name,
+    delayed_apply=delayed_apply,
   )
 
 
@@ -344,6 +406,7 @@ def distro(
   quantize_1bit: bool = False,
   use_dct: bool = True,
   axis_name: Hashable | None = "data",
+  delayed_apply: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO: the compressed exchange of :func:`scale_by_demo`, then ``inner``.
 
@@ -363,6 +426,9 @@ def distro(
     use_dct: ``False`` selects raw entries instead of DCT coefficients (an
       ablation). Static.
     axis_name: the data-parallel axis; ``None`` for one worker, no collective.
+    delayed_apply: apply the aggregate of step t-1 at step t, so that the
+      all-gather can overlap the next forward and backward pass (see
+      :func:`scale_by_demo`). Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -382,9 +448,11 @@ def distro(
         quantize_1bit=quantize_1bit,
         use_dct=use_dct,
         axis_name=axis_name,
+        delayed_apply=delayed_apply,
       ),
       inner,
-    )
+    ),
+    delayed_apply=delayed_apply,
   )
 
 
@@ -401,6 +469,7 @@ def distro_adamw(
   quantize_1bit: bool = False,
   use_dct: bool = True,
   axis_name: Hashable | None = "data",
+  delayed_apply: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO-AdamW: the compressed exchange followed by ``optax.adamw``.
 
@@ -417,6 +486,9 @@ def distro_adamw(
     use_dct: ``False`` selects raw entries instead of DCT coefficients (an
       ablation). Static.
     axis_name: the data-parallel axis; ``None`` for one worker, no collective.
+    delayed_apply: apply the aggregate of step t-1 at step t, so that the
+      all-gather can overlap the next forward and backward pass (see
+      :func:`scale_by_demo`). Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -433,4 +505,5 @@ def distro_adamw(
     quantize_1bit=quantize_1bit,
     use_dct=use_dct,
     axis_name=axis_name,
+    delayed_apply=delayed_apply,
   )

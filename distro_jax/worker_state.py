@@ -11,6 +11,11 @@ Layout: a per-worker leaf of local shape ``(d0, ...)`` is one global array of
 shape ``(W * d0, ...)`` sharded over the data axis, so that inside the
 shard_map every worker sees exactly its own ``(d0, ...)`` and the train step
 needs no reshaping. A replicated leaf is stored once, ``P()``.
+
+With params sharded over more mesh axes (``param_specs``, e.g. FSDP on a
+``("replica", "fsdp")`` mesh), each device's state is ``tx.init`` of its own
+shards, and a leaf that differs over several axes is laid out the same way,
+its axis 0 split over all of them in mesh order: ``P(("replica", "fsdp"))``.
 """
 
 from __future__ import annotations
@@ -29,10 +34,48 @@ from distro_jax.exchange import varies_over
 __all__ = ["abstract_worker_state", "init_worker_state", "worker_state_specs"]
 
 
-def _as_varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
-  if varies_over(x, axis_name):
-    return x
-  return jax.lax.pcast(x, axis_name, to="varying")
+def _as_varying(x: jax.Array, axes: tuple[Hashable, ...]) -> jax.Array:
+  missing = tuple(a for a in axes if not varies_over(x, a))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+def _spec_axes(spec: P) -> tuple[Hashable, ...]:
+  names = []
+  for entry in spec:
+    names += [n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None]
+  return tuple(names)
+
+
+def _leaf_spec(axes: tuple[Hashable, ...]) -> P:
+  if not axes:
+    return P()
+  return P(axes[0]) if len(axes) == 1 else P(axes)
+
+
+def _local_params(params: Any, mesh: Mesh, param_specs: Any) -> Any:
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(NamedSharding(mesh, s).shard_shape(jnp.shape(x)), x.dtype),
+    params,
+    param_specs,
+    is_leaf=_is_spec,
+  )
+
+
+def _abstract(params: Any, mesh: Mesh, param_specs: Any) -> Any:
+  """Global shapes of the params, placed as ``param_specs`` says."""
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=NamedSharding(mesh, s)),
+    params,
+    param_specs,
+  )
+
+
+def _default_param_specs(params: Any) -> Any:
+  return jax.tree.map(lambda _: P(), params)
 
 
 def worker_state_specs(
@@ -40,6 +83,8 @@ def worker_state_specs(
   params: Any,
   mesh: Mesh,
   axis_name: Hashable = "data",
+  *,
+  param_specs: Any = None,
 ) -> Any:
   """PartitionSpecs of ``tx``'s state: ``P(axis_name)`` per worker, ``P()`` shared.
 
@@ -47,12 +92,16 @@ def worker_state_specs(
 
   Args:
     tx: the optimizer, built with ``axis_name``.
-    params: the params tree (arrays or ``jax.ShapeDtypeStruct``).
+    params: the params tree (arrays or ``jax.ShapeDtypeStruct``), global shapes.
     mesh: the device mesh, with an axis ``axis_name``.
-    axis_name: the data-parallel axis.
+    axis_name: the data-parallel axis (``"replica"`` on a 2-D FSDP mesh).
+    param_specs: the params' ``PartitionSpec`` tree, when they are sharded
+      (e.g. :attr:`distro_jax.FsdpPlan.specs`); default: replicated. A state
+      leaf that differs over the sharded axes too gets them in its spec.
 
   Returns:
-    A tree of ``PartitionSpec`` with the structure of ``tx.init(params)``.
+    A tree of ``PartitionSpec`` with the structure of ``tx.init`` of one
+    device's params.
 
   Raises:
     ValueError: if a per-worker leaf is a scalar, which this layout cannot
@@ -63,45 +112,58 @@ def worker_state_specs(
       f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}; "
       "build the mesh with it, e.g. jax.make_mesh((n,), ('data',))."
     )
-  abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
-  state_shape = jax.eval_shape(tx.init, abstract_params)
+  if param_specs is None:
+    param_specs = _default_param_specs(params)
+  abstract_params = _abstract(params, mesh, param_specs)
+  state_shape = jax.eval_shape(tx.init, _local_params(abstract_params, mesh, param_specs))
   leaves, treedef = jax.tree.flatten(state_shape)
+  candidates = tuple(
+    a
+    for a in mesh.axis_names
+    if a == axis_name
+    or any(a in _spec_axes(s) for s in jax.tree.leaves(param_specs, is_leaf=_is_spec))
+  )
 
-  def trace(marks: list[bool]) -> list[bool]:
-    """Which state leaves come out of one update varying, given which go in varying."""
-    seen: list[bool] = []
+  def trace(marks: list[tuple[Hashable, ...]]) -> list[tuple[Hashable, ...]]:
+    """Which axes each state leaf comes out of one update varying over, given the inputs'."""
+    seen: list[tuple[Hashable, ...]] = []
 
     def body(p, state_leaves):
-      state_leaves = [
-        _as_varying(x, axis_name) if mark else x for x, mark in zip(state_leaves, marks)
-      ]
-      grads = jax.tree.map(lambda x: _as_varying(x, axis_name), p)
+      state_leaves = [_as_varying(x, mark) for x, mark in zip(state_leaves, marks)]
+      grads = jax.tree.map(lambda x: _as_varying(x, (axis_name,)), p)
       _, new_state = tx.update(grads, treedef.unflatten(state_leaves), p)
-      seen.extend(varies_over(x, axis_name) for x in jax.tree.leaves(new_state))
+      seen.extend(
+        tuple(a for a in candidates if varies_over(x, a)) for x in jax.tree.leaves(new_state)
+      )
       return jnp.zeros(())
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P()), out_specs=P())
     jax.eval_shape(fn, abstract_params, leaves)
     return seen
 
+  def union(a: tuple[Hashable, ...], b: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
+    return tuple(x for x in candidates if x in a or x in b)
+
   try:
     # Least fixpoint: start with every leaf shared, mark what the update makes varying.
-    varying = [False] * len(leaves)
-    while (now := [a or b for a, b in zip(varying, trace(varying))]) != varying:
+    varying: list[tuple[Hashable, ...]] = [()] * len(leaves)
+    while (now := [union(a, b) for a, b in zip(varying, trace(varying))]) != varying:
       varying = now
   except TypeError:
     # Some wrappers (optax.MultiSteps' lax.cond) cannot even be traced with a
     # per-worker leaf passed in as shared. Come from the other side instead:
-    # everything per worker, then share each leaf that stays shared.
-    varying = [True] * len(leaves)
+    # everything varying, then drop each axis over which a leaf stays shared.
+    varying = [candidates] * len(leaves)
     for i in range(len(leaves)):
-      trial = varying[:i] + [False] + varying[i + 1 :]
-      try:
-        if not trace(trial)[i]:
-          varying = trial
-      except TypeError:
-        pass
-    if any(a and not b for a, b in zip(trace(varying), varying)):
+      for a in candidates:
+        trial = list(varying)
+        trial[i] = tuple(x for x in varying[i] if x != a)
+        try:
+          if a not in trace(trial)[i]:
+            varying = trial
+        except TypeError:
+          pass
+    if any(set(out) - set(mark) for out, mark in zip(trace(varying), varying)):
       raise ValueError(
         "Could not tell which optimizer state leaves are per worker; pass the "
         "state's PartitionSpecs to jax.shard_map by hand."
@@ -117,19 +179,18 @@ def worker_state_specs(
         "optax.MultiSteps around a scalar param): apply it after the exchange or "
         "all-reduce, where the state is shared, or give scalar params shape (1,)."
       )
-  return treedef.unflatten([P(axis_name) if mark else P() for mark in varying])
+  return treedef.unflatten([_leaf_spec(mark) for mark in varying])
 
 
-def _is_spec(x: Any) -> bool:
-  return isinstance(x, P)
+def _init_on_mesh(tx, mesh, param_specs, specs):
+  """``tx.init`` on every device's own params, assembled into the layout of ``specs``."""
+  spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
 
+  def local_init(p):
+    leaves, treedef = jax.tree.flatten(tx.init(p))
+    return treedef.unflatten([_as_varying(x, _spec_axes(s)) for x, s in zip(leaves, spec_leaves)])
 
-def _stacked_init(tx, params, specs, num_workers):
-  leaves, treedef = jax.tree.flatten(tx.init(params))
-  marks = [s != P() for s in jax.tree.leaves(specs, is_leaf=_is_spec)]
-  return treedef.unflatten(
-    [jnp.concatenate([x] * num_workers) if mark else x for x, mark in zip(leaves, marks)]
-  )
+  return jax.shard_map(local_init, mesh=mesh, in_specs=(param_specs,), out_specs=specs)
 
 
 def _state_shardings(mesh: Mesh, specs: Any) -> Any:
@@ -141,6 +202,8 @@ def init_worker_state(
   params: Any,
   mesh: Mesh,
   axis_name: Hashable = "data",
+  *,
+  param_specs: Any = None,
 ) -> Any:
   """``tx.init(params)`` for every worker, placed on the mesh.
 
@@ -150,9 +213,11 @@ def init_worker_state(
 
   Args:
     tx: the optimizer.
-    params: the params tree.
+    params: the params tree, placed as ``param_specs`` says.
     mesh: the device mesh.
     axis_name: the data-parallel axis.
+    param_specs: the params' ``PartitionSpec`` tree when they are sharded;
+      default: replicated.
 
   Returns:
     The global optimizer state. ``jax.tree.map(lambda x: x.sharding.spec, state)``
@@ -164,11 +229,17 @@ def init_worker_state(
     >>> tx = dj.demo(1e-3)
     >>> state = dj.init_worker_state(tx, {"w": jnp.zeros((64, 64))}, mesh)
   """
-  specs = worker_state_specs(tx, params, mesh, axis_name)
-  num_workers = mesh.shape[axis_name]
+  if param_specs is None:
+    param_specs = _default_param_specs(params)
+  specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
+  param_shardings = _state_shardings(mesh, param_specs)
+  params = jax.tree.map(
+    lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
+    params,
+    param_shardings,
+  )
   fn = jax.jit(
-    lambda p: _stacked_init(tx, p, specs, num_workers),
-    out_shardings=_state_shardings(mesh, specs),
+    _init_on_mesh(tx, mesh, param_specs, specs), out_shardings=_state_shardings(mesh, specs)
   )
   return fn(params)
 
@@ -178,15 +249,19 @@ def abstract_worker_state(
   params: Any,
   mesh: Mesh,
   axis_name: Hashable = "data",
+  *,
+  param_specs: Any = None,
 ) -> Any:
   """Shapes, dtypes and shardings of :func:`init_worker_state`, allocating nothing.
 
   This is the restore target for a checkpoint (e.g. ``orbax``'s
   ``StandardRestore``).
   """
-  specs = worker_state_specs(tx, params, mesh, axis_name)
-  num_workers = mesh.shape[axis_name]
-  shapes = jax.eval_shape(lambda p: _stacked_init(tx, p, specs, num_workers), params)
+  if param_specs is None:
+    param_specs = _default_param_specs(params)
+  specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
+  abstract_params = _abstract(params, mesh, param_specs)
+  shapes = jax.eval_shape(_init_on_mesh(tx, mesh, param_specs, specs), abstract_params)
   return jax.tree.map(
     lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
     shapes,
