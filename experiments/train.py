@@ -5,6 +5,8 @@ embedded corpus.
 
   python -m experiments.train
   python -m experiments.train --optimizer=adamw --preset=small --data_path=book.txt
+  # 2 sites of 4 devices: FSDP within a site, only DeMo's message between sites
+  python -m experiments.train --replicas=2 --fsdp=4
   # two processes of a multi-host run (here both on one machine, gloo on CPU):
   python -m experiments.train --num_processes=2 --process_id=0 \
       --coordinator_address=127.0.0.1:12355 --workers=4 &
@@ -38,6 +40,18 @@ def _define():
   _D["workers"] = flags.DEFINE_integer(
     "workers", d.workers, "Data-parallel workers in total (simulated CPU devices on CPU)."
   )
+  _D["replicas"] = flags.DEFINE_integer(
+    "replicas",
+    None,
+    "Sites on the 2-D (replica, fsdp) mesh; devices = replicas x fsdp, and it overrides "
+    "--workers (default: workers // fsdp when --fsdp > 1, else the 1-D data mesh).",
+  )
+  _D["fsdp"] = flags.DEFINE_integer(
+    "fsdp",
+    d.fsdp,
+    "Devices per site that shard params, gradient and optimizer state (FSDP); the "
+    "optimizer exchanges only between sites.",
+  )
   _D["batch_size"] = flags.DEFINE_integer("batch_size", d.batch_size, "Global sequences per step.")
   _D["seq_len"] = flags.DEFINE_integer("seq_len", d.seq_len, "Tokens per sequence.")
   _D["learning_rate"] = flags.DEFINE_float(
@@ -64,6 +78,12 @@ def _define():
   )
   _D["diloco_outer_momentum"] = flags.DEFINE_float(
     "diloco_outer_momentum", d.diloco_outer_momentum, "DiLoCo: outer Nesterov momentum."
+  )
+  _D["delayed_apply"] = flags.DEFINE_bool(
+    "delayed_apply",
+    d.delayed_apply,
+    "Apply the previous step's aggregate, so the exchange can overlap the next "
+    "forward and backward pass (overlapped DisTrO).",
   )
   _D["warmup_steps"] = flags.DEFINE_integer(
     "warmup_steps", None, "Linear warmup steps before the cosine (default: recipe)."
@@ -128,9 +148,10 @@ def setup_devices() -> None:
   import jax
 
   nproc = _NUM_PROCESSES.value
-  workers = _D["workers"].value
+  replicas = _D["replicas"].value
+  workers = replicas * _D["fsdp"].value if replicas else _D["workers"].value
   if workers % nproc:
-    raise ValueError(f"--workers={workers} does not divide by --num_processes={nproc}.")
+    raise ValueError(f"{workers} devices do not divide by --num_processes={nproc}.")
   jax.config.update("jax_num_cpu_devices", workers // nproc)
   if nproc > 1:
     if not _COORDINATOR.value:

@@ -7,6 +7,11 @@ The train step is a pure module-level function, :func:`train_step`, of one
 worker's view (params, its optimizer state, its batch shard). It is wrapped
 once in ``jax.shard_map`` over the ``"data"`` axis and ``jax.jit`` with the
 params and optimizer state donated.
+
+With ``fsdp > 1`` (or ``replicas`` set) the mesh is 2-D, ``("replica",
+"fsdp")``: a replica is a site of ``fsdp`` devices that shard the params, the
+gradient and the optimizer state (FSDP, planned by ``dj.plan_fsdp``), and the
+optimizer exchanges only over ``"replica"``.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class TrainConfig:
   data_path: str | None = None
   steps: int = 1000
   workers: int = 8
+  replicas: int | None = None
+  fsdp: int = 1
   batch_size: int = 32
   seq_len: int = 128
   learning_rate: float | None = None
@@ -70,6 +77,7 @@ class TrainConfig:
   diloco_sync_every: int = 50
   diloco_outer_lr: float = 0.7
   diloco_outer_momentum: float = 0.9
+  delayed_apply: bool = False
   warmup_steps: int | None = None
   clip_norm: float | None = None
   weight_decay: float | None = None
@@ -88,14 +96,27 @@ class TrainConfig:
   inject_nan_worker: int = 0
   time_optimizer: bool = False
 
+  @property
+  def two_d(self) -> bool:
+    """Whether the run uses the 2-D ``("replica", "fsdp")`` mesh."""
+    return self.replicas is not None or self.fsdp > 1
+
   def resolved(self) -> TrainConfig:
-    """Fills every ``None`` from the recipe for (preset, optimizer)."""
+    """Fills every ``None`` from the recipe for (preset, optimizer).
+
+    On the 2-D mesh ``workers`` becomes the device count, ``replicas * fsdp``;
+    ``replicas`` unset means ``workers // fsdp``.
+    """
     rec = recipes.recipe(self.preset, self.optimizer)
     fill = {
       f: getattr(rec, f)
       for f in ("learning_rate", "compression_decay", "warmup_steps", "clip_norm", "weight_decay")
       if getattr(self, f) is None
     }
+    if self.replicas is not None:
+      fill["workers"] = self.replicas * self.fsdp
+    elif self.fsdp > 1:
+      fill["replicas"] = self.workers // self.fsdp
     return dataclasses.replace(self, **fill)
 
 
@@ -120,11 +141,39 @@ def validate(cfg: TrainConfig) -> None:
   ):
     if getattr(cfg, name) <= 0:
       raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}.")
-  if cfg.batch_size % cfg.workers:
-    lo = cfg.batch_size // cfg.workers * cfg.workers or cfg.workers
+  if cfg.fsdp < 1 or (cfg.replicas is not None and cfg.replicas < 1):
     raise ConfigError(
-      f"--batch_size={cfg.batch_size} does not divide by --workers={cfg.workers}; "
-      f"use --batch_size={lo} or {lo + cfg.workers}."
+      f"--fsdp and --replicas must be positive, got --fsdp={cfg.fsdp} --replicas={cfg.replicas}."
+    )
+  if cfg.replicas is None and cfg.workers % cfg.fsdp:
+    raise ConfigError(
+      f"--workers={cfg.workers} does not divide by --fsdp={cfg.fsdp}; set --replicas "
+      f"(devices = replicas x fsdp), e.g. --replicas={max(cfg.workers // cfg.fsdp, 1)}."
+    )
+  devices = cfg.replicas * cfg.fsdp if cfg.replicas is not None else cfg.workers
+  flag = "--replicas x --fsdp" if cfg.replicas is not None else "--workers"
+  if cfg.batch_size % devices:
+    lo = cfg.batch_size // devices * devices or devices
+    raise ConfigError(
+      f"--batch_size={cfg.batch_size} does not divide by {flag}={devices} devices; "
+      f"use --batch_size={lo} or {lo + devices}."
+    )
+  if cfg.delayed_apply and cfg.optimizer == "adamw":
+    raise ConfigError(
+      "--delayed_apply applies the previous step's DisTrO aggregate; it needs "
+      "--optimizer=demo or distro_adamw, not adamw."
+    )
+  if cfg.two_d and (cfg.optimizer == "diloco" or cfg.time_optimizer):
+    raise ConfigError(
+      "--optimizer=diloco and --time_optimizer run on the 1-D data mesh only; drop "
+      "--fsdp/--replicas (or use --fsdp=1 without --replicas)."
+    )
+  if cfg.delayed_apply and cfg.optimizer == "diloco":
+    raise ConfigError("--delayed_apply needs --optimizer=demo or distro_adamw, not diloco.")
+  if cfg.skip_nonfinite and cfg.two_d:
+    raise ConfigError(
+      "--skip_nonfinite is not supported on the 2-D mesh (its skip counter would "
+      "differ between a site's shards); drop it or use --fsdp=1 without --replicas."
     )
   if cfg.compression_decay is not None and not 0 <= cfg.compression_decay < 1:
     raise ConfigError(f"--compression_decay must be in [0, 1), got {cfg.compression_decay}.")
@@ -143,13 +192,14 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def build_optimizer(
-  cfg: TrainConfig, axis_name: str | None = "data"
+  cfg: TrainConfig, axis_name: str | None = "data", fsdp_axis: str | None = None
 ) -> optax.GradientTransformation:
   """The optimizer for ``cfg`` (resolved), fed each worker's local gradients.
 
   The schedule is the reference's: linear warmup, then cosine down to 0.1x.
   DisTrO clips each worker's own gradient; AdamW clips the all-reduced one,
-  as data-parallel AdamW does.
+  as data-parallel AdamW does. With ``fsdp_axis`` the gradients are shards,
+  and the clipping norm is that of the whole gradient.
   """
   lr = optax.warmup_cosine_decay_schedule(
     init_value=0.0,
@@ -158,7 +208,12 @@ def build_optimizer(
     decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
     end_value=0.1 * cfg.learning_rate,
   )
-  clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity()
+  if not cfg.clip_norm:
+    clip = optax.identity()
+  elif fsdp_axis is not None:
+    clip = dj.clip_by_sharded_global_norm(cfg.clip_norm, fsdp_axis)
+  else:
+    clip = optax.clip_by_global_norm(cfg.clip_norm)
   compression = {
     "compression_decay": cfg.compression_decay,
     "compression_topk": cfg.compression_topk,
@@ -166,6 +221,7 @@ def build_optimizer(
     "quantize_1bit": cfg.quantize_1bit,
     "use_dct": cfg.use_dct,
     "axis_name": axis_name,
+    "delayed_apply": cfg.delayed_apply,
   }
   if cfg.optimizer == "demo":
     return optax.chain(clip, dj.demo(lr, weight_decay=cfg.weight_decay, **compression))
@@ -196,15 +252,19 @@ def bytes_sent_per_step(cfg: TrainConfig, params: Any) -> dict[str, float]:
   pseudo-gradient amortized over its H steps. ``bytes_sent`` is what a ring
   moves per worker where the collective is an all-reduce (``2 (W-1)/W`` times
   the operand), and the message itself for DisTrO.
+
+  On the 2-D mesh pass one device's shards: each device sends its own message
+  over ``"replica"``, and the all-reduce it replaces runs over the replicas.
   """
   wb = dj.wire_bytes(
     params,
     compression_topk=cfg.compression_topk,
     compression_chunk=cfg.compression_chunk,
     quantize_1bit=cfg.quantize_1bit,
-    num_workers=cfg.workers,
+    num_workers=cfg.replicas or cfg.workers,
   )
-  ring_factor = 2 * (cfg.workers - 1) / cfg.workers
+  peers = cfg.replicas or cfg.workers
+  ring_factor = 2 * (peers - 1) / peers
   if cfg.optimizer == "adamw":
     payload, sent = wb.grad, wb.ring_allreduce
   elif cfg.optimizer == "diloco":
@@ -225,18 +285,30 @@ def _loss(params, graphdef, inputs_BxL, targets_BxL):
   return model_lib.next_token_loss(logits_BxLxV, targets_BxL)
 
 
-def _inject_fault(grads, step, fault):
+def _inject_fault(grads, step, fault, axis_name):
   """NaN in one worker's gradient at one step, to exercise the failure path."""
   fault_step, fault_worker = fault
-  hit = (step == fault_step) & (jax.lax.axis_index("data") == fault_worker)
+  hit = (step == fault_step) & (jax.lax.axis_index(axis_name) == fault_worker)
   return jax.tree.map(lambda g: jnp.where(hit, jnp.nan, g), grads)
 
 
-def train_step(params, opt_state, step, inputs_BxL, targets_BxL, *, graphdef, tx, fault=None):
+def train_step(
+  params,
+  opt_state,
+  step,
+  inputs_BxL,
+  targets_BxL,
+  *,
+  graphdef,
+  tx,
+  fault=None,
+  param_specs=None,
+):
   """One worker's step: its own loss and gradient, then the optimizer's exchange.
 
   Args:
-    params: the params, identical on every worker.
+    params: the params, identical on every worker (on the 2-D mesh, this
+      device's shards of them).
     opt_state: this worker's optimizer state.
     step: the 1-based step number, an int32 scalar.
     inputs_BxL: this worker's input tokens.
@@ -244,47 +316,61 @@ def train_step(params, opt_state, step, inputs_BxL, targets_BxL, *, graphdef, tx
     graphdef: the model's static structure.
     tx: the optimizer.
     fault: ``(step, worker)`` whose gradient becomes NaN, or None.
+    param_specs: on the 2-D mesh, the params' fsdp ``PartitionSpec`` tree;
+      the gradient is then the site's, reduce-scattered over ``"fsdp"``.
 
   Returns:
     ``(params, opt_state, metrics)``. ``metrics["loss"]`` averages the finite
     worker losses; ``metrics["excluded"]`` counts messages a DisTrO optimizer
     left out this step (0 for AdamW).
   """
-  # DiLoCo workers take their gradient at their own inner params.
-  at = dj.inner_params(opt_state, params)
-  loss, grads = dj.local_value_and_grad(_loss)(at, graphdef, inputs_BxL, targets_BxL)
+  replica_axis, axes = ("data", ("data",)) if param_specs is None else ("replica", MESH_2D)
+  if param_specs is None:
+    # DiLoCo workers take their gradient at their own inner params.
+    at = dj.inner_params(opt_state, params)
+    loss, grads = dj.local_value_and_grad(_loss)(at, graphdef, inputs_BxL, targets_BxL)
+  else:
+    grad_fn = dj.fsdp_value_and_grad(_loss, param_specs)
+    loss, grads = grad_fn(params, graphdef, inputs_BxL, targets_BxL)
   if fault is not None:
-    grads = _inject_fault(grads, step, fault)
+    grads = _inject_fault(grads, step, fault, replica_axis)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  mean_loss = _mean_finite_loss(loss)
+  mean_loss = _mean_finite_loss(loss, axes)
   # AdamW has no DemoState: every worker counts as contributing.
-  workers = jax.lax.axis_size("data")
+  workers = jax.lax.axis_size(replica_axis)
   contributors = optax.tree_utils.tree_get(opt_state, "contributors", jnp.int32(workers))
   return params, opt_state, {"loss": mean_loss, "excluded": workers - contributors}
 
 
-def _mean_finite_loss(loss):
+def _mean_finite_loss(loss, axes=("data",)):
   finite = jnp.isfinite(loss)
-  num_finite = jax.lax.psum(finite.astype(jnp.float32), "data")
-  total = jax.lax.psum(jnp.where(finite, loss, 0.0), "data")
+  num_finite = jax.lax.psum(finite.astype(jnp.float32), axes)
+  total = jax.lax.psum(jnp.where(finite, loss, 0.0), axes)
   return jnp.where(num_finite > 0, total / jnp.maximum(num_finite, 1.0), jnp.nan)
 
 
-def metrics_collective_bytes(mesh: jax.sharding.Mesh) -> int:
+def metrics_collective_bytes(mesh: jax.sharding.Mesh, axes: tuple[str, ...] = ("data",)) -> int:
   """Collective bytes of the train step's loss averaging, apart from the optimizer's exchange.
 
   Subtracting them from the step's HLO total leaves what the optimizer sends.
+  ``axes`` are the mesh axes the loss is averaged over (both on the 2-D mesh).
   """
-  fn = jax.jit(jax.shard_map(_mean_finite_loss, mesh=mesh, in_specs=P("data"), out_specs=P()))
-  loss = jax.ShapeDtypeStruct(
-    (mesh.shape["data"],), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+  spec = P(axes[0]) if len(axes) == 1 else P(axes)
+  fn = jax.jit(
+    jax.shard_map(
+      functools.partial(_mean_finite_loss, axes=axes), mesh=mesh, in_specs=spec, out_specs=P()
+    )
   )
+  loss = jax.ShapeDtypeStruct((mesh.size,), jnp.float32, sharding=NamedSharding(mesh, spec))
   return dj.collective_bytes(fn, loss).total
 
 
-def eval_step(params, inputs_BxL, targets_BxL, *, graphdef):
-  return jax.lax.pmean(_loss(params, graphdef, inputs_BxL, targets_BxL), "data")
+def eval_step(params, inputs_BxL, targets_BxL, *, graphdef, param_specs=None):
+  if param_specs is None:
+    return jax.lax.pmean(_loss(params, graphdef, inputs_BxL, targets_BxL), "data")
+  full = dj.gather_params(params, param_specs)
+  return jax.lax.pmean(_loss(full, graphdef, inputs_BxL, targets_BxL), MESH_2D)
 
 
 def gradient_step(params, opt_state, inputs_BxL, targets_BxL, *, graphdef):
@@ -352,20 +438,44 @@ def time_step_parts(
   }
 
 
-def _replica_mismatches(params):
+def _replica_mismatches(params, param_specs=None):
   """How many param entries differ, bit for bit, between any two workers."""
 
-  def count(x):
+  def count(x, spec):
+    # A shard is compared across replicas; a param kept whole, across all devices.
+    axes = ("data",) if param_specs is None else ("replica",) if spec != P() else MESH_2D
     bits = jax.lax.bitcast_convert_type(
       x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
     )
-    return jnp.sum(jax.lax.pmax(bits, "data") != jax.lax.pmin(bits, "data"), dtype=jnp.int32)
+    n = jnp.sum(jax.lax.pmax(bits, axes) != jax.lax.pmin(bits, axes), dtype=jnp.int32)
+    # Each device of a site counted its own shard.
+    return jax.lax.psum(n, "fsdp") if axes == ("replica",) else n
 
-  return sum(count(x) for x in jax.tree.leaves(params))
+  specs = jax.tree.map(lambda _: P(), params) if param_specs is None else param_specs
+  return sum(
+    count(x, s) for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=_is_spec))
+  )
 
 
-def make_mesh(workers: int) -> jax.sharding.Mesh:
-  """A 1-D ``"data"`` mesh of ``workers`` devices, the same number from each process."""
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+MESH_2D = ("replica", "fsdp")
+
+
+def make_mesh(workers: int, fsdp: int | None = None) -> jax.sharding.Mesh:
+  """A mesh of ``workers`` devices, the same number from each process.
+
+  Args:
+    workers: devices in total.
+    fsdp: ``None`` for the 1-D ``"data"`` mesh; else the 2-D ``("replica",
+      "fsdp")`` mesh of ``workers // fsdp`` sites of ``fsdp`` devices, each
+      site's devices consecutive (so within one process where they fit).
+
+  Returns:
+    The mesh.
+  """
   nproc = jax.process_count()
   if workers % nproc:
     raise ConfigError(f"--workers={workers} does not divide by the {nproc} processes.")
@@ -381,6 +491,8 @@ def make_mesh(workers: int) -> jax.sharding.Mesh:
         f"{per_process} before importing jax."
       )
     devices += local[:per_process]
+  if fsdp is not None:
+    return jax.make_mesh((workers // fsdp, fsdp), MESH_2D, devices=devices)
   return jax.make_mesh((workers,), ("data",), devices=devices)
 
 
@@ -400,6 +512,9 @@ def _fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     "diloco_sync_every",
     "diloco_outer_lr",
     "diloco_outer_momentum",
+    "replicas",
+    "fsdp",
+    "delayed_apply",
     "warmup_steps",
     "clip_norm",
     "weight_decay",
@@ -413,7 +528,8 @@ def params_digest(params: Any) -> str:
   """SHA-256 of this process's copy of every param, in tree order."""
   h = hashlib.sha256()
   for x in jax.tree.leaves(params):
-    h.update(np.asarray(x.addressable_shards[0].data).tobytes())
+    # A sharded param is whole only as the full array.
+    h.update(np.asarray(x if x.is_fully_addressable else x.addressable_shards[0].data).tobytes())
   return h.hexdigest()
 
 
@@ -434,7 +550,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     )
   tokens = data_lib.load_tokens(cfg.data_path, model_cfg.vocab_size)
   train_tokens, val_tokens = data_lib.split_tokens(tokens)
-  mesh = make_mesh(cfg.workers)
+  mesh = make_mesh(cfg.workers, cfg.fsdp if cfg.two_d else None)
+  replica_axis = "replica" if cfg.two_d else "data"
   is_main = jax.process_index() == 0
   ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
   # Orbax names finished checkpoints by their step; a save that died leaves
@@ -464,36 +581,56 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
   )
 
   replicated = NamedSharding(mesh, P())
-  batch_sharding = NamedSharding(mesh, P("data"))
+  rows = P(MESH_2D) if cfg.two_d else P("data")
+  batch_sharding = NamedSharding(mesh, rows)
   graphdef, abstract = nnx.split(
     nnx.eval_shape(lambda: model_lib.Llama(model_cfg, rngs=nnx.Rngs(cfg.seed))), nnx.Param
   )
+  fsdp_plan = param_specs = None
+  if cfg.two_d:
+    fsdp_plan = dj.plan_fsdp(abstract, cfg.fsdp, compression_chunk=cfg.compression_chunk)
+    param_specs = fsdp_plan.specs
+  # shard_map's specs for the params: a tree of them on the 2-D mesh.
+  param_in = P() if param_specs is None else param_specs
+  param_shardings = (
+    replicated
+    if param_specs is None
+    else jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs, is_leaf=_is_spec)
+  )
 
-  @functools.partial(jax.jit, out_shardings=replicated)
+  @functools.partial(jax.jit, out_shardings=param_shardings)
   def init_params():
     return nnx.split(model_lib.Llama(model_cfg, rngs=nnx.Rngs(cfg.seed)), nnx.Param)[1]
 
-  tx = build_optimizer(cfg)
+  tx = build_optimizer(cfg, replica_axis, "fsdp" if cfg.two_d else None)
   fault = (cfg.inject_nan_step, cfg.inject_nan_worker) if cfg.inject_nan_step else None
-  state_specs = dj.worker_state_specs(tx, abstract, mesh)
+  state_specs = dj.worker_state_specs(tx, abstract, mesh, replica_axis, param_specs=param_specs)
   step_fn = jax.jit(
     jax.shard_map(
-      functools.partial(train_step, graphdef=graphdef, tx=tx, fault=fault),
+      functools.partial(train_step, graphdef=graphdef, tx=tx, fault=fault, param_specs=param_specs),
       mesh=mesh,
-      in_specs=(P(), state_specs, P(), P("data"), P("data")),
-      out_specs=(P(), state_specs, P()),
+      in_specs=(param_in, state_specs, P(), rows, rows),
+      out_specs=(param_in, state_specs, P()),
     ),
     donate_argnums=(0, 1),
   )
   eval_fn = jax.jit(
     jax.shard_map(
-      functools.partial(eval_step, graphdef=graphdef),
+      functools.partial(eval_step, graphdef=graphdef, param_specs=param_specs),
       mesh=mesh,
-      in_specs=(P(), P("data"), P("data")),
+      in_specs=(param_in, rows, rows),
       out_specs=P(),
     )
   )
-  mismatch_fn = jax.jit(jax.shard_map(_replica_mismatches, mesh=mesh, in_specs=P(), out_specs=P()))
+  mismatch_fn = jax.jit(
+    jax.shard_map(
+      functools.partial(_replica_mismatches, param_specs=param_specs),
+      mesh=mesh,
+      in_specs=(param_in,),
+      out_specs=P(),
+    )
+  )
+  # The optimizer-free step for --time_optimizer (1-D mesh only).
   grad_fn = jax.jit(
     jax.shard_map(
       functools.partial(gradient_step, graphdef=graphdef),
@@ -513,15 +650,21 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
   if cfg.resume:
     abstract_state = {
       "params": jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), abstract
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+        abstract,
+        param_shardings
+        if param_specs is not None
+        else jax.tree.map(lambda _: replicated, abstract),
       ),
-      "opt_state": dj.abstract_worker_state(tx, abstract, mesh),
+      "opt_state": dj.abstract_worker_state(
+        tx, abstract, mesh, replica_axis, param_specs=param_specs
+      ),
     }
     start_step, restored = checkpointer.restore_latest(abstract_state, train_iter)
     params, opt_state = restored["params"], restored["opt_state"]
   else:
     params = init_params()
-    opt_state = dj.init_worker_state(tx, params, mesh)
+    opt_state = dj.init_worker_state(tx, params, mesh, replica_axis, param_specs=param_specs)
 
   def to_global(batch):
     return [
@@ -534,23 +677,43 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
   )
   step_arg = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
   compiled = step_fn.lower(params, opt_state, step_arg, sample_inputs, sample_inputs).compile()
-  measured = dj.parse_collective_bytes(compiled.as_text())
+  hlo = compiled.as_text()
+  measured = dj.parse_collective_bytes(hlo)
+  by_axes = {
+    "+".join(k) or "none": v.total for k, v in dj.collective_bytes_by_axes(hlo, mesh).items()
+  }
+  # What crosses the data-parallel axis: the slow links between sites.
+  crossing = sum(v for k, v in by_axes.items() if replica_axis in k.split("+"))
+  sent = bytes_sent_per_step(
+    cfg,
+    abstract if param_specs is None else dj.local_shapes(abstract, param_specs, {"fsdp": cfg.fsdp}),
+  )
   # DiLoCo's all-reduce sits in a branch taken once every H steps.
   per_step = cfg.diloco_sync_every if cfg.optimizer == "diloco" else 1
-  measured_exchange = (measured.total - metrics_collective_bytes(mesh)) / per_step
-  sent = bytes_sent_per_step(cfg, abstract)
+  metric_axes = MESH_2D if cfg.two_d else ("data",)
+  measured_exchange = (crossing - metrics_collective_bytes(mesh, metric_axes)) / per_step
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract))
 
   writer = reporting.MetricsWriter(
     cfg.out_dir, enabled=is_main, truncate_after=start_step if cfg.resume else None
   )
   progress = reporting.Progress(cfg.steps, enabled=is_main and cfg.progress, every=cfg.log_every)
-  progress.message(
-    f"{cfg.optimizer} | preset {cfg.preset} ({num_params / 1e6:.2f}M params) | "
-    f"{cfg.workers} workers x {cfg.batch_size // cfg.workers} seqs x {cfg.seq_len} tokens | "
-    f"lr {cfg.learning_rate:g} | sends {reporting.human_bytes(sent['bytes_sent'])}/step/worker"
-    f" (HLO: {reporting.human_bytes(measured.total)} into collectives)"
+  layout = (
+    f"{cfg.replicas} replicas x {cfg.fsdp} fsdp devices" if cfg.two_d else f"{cfg.workers} workers"
   )
+  progress.message(
+    f"{cfg.optimizer}{' (delayed apply)' if cfg.delayed_apply else ''} | preset {cfg.preset} "
+    f"({num_params / 1e6:.2f}M params) | "
+    f"{layout} x {cfg.batch_size // cfg.workers} seqs x {cfg.seq_len} tokens | "
+    f"lr {cfg.learning_rate:g} | sends {reporting.human_bytes(sent['bytes_sent'])}/step/"
+    f"{'device' if cfg.two_d else 'worker'} (HLO: {reporting.human_bytes(crossing)} into "
+    f"collectives over {replica_axis!r}, {reporting.human_bytes(measured.total)} in all)"
+  )
+  if fsdp_plan is not None and fsdp_plan.whole:
+    progress.message(
+      f"{len(fsdp_plan.whole)} params stay whole on every device of a site (each device "
+      f"sends their chunks too):\n{fsdp_plan.describe_whole()}"
+    )
 
   timer = reporting.StepTimer()
   tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -643,6 +806,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     "measured_collective_bytes_per_step": measured.total,
     "measured_by_kind": {k: v for k, v in measured.by_kind.items() if v},
     "measured_exchange_bytes_per_step": measured_exchange,
+    "measured_by_axes": by_axes,
+    "measured_crossing_replicas_per_step": crossing,
+    "params_kept_whole": [path for path, _ in fsdp_plan.whole] if fsdp_plan else [],
     "total_bytes_sent_per_worker": sent["bytes_sent"] * steps_done,
     "ratio_vs_ring_allreduce": sent["ring_allreduce_bytes"] / sent["payload_bytes"],
     "ratio_vs_bf16_grad": sent["grad_bytes_bf16"] / sent["payload_bytes"],
