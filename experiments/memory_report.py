@@ -17,10 +17,6 @@ import distro_jax as dj
 from experiments import presets
 from experiments.model import abstract_params
 
-_PRESET = flags.DEFINE_string("preset", "report-1.2b", "Model preset (experiments/presets.py).")
-_FSDP = flags.DEFINE_list("fsdp", ["1", "2", "4", "8"], "Devices per site to report.")
-_CHUNK = flags.DEFINE_integer("compression_chunk", 64, "DeMo's chunk target.")
-
 
 def optimizers(compression_chunk: int = 64) -> dict[str, optax.GradientTransformation]:
   """The optimizers compared, as each device runs them."""
@@ -61,13 +57,22 @@ def _gb(n: int) -> str:
   return f"{n / 1e9:.3f} GB"
 
 
+def _define_flags() -> None:
+  # Defined only when run as a command: the driver's flags share these names,
+  # and tests import both modules into one process.
+  flags.DEFINE_string("preset", "report-1.2b", "Model preset (experiments/presets.py).")
+  flags.DEFINE_list("fsdp", ["1", "2", "4", "8"], "Devices per site to report.")
+  flags.DEFINE_integer("compression_chunk", 64, "DeMo's chunk target.")
+
+
 def main(argv: list[str]) -> None:
   del argv
-  fsdps = tuple(int(f) for f in _FSDP.value)
-  rows = measure(_PRESET.value, fsdps, _CHUNK.value)
-  params = abstract_params(presets.get_preset(_PRESET.value))
+  preset, chunk = flags.FLAGS.preset, flags.FLAGS.compression_chunk
+  fsdps = tuple(int(f) for f in flags.FLAGS.fsdp)
+  rows = measure(preset, fsdps, chunk)
+  params = abstract_params(presets.get_preset(preset))
   for fsdp in fsdps:
-    whole = dj.plan_fsdp(params, fsdp, compression_chunk=_CHUNK.value).whole
+    whole = dj.plan_fsdp(params, fsdp, compression_chunk=chunk).whole
     if whole:
       print(f"fsdp={fsdp}: {len(whole)} params stay whole on every device of a site")
   print(
@@ -87,4 +92,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
