@@ -9,6 +9,7 @@ import pytest
 MODULES = [
   "distro_jax.diloco",
   "distro_jax.exchange",
+  "distro_jax.fsdp",
   "distro_jax.hlo_bytes",
   "distro_jax.transforms",
   "distro_jax.wire",
