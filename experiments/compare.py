@@ -14,6 +14,8 @@ Methods:
   adamw                    AdamW with a gradient all-reduce.
   demo                     DeMo at the reference sizes (top-k 32 of 64x64 chunks).
   demo-kK[-cC][-1bit]      DeMo with top-k K, chunk C, optionally 1-bit values.
+  demo...-delayed          any DeMo method applying step t-1's aggregate at step t
+                           (delayed_apply), so the exchange can overlap compute.
   demo-stateless           DeMo with decay 0: each step sends only its gradient.
   topk-nodct[-kK][-1bit]   top-k and error feedback on raw entries, no DCT.
   distro_adamw             the DeMo exchange followed by AdamW.
@@ -50,7 +52,7 @@ flags.FLAGS.set_default("preset", "small")
 flags.FLAGS.set_default("steps", 300)
 flags.FLAGS.set_default("out_dir", "runs/compare")
 
-_DEMO = re.compile(r"(demo|topk-nodct)(?:-k(\d+))?(?:-c(\d+))?(-1bit)?")
+_DEMO = re.compile(r"(demo|topk-nodct)(?:-k(\d+))?(?:-c(\d+))?(-1bit)?(-delayed)?")
 _DILOCO = re.compile(r"diloco(?:-h(\d+))?")
 
 
@@ -80,9 +82,12 @@ def method_overrides(name: str) -> dict[str, Any]:
       out["compression_chunk"] = int(m[3])
     if m[4]:
       out["quantize_1bit"] = True
+    if m[5]:
+      out["delayed_apply"] = True
     return out
   raise ValueError(
-    f"unknown method {name!r}. Methods: adamw, demo, demo-kK[-cC][-1bit] (e.g. demo-k8-1bit), "
+    f"unknown method {name!r}. Methods: adamw, demo, demo-kK[-cC][-1bit][-delayed] (e.g. "
+    "demo-k8-1bit, demo-delayed), "
     "demo-stateless, topk-nodct[-kK][-1bit], distro_adamw, diloco[-hH] (e.g. diloco-h100)."
   )
 

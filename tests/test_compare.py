@@ -54,6 +54,8 @@ def test_method_names_map_to_configs():
   assert compare.method_overrides("demo-k2-c32")["compression_chunk"] == 32
   assert compare.method_overrides("topk-nodct")["use_dct"] is False
   assert compare.method_overrides("demo-stateless")["compression_decay"] == 0.0
+  assert compare.method_overrides("demo-delayed")["delayed_apply"] is True
+  assert compare.method_overrides("demo-k8-1bit-delayed")["quantize_1bit"] is True
   assert compare.method_overrides("diloco") == {"optimizer": "diloco"}
   assert compare.method_overrides("diloco-h100")["diloco_sync_every"] == 100
   for bad in ("sgd", "demo-8", "demo-k8-2bit", "diloco-50"):
