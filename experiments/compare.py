@@ -28,6 +28,7 @@ The training flags are the driver's (``python -m experiments.train --help``);
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -39,18 +40,27 @@ from typing import Any
 from absl import app, flags
 
 from experiments import time_model
-from experiments import train as train_cli  # defines the driver's flags, shared here
 
 __all__ = ["DEFAULT_METHODS", "method_overrides", "run_comparison", "markdown_table"]
 
 DEFAULT_METHODS = ("adamw", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco")
 
-_METHODS = flags.DEFINE_list(
-  "methods", list(DEFAULT_METHODS), "Comma-separated methods to compare (see the module help)."
-)
-flags.FLAGS.set_default("preset", "small")
-flags.FLAGS.set_default("steps", 300)
-flags.FLAGS.set_default("out_dir", "runs/compare")
+
+def _define_flags() -> flags.FlagHolder:
+  """``--methods``, and this command's defaults for the driver's flags.
+
+  Only when run as a command: importing this module (a notebook, the tests,
+  netlab beside it) must not change the driver's defaults or claim a flag name.
+  """
+  from experiments import train  # noqa: F401  (defines the driver's flags, shared here)
+
+  flags.FLAGS.set_default("preset", "small")
+  flags.FLAGS.set_default("steps", 300)
+  flags.FLAGS.set_default("out_dir", "runs/compare")
+  return flags.DEFINE_list(
+    "methods", list(DEFAULT_METHODS), "Comma-separated methods to compare (see the module help)."
+  )
+
 
 _DEMO = re.compile(r"(demo|topk-nodct)(?:-k(\d+))?(?:-c(\d+))?(-1bit)?(-delayed)?")
 _DILOCO = re.compile(r"diloco(?:-h(\d+))?")
@@ -310,9 +320,10 @@ def _write(rows, configs, base, out_dir) -> None:
   _plots(curves, out_dir, f"{first.preset}, {first.workers} workers")
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], methods: flags.FlagHolder) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from experiments import train as train_cli
   from experiments import trainer
   from experiments.checkpointing import CheckpointError
   from experiments.data import DataError
@@ -320,7 +331,7 @@ def main(argv: list[str]) -> None:
   try:
     train_cli.setup_devices()
     base = train_cli.config_from_flags()
-    rows = run_comparison(base, _METHODS.value, base.out_dir, progress=base.progress)
+    rows = run_comparison(base, methods.value, base.out_dir, progress=base.progress)
   except (trainer.ConfigError, DataError, CheckpointError, ValueError, FloatingPointError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -329,4 +340,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(functools.partial(main, methods=_define_flags()))
