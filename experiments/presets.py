@@ -10,7 +10,20 @@ report.
 
 from __future__ import annotations
 
+import dataclasses
+
 from experiments.model import ModelConfig, param_count
+
+# d_ff = 8/3 * d_model, Llama's SwiGLU ratio.
+_BASE = ModelConfig(
+  vocab_size=256,
+  d_model=384,
+  n_layers=6,
+  n_heads=6,
+  n_kv_heads=6,
+  d_ff=1024,
+  max_seq_len=512,
+)
 
 PRESETS: dict[str, ModelConfig] = {
   # CPU smoke test; exercises grouped-query attention (2 kv heads for 4 heads).
@@ -34,25 +47,8 @@ PRESETS: dict[str, ModelConfig] = {
     max_seq_len=256,
   ),
   # ``base`` with 4 of its 6 layers: 7.3M, the size netlab's headline asks for.
-  "mini": ModelConfig(
-    vocab_size=256,
-    d_model=384,
-    n_layers=4,
-    n_heads=6,
-    n_kv_heads=6,
-    d_ff=1024,
-    max_seq_len=512,
-  ),
-  # d_ff = 8/3 * d_model, Llama's SwiGLU ratio.
-  "base": ModelConfig(
-    vocab_size=256,
-    d_model=384,
-    n_layers=6,
-    n_heads=6,
-    n_kv_heads=6,
-    d_ff=1024,
-    max_seq_len=512,
-  ),
+  "mini": dataclasses.replace(_BASE, n_layers=4),
+  "base": _BASE,
   # GPT-2-small-sized body; tied so the 32k-token embedding is counted once.
   "medium": ModelConfig(
     vocab_size=32000,

@@ -180,13 +180,15 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-  """The reference's schedule: linear warmup from 0, then cosine down to 0.1x."""
-  warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+  """The reference's schedule: linear warmup from 0, then cosine down to 0.1x.
+
+  The optimizer steps with it and the metrics log it, so both see one schedule.
+  """
   return optax.warmup_cosine_decay_schedule(
     init_value=0.0,
     peak_value=cfg.learning_rate,
-    warmup_steps=warmup,
-    decay_steps=max(cfg.steps, warmup + 1),
+    warmup_steps=min(cfg.warmup_steps, max(cfg.steps - 1, 0)),
+    decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
     end_value=0.1 * cfg.learning_rate,
   )
 
@@ -201,13 +203,7 @@ def build_optimizer(
   as data-parallel AdamW does. With ``fsdp_axis`` the gradients are shards,
   and the clipping norm is that of the whole gradient.
   """
-  lr = optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=cfg.learning_rate,
-    warmup_steps=min(cfg.warmup_steps, max(cfg.steps - 1, 0)),
-    decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
-    end_value=0.1 * cfg.learning_rate,
-  )
+  lr = lr_schedule(cfg)
   if not cfg.clip_norm:
     clip = optax.identity()
   elif fsdp_axis is not None:
