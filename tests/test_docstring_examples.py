@@ -7,6 +7,7 @@ import pytest
 
 # The modules whose public functions carry examples.
 MODULES = [
+  "distro_jax.bitpack",
   "distro_jax.diloco",
   "distro_jax.exchange",
   "distro_jax.fsdp",
