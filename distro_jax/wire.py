@@ -14,7 +14,7 @@ import numpy as np
 
 from distro_jax import codec, dct
 
-__all__ = ["WireBytes", "plan_tree", "wire_bytes", "wire_layout"]
+__all__ = ["WireBytes", "plan_tree", "ring_allreduce_factor", "wire_bytes", "wire_layout"]
 
 
 def plan_tree(params: Any, compression_chunk: int) -> list[dct.ChunkPlan]:
@@ -36,6 +36,15 @@ def wire_layout(
     k = min(compression_topk, plan.chunk_size)
     tensors.append(codec.TensorWire(plan.rows, k, plan.chunk_size, np.dtype(x.dtype).name))
   return codec.WireLayout(tuple(tensors), bool(quantize_1bit))
+
+
+def ring_allreduce_factor(num_workers: int) -> float:
+  """Operands a ring all-reduce moves up each worker's link: ``2 (W - 1) / W``.
+
+  A reduce-scatter then an all-gather, each passing ``(W - 1) / W`` of the
+  operand along the ring.
+  """
+  return 2 * (num_workers - 1) / num_workers
 
 
 class WireBytes(NamedTuple):
@@ -106,5 +115,5 @@ def wire_bytes(
   leaves = jax.tree.leaves(params)
   numel = sum(int(np.prod(np.shape(x))) for x in leaves)
   grad = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in leaves)
-  ring = 2 * (num_workers - 1) / num_workers * grad
+  ring = ring_allreduce_factor(num_workers) * grad
   return WireBytes(layout.num_bytes, 2 * numel, 4 * numel, grad, ring, num_workers)

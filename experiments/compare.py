@@ -10,16 +10,9 @@ table, the internet time model and the DisTrO report's setting projected by
 the same model), ``results.json`` (one object per method),
 ``projection.json``, ``loss_vs_step.png`` and ``loss_vs_bytes.png``.
 
-Methods:
-  adamw                    AdamW with a gradient all-reduce.
-  demo                     DeMo at the reference sizes (top-k 32 of 64x64 chunks).
-  demo-kK[-cC][-1bit]      DeMo with top-k K, chunk C, optionally 1-bit values.
-  demo...-delayed          any DeMo method applying step t-1's aggregate at step t
-                           (delayed_apply), so the exchange can overlap compute.
-  demo-stateless           DeMo with decay 0: each step sends only its gradient.
-  topk-nodct[-kK][-1bit]   top-k and error feedback on raw entries, no DCT.
-  distro_adamw             the DeMo exchange followed by AdamW.
-  diloco[-hH]              H local AdamW steps (default 50), then an outer Nesterov step.
+Methods are names in the registry's grammar (``experiments.methods``): a
+family, then dash-separated options, e.g. ``demo-k8-1bit-delayed`` or
+``diloco-h20``; ``python -m experiments.methods`` lists them.
 
 The training flags are the driver's (``python -m experiments.train --help``);
 ``--optimizer`` is ignored here, ``--methods`` chooses.
@@ -31,43 +24,25 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from absl import app, flags
 
-from experiments import time_model
+from experiments import cli, config, methods, time_model
+from experiments.config import ConfigError, TrainConfig
+from experiments.launch import LaunchConfig, setup_devices
+from experiments.records import Summary, read_metrics
 
 __all__ = ["DEFAULT_METHODS", "method_overrides", "run_comparison", "markdown_table"]
 
 DEFAULT_METHODS = ("adamw", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco")
 
 
-def _define_flags() -> flags.FlagHolder:
-  """``--methods``, and this command's defaults for the driver's flags.
-
-  Only when run as a command: importing this module (a notebook, the tests,
-  netlab beside it) must not change the driver's defaults or claim a flag name.
-  """
-  from experiments import train  # noqa: F401  (defines the driver's flags, shared here)
-
-  flags.FLAGS.set_default("preset", "small")
-  flags.FLAGS.set_default("steps", 300)
-  flags.FLAGS.set_default("out_dir", "runs/compare")
-  return flags.DEFINE_list(
-    "methods", list(DEFAULT_METHODS), "Comma-separated methods to compare (see the module help)."
-  )
-
-
-_DEMO = re.compile(r"(demo|topk-nodct)(?:-k(\d+))?(?:-c(\d+))?(-1bit)?(-delayed)?")
-_DILOCO = re.compile(r"diloco(?:-h(\d+))?")
-
-
 def method_overrides(name: str) -> dict[str, Any]:
-  """The :class:`~experiments.trainer.TrainConfig` fields that make method ``name``.
+  """The :class:`~experiments.config.TrainConfig` fields that make method ``name``.
 
   Args:
     name: a method name, e.g. ``"demo-k8-1bit"`` or ``"diloco-h100"``.
@@ -76,61 +51,41 @@ def method_overrides(name: str) -> dict[str, Any]:
     Field overrides, always including ``optimizer``.
 
   Raises:
-    ValueError: for a name that is not a method, listing the valid forms.
+    ConfigError: for a name that is not a method, listing the valid forms.
   """
-  if name in ("adamw", "distro_adamw"):
-    return {"optimizer": name}
-  if name == "demo-stateless":
-    return {"optimizer": "demo", "compression_decay": 0.0}
-  if m := _DILOCO.fullmatch(name):
-    return {"optimizer": "diloco", **({"diloco_sync_every": int(m[1])} if m[1] else {})}
-  if m := _DEMO.fullmatch(name):
-    out: dict[str, Any] = {"optimizer": "demo", "use_dct": m[1] == "demo"}
-    if m[2]:
-      out["compression_topk"] = int(m[2])
-    if m[3]:
-      out["compression_chunk"] = int(m[3])
-    if m[4]:
-      out["quantize_1bit"] = True
-    if m[5]:
-      out["delayed_apply"] = True
-    return out
-  raise ValueError(
-    f"unknown method {name!r}. Methods: adamw, demo, demo-kK[-cC][-1bit][-delayed] (e.g. "
-    "demo-k8-1bit, demo-delayed), "
-    "demo-stateless, topk-nodct[-kK][-1bit], distro_adamw, diloco[-hH] (e.g. diloco-h100)."
-  )
+  return methods.parse(name)[1]
 
 
-def _row(method: str, summary: dict[str, Any], seconds: float) -> dict[str, Any]:
+def _row(method: str, summary: Summary, seconds: float) -> dict[str, Any]:
   return {
     "method": method,
-    "optimizer": summary["optimizer"],
-    "final_train_loss": summary["final_train_loss"],
-    "final_train_loss_avg10": summary["final_train_loss_avg10"],
-    "final_val_loss": summary["final_val_loss"],
-    "payload_bytes_per_step": summary["payload_bytes_per_step"],
-    "measured_bytes_per_step": summary["measured_exchange_bytes_per_step"],
-    "ratio_vs_bf16_grad": summary["ratio_vs_bf16_grad"],
-    "ratio_vs_ring_allreduce": summary["ratio_vs_ring_allreduce"],
-    "optimizer_time_fraction": summary["optimizer_time_fraction"],
-    "step_seconds": summary["step_seconds"],
-    "gradient_seconds": summary["gradient_seconds"],
-    "bytes_sent_per_step": summary["bytes_sent_per_step"],
-    "learning_rate": summary["config"]["learning_rate"],
+    "optimizer": summary.optimizer,
+    "collective": methods.get(summary.optimizer).collective,
+    "final_train_loss": summary.final_train_loss,
+    "final_train_loss_avg10": summary.final_train_loss_avg10,
+    "final_val_loss": summary.final_val_loss,
+    "payload_bytes_per_step": summary.payload_bytes_per_step,
+    "measured_bytes_per_step": summary.measured_exchange_bytes_per_step,
+    "ratio_vs_bf16_grad": summary.ratio_vs_bf16_grad,
+    "ratio_vs_ring_allreduce": summary.ratio_vs_ring_allreduce,
+    "optimizer_time_fraction": summary.optimizer_time_fraction,
+    "step_seconds": summary.step_seconds,
+    "gradient_seconds": summary.gradient_seconds,
+    "bytes_sent_per_step": summary.bytes_sent_per_step,
+    "learning_rate": summary.config["learning_rate"],
     "run_seconds": seconds,
   }
 
 
 def run_comparison(
-  base: Any, methods: Sequence[str], out_dir: str, *, progress: bool = False
+  base: TrainConfig, method_names: Sequence[str], out_dir: str, *, progress: bool = False
 ) -> list[dict[str, Any]]:
   """Trains every method on ``base``'s model, data, steps and seed, and reports.
 
   Args:
-    base: a :class:`~experiments.trainer.TrainConfig`; its ``optimizer`` and
+    base: a :class:`~experiments.config.TrainConfig`; its ``optimizer`` and
       ``out_dir`` are replaced per method.
-    methods: method names (see :func:`method_overrides`).
+    method_names: method names (see :func:`method_overrides`).
     out_dir: where the runs, tables and plots go.
     progress: show each run's progress line.
 
@@ -143,14 +98,15 @@ def run_comparison(
     step after the gradient: exchange and update), ``step_seconds``, and more.
 
   Raises:
-    ValueError: for an unknown or repeated method, before anything runs.
+    ConfigError: for an unknown or repeated method, or settings one of them
+      cannot run with, before anything runs.
   """
   from experiments import trainer
 
-  if not methods:
-    raise ValueError("--methods is empty; name at least one method, e.g. --methods=adamw,demo.")
-  if len(set(methods)) != len(methods):
-    raise ValueError(f"--methods repeats a method: {','.join(methods)}.")
+  if not method_names:
+    raise ConfigError("--methods is empty; name at least one method, e.g. --methods=adamw,demo.")
+  if len(set(method_names)) != len(method_names):
+    raise ConfigError(f"--methods repeats a method: {','.join(method_names)}.")
   configs = {
     m: dataclasses.replace(
       base,
@@ -159,10 +115,10 @@ def run_comparison(
       progress=progress,
       **method_overrides(m),
     )
-    for m in methods
+    for m in method_names
   }
   for cfg in configs.values():
-    trainer.validate(cfg)
+    config.validate(cfg)
 
   rows = []
   for method, cfg in configs.items():
@@ -213,21 +169,17 @@ def _curves(cfg: Any, row: dict[str, Any]) -> list[dict[str, Any]]:
 
   The count is the time model's for a ring, the same for every method: an
   all-gather moves W-1 messages, an all-reduce ``2 (W-1)/W`` operands, and
-  DiLoCo's all-reduce arrives whole at each synchronization.
+  a method that exchanges every H steps (DiLoCo) sends its whole message then.
   """
-  with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
-    records = [json.loads(line) for line in f if line.strip()]
-  up, _ = time_model.link_bytes(
-    time_model.collective_of(cfg.optimizer), row["payload_bytes_per_step"], cfg.workers
-  )
-  total = 0.0
-  for r in records:
-    if cfg.optimizer != "diloco":
-      total += up
-    elif r["step"] % cfg.diloco_sync_every == 0:
-      total += up * cfg.diloco_sync_every
-    r["cumulative_bytes"] = total
-  return records
+  method = methods.get(cfg.optimizer)
+  every = method.exchange_every(cfg)
+  up, _ = time_model.link_bytes(method.collective, row["payload_bytes_per_step"], cfg.workers)
+  out, total = [], 0.0
+  for r in read_metrics(cfg.out_dir):
+    if r.step % every == 0:
+      total += up * every
+    out.append({"step": r.step, "loss": r.loss, "val_loss": r.val_loss, "cumulative_bytes": total})
+  return out
 
 
 def _smooth(values: list[float], weight: float = 0.9) -> list[float]:
@@ -256,7 +208,9 @@ def _plots(curves: dict[str, list[dict[str, Any]]], out_dir: str, title: str) ->
       (line,) = ax.plot(
         [p[0] for p in pts], _smooth([p[1] for p in pts]), label=f"{method} (train, smoothed)"
       )
-      val = [(r[x_key], r["val_loss"]) for r in records if "val_loss" in r and r[x_key] > 0]
+      val = [
+        (r[x_key], r["val_loss"]) for r in records if r["val_loss"] is not None and r[x_key] > 0
+      ]
       if val:
         ax.plot([v[0] for v in val], [v[1] for v in val], "o", color=line.get_color(), ms=4)
     ax.set_xlabel(x_label)
@@ -276,9 +230,8 @@ def _write(rows, configs, base, out_dir) -> None:
 
   if jax.process_index() != 0:
     return
-  first = next(iter(configs.values())).resolved()
-  with open(os.path.join(first.out_dir, "summary.json")) as f:
-    num_params = json.load(f)["num_params"]
+  first = config.resolve(next(iter(configs.values())))
+  num_params = Summary.load(first.out_dir).num_params
   setup = (
     f"Preset `{base.preset}` ({num_params / 1e6:.2f}M params), {base.workers} workers, "
     f"{base.steps} steps of {base.batch_size} x {base.seq_len} tokens, seed {base.seed}, "
@@ -320,24 +273,36 @@ def _write(rows, configs, base, out_dir) -> None:
   _plots(curves, out_dir, f"{first.preset}, {first.workers} workers")
 
 
-def main(argv: list[str], methods: flags.FlagHolder) -> None:
+def _main(
+  train_flags: Mapping[str, flags.FlagHolder],
+  launch_flags: Mapping[str, flags.FlagHolder],
+  method_flag: flags.FlagHolder,
+  argv: Sequence[str],
+) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from experiments import train as train_cli
-  from experiments import trainer
-  from experiments.checkpointing import CheckpointError
-  from experiments.data import DataError
 
-  try:
-    train_cli.setup_devices()
-    base = train_cli.config_from_flags()
-    rows = run_comparison(base, methods.value, base.out_dir, progress=base.progress)
-  except (trainer.ConfigError, DataError, CheckpointError, ValueError, FloatingPointError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+  def compare() -> list[dict[str, Any]]:
+    base = config.config_from_flags(train_flags)
+    setup_devices(config.config_from_flags(launch_flags, LaunchConfig), base.devices)
+    return run_comparison(base, method_flag.value, base.out_dir, progress=base.progress)
+
+  rows = cli.report_user_errors(compare)
   print(markdown_table(rows))
-  print(f"\nTables, projections and plots: {base.out_dir}/results.md")
+  print(f"\nTables, projections and plots: {train_flags['out_dir'].value}/results.md")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  """The command: the driver's flags with this command's defaults, and ``--methods``."""
+  train_flags = config.define_flags(
+    defaults={"preset": "small", "steps": 300, "out_dir": "runs/compare"}
+  )
+  launch_flags = config.define_flags(LaunchConfig)
+  method_flag = flags.DEFINE_list(
+    "methods", list(DEFAULT_METHODS), "Comma-separated methods to compare (see the module help)."
+  )
+  app.run(functools.partial(_main, train_flags, launch_flags, method_flag), argv=argv)
 
 
 if __name__ == "__main__":
-  app.run(functools.partial(main, methods=_define_flags()))
+  main()

@@ -10,7 +10,9 @@ import json
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import TextIO
+
+from experiments.records import StepRecord, read_jsonl
 
 __all__ = ["MetricsWriter", "Progress", "StepTimer", "human_bytes", "plot_losses"]
 
@@ -62,40 +64,34 @@ class Progress:
       self.stream.flush()
 
 
-def _parse(line: str) -> dict[str, Any] | None:
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError:
-    return None
-  return record if isinstance(record, dict) else None
-
-
 class MetricsWriter:
-  """Appends one JSON object per step to ``OUT_DIR/metrics.jsonl`` (process 0 only)."""
+  """Appends one :class:`~experiments.records.StepRecord` per step to ``OUT_DIR/metrics.jsonl``.
+
+  Only process 0 writes (``enabled``); the others keep nothing.
+  """
 
   def __init__(self, out_dir: str, *, enabled: bool, truncate_after: int | None = None):
     self.path = os.path.join(out_dir, "metrics.jsonl")
     self.enabled = enabled
-    self.records: list[dict[str, Any]] = []
+    self.records: list[StepRecord] = []
     if not enabled:
       return
     os.makedirs(out_dir, exist_ok=True)
     if truncate_after is not None and os.path.exists(self.path):
       # On resume, drop lines past the checkpoint: those steps are replayed.
-      with open(self.path) as f:
-        kept = [_parse(line) for line in f]
       # A process killed mid-write can leave a torn last line; it is dropped.
-      self.records = [r for r in kept if r is not None and r.get("step", 1 << 62) <= truncate_after]
+      kept = [StepRecord.from_json(r) for r in read_jsonl(self.path)]
+      self.records = [r for r in kept if r.step <= truncate_after]
       with open(self.path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in self.records)
+        f.writelines(json.dumps(r.to_json()) + "\n" for r in self.records)
     elif truncate_after is None and os.path.exists(self.path):
       os.remove(self.path)
     self._file = open(self.path, "a")  # noqa: SIM115 - lives as long as the run
 
-  def write(self, record: dict[str, Any]) -> None:
+  def write(self, record: StepRecord) -> None:
     self.records.append(record)
     if self.enabled:
-      self._file.write(json.dumps(record) + "\n")
+      self._file.write(json.dumps(record.to_json()) + "\n")
       self._file.flush()
 
   def close(self) -> None:
@@ -115,20 +111,20 @@ class StepTimer:
     return dt
 
 
-def plot_losses(records: list[dict[str, Any]], path: str, title: str) -> None:
+def plot_losses(records: list[StepRecord], path: str, title: str) -> None:
   """Loss against step, and loss against cumulative bytes sent per worker (log x)."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  steps = [r["step"] for r in records]
-  losses = [r["loss"] for r in records]
-  cum, total = [], 0
+  steps = [r.step for r in records]
+  losses = [r.loss for r in records]
+  cum, total = [], 0.0
   for r in records:
-    total += r["bytes_sent"]
+    total += r.bytes_sent
     cum.append(total)
-  val = [(r["step"], r["val_loss"], c) for r, c in zip(records, cum) if "val_loss" in r]
+  val = [(r.step, r.val_loss, c) for r, c in zip(records, cum) if r.val_loss is not None]
 
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   ax1.plot(steps, losses, label="train")

@@ -3,47 +3,33 @@ r"""A grid sweep of the train driver, one process, printed as a markdown table.
   python -m experiments.sweep --preset=small --data_path=english.txt --steps=300 \
       --grid="optimizer=adamw,demo;learning_rate=1e-3,3e-3;compression_decay=0.99,0.999"
 
-Each grid point is a full ``experiments.trainer.run``; flags not in the grid
-keep the driver's defaults (the recipe for the preset). Results go to
-``OUT_DIR/sweep.md`` and ``OUT_DIR/sweep.json``.
+Each grid point is a full ``experiments.trainer.run``; the driver's flags
+set everything the grid does not (the recipe for the preset, unless given).
+The whole grid is checked before the first point trains. Results go to
+``OUT_DIR/sweep.md`` and ``OUT_DIR/sweep.json``, rewritten after every point.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
 import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-import jax
 from absl import app, flags
 
-from experiments import trainer
+from experiments import cli, config
+from experiments.config import ConfigError, TrainConfig
+from experiments.launch import LaunchConfig, setup_devices
 
-_PRESET = flags.DEFINE_string("preset", "small", "Model preset.")
-_DATA = flags.DEFINE_string("data_path", None, "Training data (default: embedded corpus).")
-_STEPS = flags.DEFINE_integer("steps", 300, "Steps per run.")
-_WORKERS = flags.DEFINE_integer("workers", 8, "Simulated workers.")
-_GRID = flags.DEFINE_string(
-  "grid", "optimizer=adamw,demo", "Semicolon-separated field=v1,v2 lists (TrainConfig fields)."
-)
-_OUT = flags.DEFINE_string("out_dir", "runs/sweep", "Where runs and the table go.")
+__all__ = ["main", "parse_grid", "run_sweep", "sweep_table"]
 
 
-def _parse_grid(text: str) -> list[dict]:
-  fields = {f.name: f.type for f in dataclasses.fields(trainer.TrainConfig)}
-  axes = []
-  for part in filter(None, text.split(";")):
-    name, _, values = part.partition("=")
-    name = name.strip()
-    if name not in fields:
-      raise app.UsageError(f"--grid: unknown field {name!r}; fields: {', '.join(fields)}")
-    axes.append([(name, _convert(v.strip())) for v in values.split(",")])
-  return [dict(point) for point in itertools.product(*axes)]
-
-
-def _convert(v: str):
+def _convert(v: str) -> Any:
   for cast in (int, float):
     try:
       return cast(v)
@@ -52,40 +38,27 @@ def _convert(v: str):
   return {"true": True, "false": False}.get(v.lower(), v)
 
 
-def main(argv):
-  del argv
-  jax.config.update("jax_num_cpu_devices", _WORKERS.value)  # before any device query
-  rows = []
-  for point in _parse_grid(_GRID.value):
-    name = ",".join(f"{k}={v}" for k, v in point.items())
-    cfg = trainer.TrainConfig(
-      preset=_PRESET.value,
-      data_path=_DATA.value,
-      steps=_STEPS.value,
-      workers=_WORKERS.value,
-      out_dir=os.path.join(_OUT.value, name.replace("=", "-").replace(",", "_")),
-      progress=False,
-      **point,
-    )
-    t0 = time.perf_counter()
-    summary = trainer.run(cfg)
-    rows.append(
-      {
-        **point,
-        "final_train_loss": summary["final_train_loss"],
-        "train_loss_avg10": summary["final_train_loss_avg10"],
-        "final_val_loss": summary["final_val_loss"],
-        "seconds": time.perf_counter() - t0,
-      }
-    )
-    print(
-      f"{name}: train {summary['final_train_loss']:.4f} "
-      f"(avg10 {summary['final_train_loss_avg10']:.4f}) val {summary['final_val_loss']:.4f} "
-      f"in {rows[-1]['seconds']:.0f}s",
-      flush=True,
-    )
+def parse_grid(text: str) -> list[dict[str, Any]]:
+  """``"a=1,2;b=x"`` -> every combination, as ``TrainConfig`` field overrides.
 
-  keys = [k for k in _parse_grid(_GRID.value)[0]]
+  Raises:
+    ConfigError: a name that is not a ``TrainConfig`` field, or a part with no values.
+  """
+  fields = [f.name for f in dataclasses.fields(TrainConfig)]
+  axes = []
+  for part in filter(None, (p.strip() for p in text.split(";"))):
+    name, _, values = part.partition("=")
+    name = name.strip()
+    if name not in fields:
+      raise ConfigError(f"--grid: unknown field {name!r}; fields: {', '.join(fields)}.")
+    if not values.strip():
+      raise ConfigError(f"--grid: {name!r} has no values; write {name}=v1,v2.")
+    axes.append([(name, _convert(v.strip())) for v in values.split(",")])
+  return [dict(point) for point in itertools.product(*axes)]
+
+
+def sweep_table(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> str:
+  """The finished points as a markdown table."""
   lines = [
     "| " + " | ".join(keys) + " | train loss (last) | train loss (avg of last 10) | val loss |",
     "|" + "---|" * (len(keys) + 3),
@@ -97,14 +70,92 @@ def main(argv):
       + f" | {r['final_train_loss']:.4f} | {r['train_loss_avg10']:.4f}"
       + f" | {r['final_val_loss']:.4f} |"
     )
-  table = "\n".join(lines)
-  print(table)
-  os.makedirs(_OUT.value, exist_ok=True)
-  with open(os.path.join(_OUT.value, "sweep.md"), "w") as f:
-    f.write(table + "\n")
-  with open(os.path.join(_OUT.value, "sweep.json"), "w") as f:
-    json.dump(rows, f, indent=2)
+  return "\n".join(lines)
+
+
+def run_sweep(base: TrainConfig, grid: str, out_dir: str) -> list[dict[str, Any]]:
+  """Trains every grid point on top of ``base``; returns one row per point.
+
+  Raises:
+    ConfigError: for a grid or a point that cannot run, before any trains.
+  """
+  from experiments import trainer
+
+  points = parse_grid(grid)
+  configs = []
+  for point in points:
+    name = ",".join(f"{k}={v}" for k, v in point.items())
+    run_dir = os.path.join(out_dir, name.replace("=", "-").replace(",", "_"))
+    cfg = dataclasses.replace(base, out_dir=run_dir, progress=False, **point)
+    config.validate(cfg)
+    configs.append((name, point, cfg))
+  rows: list[dict[str, Any]] = []
+  keys = list(points[0]) if points else []
+  for name, point, cfg in configs:
+    t0 = time.perf_counter()
+    summary = trainer.run(cfg)
+    rows.append(
+      {
+        **point,
+        "final_train_loss": summary.final_train_loss,
+        "train_loss_avg10": summary.final_train_loss_avg10,
+        "final_val_loss": summary.final_val_loss,
+        "seconds": time.perf_counter() - t0,
+      }
+    )
+    print(
+      f"{name}: train {summary.final_train_loss:.4f} "
+      f"(avg10 {summary.final_train_loss_avg10:.4f}) val {summary.final_val_loss:.4f} "
+      f"in {rows[-1]['seconds']:.0f}s",
+      flush=True,
+    )
+    _write(rows, keys, out_dir)
+  return rows
+
+
+def _write(rows: Sequence[dict[str, Any]], keys: Sequence[str], out_dir: str) -> None:
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "sweep.md"), "w") as f:
+    f.write(sweep_table(rows, keys) + "\n")
+  with open(os.path.join(out_dir, "sweep.json"), "w") as f:
+    json.dump(list(rows), f, indent=2)
+
+
+def _main(
+  train_flags: Mapping[str, flags.FlagHolder],
+  launch_flags: Mapping[str, flags.FlagHolder],
+  grid_flag: flags.FlagHolder,
+  argv: Sequence[str],
+) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+
+  def sweep() -> list[dict[str, Any]]:
+    base = config.config_from_flags(train_flags)
+    setup_devices(config.config_from_flags(launch_flags, LaunchConfig), base.devices)
+    return run_sweep(base, grid_flag.value, base.out_dir)
+
+  rows = cli.report_user_errors(sweep)
+  if rows:
+    print(sweep_table(rows, [k for k in rows[0] if k not in _RESULT_KEYS]))
+
+
+_RESULT_KEYS = ("final_train_loss", "train_loss_avg10", "final_val_loss", "seconds")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  """The command: the driver's flags (small preset, 300 steps) and ``--grid``."""
+  train_flags = config.define_flags(
+    defaults={"preset": "small", "steps": 300, "out_dir": "runs/sweep"}
+  )
+  launch_flags = config.define_flags(LaunchConfig)
+  grid_flag = flags.DEFINE_string(
+    "grid",
+    "optimizer=adamw,demo",
+    "Semicolon-separated field=v1,v2 lists (TrainConfig fields).",
+  )
+  app.run(functools.partial(_main, train_flags, launch_flags, grid_flag), argv=argv)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  main()

@@ -27,8 +27,6 @@ from typing import Any
 
 import jax
 
-import distro_jax as dj
-
 __all__ = [
   "DEFAULT_LINKS",
   "REPORT",
@@ -75,6 +73,18 @@ class ReportSetting:
   distro_hours: float = 19.8
   adamw_bytes_per_step: float = 74.4e9
   distro_bytes_per_step: float = 86.8e6
+  # (method name, row label) projected onto the links; payloads in bf16.
+  methods: tuple[tuple[str, str], ...] = (
+    ("adamw", "adamw"),
+    ("demo", "demo (top-k 32, bf16 values)"),
+    ("demo-k8-1bit", "demo-k8-1bit"),
+    ("diloco", "diloco (H=50)"),
+  )
+
+  @property
+  def published(self) -> dict[str, float | None]:
+    """Published bytes per step where the report has a figure for that method."""
+    return {"adamw": self.adamw_bytes_per_step, "diloco": None}
 
   @property
   def compute_seconds(self) -> float:
@@ -138,8 +148,14 @@ def _projection(name, collective, operand, compute, workers, steps, link) -> dic
 
 
 def collective_of(optimizer: str) -> str:
-  """The collective an optimizer of ``experiments.trainer`` exchanges with."""
-  return "all-reduce" if optimizer in ("adamw", "diloco") else "all-gather"
+  """The collective a method family exchanges with, from the registry.
+
+  Raises:
+    ConfigError: for a name that is not registered.
+  """
+  from experiments import methods
+
+  return methods.get(optimizer).collective
 
 
 def project(
@@ -193,32 +209,34 @@ def report_setting(
     One dict per (method, link), with the keys of :func:`project` plus
     ``report_style_bytes_per_step`` and ``published_bytes_per_step``.
   """
+  from experiments import config, methods, presets
   from experiments import model as model_lib
-  from experiments import presets
 
   params = model_lib.abstract_params(presets.get_preset(setting.preset))
   bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "bfloat16"), params)
-  methods = [
-    ("adamw", "all-reduce", dj.wire_bytes(bf16, num_workers=setting.workers).grad),
-    ("demo (top-k 32, bf16 values)", "all-gather", dj.wire_bytes(bf16).payload),
-    (
-      "demo-k8-1bit",
-      "all-gather",
-      dj.wire_bytes(bf16, compression_topk=8, quantize_1bit=True).payload,
-    ),
-    # The pseudo-gradient is averaged in fp32, once every 50 steps.
-    ("diloco (H=50)", "all-reduce", dj.wire_bytes(bf16).grad_fp32 / 50),
-  ]
-  published = {"adamw": setting.adamw_bytes_per_step, "diloco (H=50)": None}
   out = []
-  for name, collective, operand in methods:
+  for spec, label in setting.methods:
+    method, overrides = methods.parse(spec)
+    cfg = config.resolve(
+      config.TrainConfig(
+        preset=setting.preset, workers=setting.workers, batch_size=setting.workers, **overrides
+      )
+    )
+    payload = method.payload(cfg, bf16)
+    # The report measured its own AdamW run; everything else compares with its DisTrO figure.
+    published = setting.published.get(spec, setting.distro_bytes_per_step)
     for link in links:
       row = _projection(
-        name, collective, operand, setting.compute_seconds, setting.workers, setting.steps, link
+        label,
+        method.collective,
+        payload.per_step,
+        setting.compute_seconds,
+        setting.workers,
+        setting.steps,
+        link,
       )
-      row["report_style_bytes_per_step"] = operand * (setting.workers - 1)
-      row["published_bytes_per_step"] = published.get(name, setting.distro_bytes_per_step)
-
+      row["report_style_bytes_per_step"] = payload.per_step * (setting.workers - 1)
+      row["published_bytes_per_step"] = published
       out.append(row)
   return out
 

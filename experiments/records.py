@@ -1,0 +1,157 @@
+"""The records a run leaves behind, typed: one :class:`StepRecord` per line of
+``metrics.jsonl`` and one :class:`Summary` in ``summary.json``.
+
+Readers (``compare``, ``sweep``, ``netlab``, the notebooks, the tests) load
+them through :func:`read_metrics` and :meth:`Summary.load` and use their
+attributes, so the keys are written down once, here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+__all__ = ["StepRecord", "Summary", "read_jsonl", "read_metrics"]
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+  """The JSON objects of a JSON-lines file, one per line.
+
+  A line that does not parse (a process killed mid-write leaves a torn last
+  line) or is not an object is skipped.
+  """
+  out = []
+  with open(path) as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if isinstance(record, dict):
+        out.append(record)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+  """One line of ``metrics.jsonl``: a step, written by process 0 one step late.
+
+  Attributes:
+    step: the 1-based step.
+    loss: mean training loss over the workers whose loss was finite.
+    wall_time: ``time.time()`` when the step had finished.
+    bytes_sent: bytes one worker sent for this step (``Payload.sent``).
+    lr: the learning rate the optimizer used at this step.
+    tokens_per_s: training tokens per second over this step.
+    excluded_contributions: messages left out as non-finite, for methods
+      that leave workers out (``None`` otherwise, and not written).
+    val_loss: validation loss after this step, where one was taken.
+  """
+
+  step: int
+  loss: float
+  wall_time: float
+  bytes_sent: float
+  lr: float
+  tokens_per_s: float
+  excluded_contributions: int | None = None
+  val_loss: float | None = None
+
+  def to_json(self) -> dict[str, Any]:
+    """The line's object; optional fields appear only when set."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+  @classmethod
+  def from_json(cls, record: dict[str, Any]) -> StepRecord:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in record.items() if k in names})
+
+
+def read_metrics(out_dir: str | os.PathLike[str]) -> list[StepRecord]:
+  """The records of ``OUT_DIR/metrics.jsonl``, in order."""
+  return [StepRecord.from_json(r) for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+  """``summary.json``: what a run did, what it sent, and what it measured.
+
+  Attributes:
+    optimizer: the method's family.
+    preset: the model preset.
+    num_params: parameters in the model.
+    steps: the last step trained.
+    workers: devices in the mesh.
+    final_train_loss: training loss at the last step.
+    final_train_loss_avg10: its mean over the last 10 logged steps.
+    final_val_loss: the last validation loss, if any was taken.
+    bytes_sent_per_step: what one worker's link carries up per step.
+    payload_bytes_per_step: what one worker puts into the collective per
+      step (a message sent every H steps counts 1/H per step).
+    measured_collective_bytes_per_step: every collective's operand bytes in
+      the compiled step, per device.
+    measured_by_kind: the same, by collective kind.
+    measured_exchange_bytes_per_step: the optimizer's collective bytes across
+      ``"replica"`` per step, read from the HLO; equals the payload.
+    measured_by_axes: collective bytes by the mesh axes they cross.
+    measured_crossing_replicas_per_step: collective bytes across ``"replica"``.
+    params_kept_whole: params FSDP could not shard, by path.
+    total_bytes_sent_per_worker: ``bytes_sent_per_step`` times the steps.
+    ratio_vs_ring_allreduce: a ring all-reduce's bytes over the payload.
+    ratio_vs_bf16_grad: a bf16 gradient's bytes over the payload (the DisTrO
+      report's ratio).
+    params_digest: SHA-256 of the final params on process 0.
+    config: the resolved ``TrainConfig``, as a dict.
+    step_seconds: with ``--time_optimizer``, median seconds per step.
+    gradient_seconds: with ``--time_optimizer``, median seconds per
+      gradient-only step.
+    optimizer_time_fraction: with ``--time_optimizer``, the optimizer's share
+      of a step, ``1 - gradient_seconds / step_seconds``.
+  """
+
+  optimizer: str
+  preset: str
+  num_params: int
+  steps: int
+  workers: int
+  final_train_loss: float | None
+  final_train_loss_avg10: float | None
+  final_val_loss: float | None
+  bytes_sent_per_step: float
+  payload_bytes_per_step: float
+  measured_collective_bytes_per_step: int
+  measured_by_kind: dict[str, int]
+  measured_exchange_bytes_per_step: float
+  measured_by_axes: dict[str, int]
+  measured_crossing_replicas_per_step: int
+  params_kept_whole: list[str]
+  total_bytes_sent_per_worker: float
+  ratio_vs_ring_allreduce: float
+  ratio_vs_bf16_grad: float
+  params_digest: str
+  config: dict[str, Any]
+  step_seconds: float | None = None
+  gradient_seconds: float | None = None
+  optimizer_time_fraction: float | None = None
+
+  def to_json(self) -> dict[str, Any]:
+    """The file's object; the timing fields appear only when measured."""
+    out = dataclasses.asdict(self)
+    for k in ("step_seconds", "gradient_seconds", "optimizer_time_fraction"):
+      if out[k] is None:
+        del out[k]
+    return out
+
+  def save(self, path: str | os.PathLike[str]) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_json(), f, indent=2)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike[str]) -> Summary:
+    """Reads a ``summary.json`` (a file, or a run directory that holds one)."""
+    if os.path.isdir(path):
+      path = os.path.join(path, "summary.json")
+    with open(path) as f:
+      return cls(**json.load(f))

@@ -1,0 +1,212 @@
+"""The pure steps of a run, each one device's view inside ``jax.shard_map``.
+
+The mesh is ``("replica", "fsdp")`` (``experiments.launch``): a replica is
+a site of ``fsdp`` devices sharing one data-parallel worker's work. The
+params arrive as this device's shards (whole params when ``fsdp`` is 1),
+laid out by ``param_specs``. Only the optimizer's exchange crosses
+``"replica"``; the gradient's reduce-scatter and the params' all-gather stay
+within a site.
+
+:func:`shard_step` wraps any of them for a mesh, once, with ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import distro_jax as dj
+from distro_jax.exchange import varying_axes
+from experiments import model as model_lib
+from experiments.launch import FSDP, MESH_AXES, REPLICA
+
+__all__ = [
+  "eval_step",
+  "gradient_step",
+  "mean_finite_loss",
+  "replica_mismatches",
+  "rows_spec",
+  "shard_step",
+  "train_step",
+]
+
+
+def rows_spec(fsdp: int) -> P:
+  """How a global batch's rows are split: over every device of the mesh.
+
+  With one device per site the rows are typed as split over ``"replica"``
+  alone: the ``"fsdp"`` axis has size 1, and a batch typed as varying over
+  it would make autodiff sum the gradient over it, a no-op all-reduce of the
+  whole gradient in the compiled step.
+  """
+  return P(MESH_AXES) if fsdp > 1 else P(REPLICA)
+
+
+def _mesh_order(axes: frozenset[str]) -> tuple[str, ...]:
+  return tuple(a for a in MESH_AXES if a in axes)
+
+
+def _loss(params, graphdef, inputs_BxL, targets_BxL):
+  logits_BxLxV = nnx.merge(graphdef, params)(inputs_BxL)
+  return model_lib.next_token_loss(logits_BxLxV, targets_BxL)
+
+
+def _value_and_grad(params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs):
+  """This device's loss and its site's gradient, taken where the optimizer says.
+
+  DiLoCo workers take their gradient at their own inner params
+  (``dj.inner_params``); every other optimizer at the shared params.
+  """
+  at = dj.inner_params(opt_state, params)
+  grad_fn = dj.fsdp_value_and_grad(_loss, param_specs, replica_axis=REPLICA, fsdp_axis=FSDP)
+  return grad_fn(at, graphdef, inputs_BxL, targets_BxL)
+
+
+def _inject_fault(grads, step, fault):
+  """NaN in one worker's gradient at one step, to exercise the failure path."""
+  fault_step, fault_worker = fault
+  hit = (step == fault_step) & (jax.lax.axis_index(REPLICA) == fault_worker)
+  return jax.tree.map(lambda g: jnp.where(hit, jnp.nan, g), grads)
+
+
+def mean_finite_loss(loss: jax.Array) -> jax.Array:
+  """The mean of the finite per-device losses over the devices; NaN if none is finite.
+
+  It averages over the mesh axes ``loss`` differs across (those the batch is
+  split over).
+  """
+  axes = _mesh_order(varying_axes(loss))
+  finite = jnp.isfinite(loss)
+  num_finite = jax.lax.psum(finite.astype(jnp.float32), axes)
+  total = jax.lax.psum(jnp.where(finite, loss, 0.0), axes)
+  return jnp.where(num_finite > 0, total / jnp.maximum(num_finite, 1.0), jnp.nan)
+
+
+def train_step(
+  params: Any,
+  opt_state: Any,
+  step: jax.Array,
+  inputs_BxL: jax.Array,
+  targets_BxL: jax.Array,
+  *,
+  graphdef: nnx.GraphDef,
+  tx: optax.GradientTransformation,
+  param_specs: Any,
+  fault: tuple[int, int] | None = None,
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+  """One device's step: its loss and gradient, then the optimizer's exchange.
+
+  Args:
+    params: this device's shards of the params, identical across replicas.
+    opt_state: this device's optimizer state.
+    step: the 1-based step number, an int32 scalar.
+    inputs_BxL: this device's input tokens.
+    targets_BxL: this device's next tokens.
+    graphdef: the model's static structure.
+    tx: the optimizer, exchanging over ``"replica"``.
+    param_specs: the params' ``PartitionSpec`` tree over ``"fsdp"``.
+    fault: ``(step, worker)`` whose gradient becomes NaN, or None.
+
+  Returns:
+    ``(params, opt_state, metrics)``. ``metrics["loss"]`` averages the finite
+    device losses; ``metrics["excluded"]`` counts messages the optimizer
+    left out this step (0 for one that leaves none out).
+  """
+  loss, grads = _value_and_grad(params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs)
+  if fault is not None:
+    grads = _inject_fault(grads, step, fault)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  # Optimizers with no DemoState count every worker as contributing.
+  workers = jax.lax.axis_size(REPLICA)
+  contributors = optax.tree_utils.tree_get(opt_state, "contributors", jnp.int32(workers))
+  return params, opt_state, {"loss": mean_finite_loss(loss), "excluded": workers - contributors}
+
+
+def eval_step(
+  params: Any,
+  inputs_BxL: jax.Array,
+  targets_BxL: jax.Array,
+  *,
+  graphdef: nnx.GraphDef,
+  param_specs: Any,
+) -> jax.Array:
+  """The mean loss of the whole batch, with the params gathered within each site."""
+  full = dj.gather_params(params, param_specs, FSDP)
+  loss = _loss(full, graphdef, inputs_BxL, targets_BxL)
+  return jax.lax.pmean(loss, _mesh_order(varying_axes(loss)))
+
+
+def gradient_step(
+  params: Any,
+  opt_state: Any,
+  inputs_BxL: jax.Array,
+  targets_BxL: jax.Array,
+  *,
+  graphdef: nnx.GraphDef,
+  param_specs: Any,
+) -> jax.Array:
+  """The train step without the optimizer: loss and gradient, no exchange.
+
+  Returns this device's squared gradient norm, shape ``(1,)``, so that the
+  gradient is computed in full. Timing it against :func:`train_step` gives
+  the optimizer's share of the step (exchange and update together).
+  """
+  _, grads = _value_and_grad(params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs)
+  return optax.tree_utils.tree_sum(jax.tree.map(lambda g: jnp.sum(jnp.square(g)), grads))[None]
+
+
+def replica_mismatches(params: Any, *, param_specs: Any) -> jax.Array:
+  """How many param entries differ, bit for bit, between replicas.
+
+  A shard is compared across the replicas that hold it; a param kept whole,
+  across every device.
+  """
+
+  def count(x, spec):
+    sharded = spec != P()
+    axes = (REPLICA,) if sharded else MESH_AXES
+    bits = jax.lax.bitcast_convert_type(
+      x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    )
+    n = jnp.sum(jax.lax.pmax(bits, axes) != jax.lax.pmin(bits, axes), dtype=jnp.int32)
+    # Each device of a site counted its own shard.
+    return jax.lax.psum(n, FSDP) if sharded else n
+
+  specs = jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P))
+  return sum(count(x, s) for x, s in zip(jax.tree.leaves(params), specs))
+
+
+def shard_step(
+  fn: Callable[..., Any],
+  mesh: jax.sharding.Mesh,
+  in_specs: tuple[Any, ...],
+  out_specs: Any,
+  *,
+  donate: tuple[int, ...] = (),
+  **static: Any,
+) -> Callable[..., Any]:
+  """``jax.jit(jax.shard_map(partial(fn, **static)))`` over ``mesh``, built once.
+
+  Args:
+    fn: one device's step.
+    mesh: the ``("replica", "fsdp")`` mesh.
+    in_specs: ``PartitionSpec`` (trees) of the positional arguments.
+    out_specs: ``PartitionSpec`` (trees) of the results.
+    donate: positional arguments whose buffers the step may reuse.
+    **static: keyword arguments bound into ``fn`` (the model, the optimizer).
+
+  Returns:
+    The jitted step over global arrays.
+  """
+  mapped = jax.shard_map(
+    functools.partial(fn, **static), mesh=mesh, in_specs=in_specs, out_specs=out_specs
+  )
+  return jax.jit(mapped, donate_argnums=donate)
