@@ -132,7 +132,7 @@ def run_comparison(
       file=sys.stderr,
       flush=True,
     )
-  baseline = next((r for r in rows if r["method"] == "adamw"), None)
+  baseline = next((r for r in rows if r["method"] == methods.BASELINE), None)
   for r in rows:
     r["val_gap_vs_adamw"] = (
       r["final_val_loss"] / baseline["final_val_loss"] - 1 if baseline else None

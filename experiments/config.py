@@ -19,6 +19,9 @@ from typing import Any
 
 from absl import flags
 
+# Flags defined through define_flags belong to the command that calls it, so --help lists them.
+flags.disclaim_key_flags()
+
 __all__ = [
   "RUNTIME_FIELDS",
   "ConfigError",

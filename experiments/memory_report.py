@@ -10,11 +10,14 @@ moment buffers are sharded the same way (ZeRO-3 style).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import optax
 from absl import app, flags
 
 import distro_jax as dj
-from experiments import presets
+from experiments import cli, presets
+from experiments.config import ConfigError
 from experiments.model import abstract_params
 
 
@@ -57,18 +60,7 @@ def _gb(n: int) -> str:
   return f"{n / 1e9:.3f} GB"
 
 
-def _define_flags() -> None:
-  # Defined only when run as a command: the driver's flags share these names,
-  # and tests import both modules into one process.
-  flags.DEFINE_string("preset", "report-1.2b", "Model preset (experiments/presets.py).")
-  flags.DEFINE_list("fsdp", ["1", "2", "4", "8"], "Devices per site to report.")
-  flags.DEFINE_integer("compression_chunk", 64, "DeMo's chunk target.")
-
-
-def main(argv: list[str]) -> None:
-  del argv
-  preset, chunk = flags.FLAGS.preset, flags.FLAGS.compression_chunk
-  fsdps = tuple(int(f) for f in flags.FLAGS.fsdp)
+def _report(preset: str, fsdps: tuple[int, ...], chunk: int) -> None:
   rows = measure(preset, fsdps, chunk)
   params = abstract_params(presets.get_preset(preset))
   for fsdp in fsdps:
@@ -91,6 +83,32 @@ def main(argv: list[str]) -> None:
   print(f"delayed_apply adds the pending message: {delayed:,} bytes per device at fsdp={fsdps[0]}")
 
 
+def main(argv: Sequence[str] | None = None) -> None:
+  """The command; its flags are defined here, not at import."""
+  preset = flags.DEFINE_string("preset", "report-1.2b", "Model preset (experiments/presets.py).")
+  fsdp = flags.DEFINE_list("fsdp", ["1", "2", "4", "8"], "Devices per site to report.")
+  chunk = flags.DEFINE_integer("compression_chunk", 64, "DeMo's chunk target.")
+
+  def run(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+
+    def report() -> None:
+      try:
+        presets.get_preset(preset.value)
+        sizes = tuple(int(f) for f in fsdp.value)
+      except ValueError as e:
+        raise ConfigError(f"--preset/--fsdp: {e}") from None
+      if not sizes or min(sizes) < 1 or chunk.value < 1:
+        raise ConfigError(
+          "--fsdp needs positive sizes (e.g. 1,2,4,8) and --compression_chunk >= 1."
+        )
+      _report(preset.value, sizes, chunk.value)
+
+    cli.report_user_errors(report)
+
+  app.run(run, argv=argv)
+
+
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  main()

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
   "ALL_GATHER",
   "ALL_REDUCE",
+  "BASELINE",
   "Axes",
   "Method",
   "Option",
@@ -50,6 +51,8 @@ __all__ = [
 
 ALL_GATHER = "all-gather"
 ALL_REDUCE = "all-reduce"
+# The method every other is measured against: AdamW with a gradient all-reduce.
+BASELINE = "adamw"
 
 
 @dataclasses.dataclass(frozen=True)

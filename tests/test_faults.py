@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from sharded_step import build, mesh_of, per_device_copies, place_grads
 from tiny_runs import read_metrics, run_tiny
 
@@ -95,34 +97,54 @@ def _run(tmp_path, **kw):
 def test_driver_counts_the_excluded_worker_and_keeps_training(tmp_path):
   summary = _run(tmp_path, inject_nan_step=3, inject_nan_worker=6)
   records = read_metrics(tmp_path)
-  assert [r["excluded_contributions"] for r in records] == [0, 0, 1, 0, 0, 0]
-  assert all(np.isfinite(r["loss"]) for r in records)
-  assert np.isfinite(summary["final_val_loss"])
+  assert [r.excluded_contributions for r in records] == [0, 0, 1, 0, 0, 0]
+  assert all(np.isfinite(r.loss) for r in records)
+  assert np.isfinite(summary.final_val_loss)
 
 
 def test_driver_adamw_skips_a_nonfinite_step_when_asked(tmp_path):
   with pytest.raises(FloatingPointError, match="--skip_nonfinite"):
     _run(tmp_path / "a", optimizer="adamw", inject_nan_step=3)
   summary = _run(tmp_path / "b", optimizer="adamw", inject_nan_step=3, skip_nonfinite=True)
-  assert np.isfinite(summary["final_train_loss"])
+  assert np.isfinite(summary.final_train_loss)
 
 
-def test_replica_check_fires_when_one_device_differs():
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
+def _drifted(mesh, shape, spec, device, index):
+  """A global array equal on every device except one entry of one device's shard."""
+  sharding = NamedSharding(mesh, spec)
+  shard_shape = sharding.shard_shape(shape)
+  arrays = []
+  for i, d in enumerate(mesh.devices.flat):
+    v = np.zeros(shard_shape, np.float32)
+    if i == device:
+      v[index] = 1e-30  # too small to see in a loss
+    arrays.append(jax.device_put(v, d))
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
-  from experiments import trainer
 
-  mesh = mesh_of(4)
-  sharding = NamedSharding(mesh, P())
-  values = [np.zeros((3, 5), np.float32) for _ in range(4)]
-  values[2][1, 4] = 1e-30  # one entry on one device, too small to see in a loss
-  arrays = [jax.device_put(v, d) for v, d in zip(values, mesh.devices.flat)]
-  drifted = jax.make_array_from_single_device_arrays((3, 5), sharding, arrays)
+@pytest.mark.parametrize(
+  ("spec", "device", "expected"),
+  [
+    (P(), 2, 1),  # a whole param differs on one device of one site
+    (P(), 1, 1),  # ... or between the two devices of a site
+    (P("fsdp"), 3, 1),  # a shard differs between the replicas that hold it
+    (P("fsdp"), None, 0),
+  ],
+)
+def test_replica_check_fires_when_one_device_differs(spec, device, expected):
+  import functools
+
+  from experiments import launch, steps
+
+  mesh = launch.make_mesh(4, fsdp=2)
+  params = {"w": _drifted(mesh, (4, 5), spec, device, (1, 4))}
   check = jax.jit(
     jax.shard_map(
-      trainer._replica_mismatches, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False
+      functools.partial(steps.replica_mismatches, param_specs={"w": spec}),
+      mesh=mesh,
+      in_specs=({"w": spec},),
+      out_specs=P(),
+      check_vma=False,
     )
   )
-  assert int(check({"w": drifted})) == 1
-  assert int(check({"w": jax.device_put(values[0], sharding)})) == 0
+  assert int(check(params)) == expected

@@ -13,31 +13,32 @@ def test_two_sites_of_two_devices_train_as_two_workers(tmp_path):
   sharded = tiny_runs.run_tiny(
     tmp_path / "fsdp", replicas=2, fsdp=2, steps=steps, check_replicas=True, log_every=1
   )
-  a = [r["loss"] for r in tiny_runs.read_metrics(tmp_path / "plain")]
-  b = [r["loss"] for r in tiny_runs.read_metrics(tmp_path / "fsdp")]
+  a = [r.loss for r in tiny_runs.read_metrics(tmp_path / "plain")]
+  b = [r.loss for r in tiny_runs.read_metrics(tmp_path / "fsdp")]
   # Same rows per site as per worker; only the reduction order differs.
   np.testing.assert_allclose(b, a, rtol=1e-4)
   assert a[-1] < a[0]
-  assert sharded["workers"] == 4
+  assert sharded.workers == 4
   # Between sites: each device's message, plus the 8-byte loss metric.
-  assert sharded["measured_by_axes"]["replica"] == sharded["payload_bytes_per_step"]
-  assert sharded["measured_crossing_replicas_per_step"] <= sharded["payload_bytes_per_step"] + 8
-  assert sharded["measured_by_axes"]["fsdp"] > 0
+  assert sharded.measured_by_axes["replica"] == sharded.payload_bytes_per_step
+  assert sharded.measured_crossing_replicas_per_step <= sharded.payload_bytes_per_step + 8
+  assert sharded.measured_by_axes["fsdp"] > 0
   # The embedding (4 chunks of 64 rows) is sharded; d_model-wide tensors
   # (a single 64-wide chunk) are not, and the summary names them.
-  kept = sharded["params_kept_whole"]
+  kept = sharded.params_kept_whole
   assert not any("embed" in p for p in kept)
   assert any("final_norm" in p for p in kept)
-  assert plain["measured_by_axes"] == {"data": plain["measured_collective_bytes_per_step"]}
+  # One device per site is the same mesh: everything crosses only "replica".
+  assert plain.measured_by_axes == {"replica": plain.measured_collective_bytes_per_step}
 
 
-def test_delayed_apply_trains_on_the_1d_mesh(tmp_path):
+def test_delayed_apply_trains_with_one_device_per_site(tmp_path):
   summary = tiny_runs.run_tiny(tmp_path, delayed_apply=True, steps=4)
   records = tiny_runs.read_metrics(tmp_path)
   # Step 1 has no previous message to apply: all of them count as left out.
-  assert [r["excluded_contributions"] for r in records] == [4, 0, 0, 0]
-  assert summary["measured_by_kind"]["all-gather"] == summary["payload_bytes_per_step"]
-  assert np.isfinite(summary["final_train_loss"])
+  assert [r.excluded_contributions for r in records] == [4, 0, 0, 0]
+  assert summary.measured_by_kind["all-gather"] == summary.payload_bytes_per_step
+  assert np.isfinite(summary.final_train_loss)
 
 
 @pytest.mark.parametrize(

@@ -45,23 +45,23 @@ def test_resume_is_exact(tmp_path, optimizer):
   )
 
   a, b = tiny_runs.read_metrics(tmp_path / "a"), tiny_runs.read_metrics(tmp_path / "b")
-  assert [r["step"] for r in b] == list(range(1, 7))
-  assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit-identical floats
-  assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
-  assert straight["params_digest"] == resumed["params_digest"]
+  assert [r.step for r in b] == list(range(1, 7))
+  assert [r.loss for r in a] == [r.loss for r in b]  # bit-identical floats
+  assert [r.val_loss for r in a] == [r.val_loss for r in b]
+  assert straight.params_digest == resumed.params_digest
 
 
 def test_metrics_summary_and_plot(tmp_path):
   summary = trainer.run(trainer.TrainConfig(steps=6, out_dir=str(tmp_path), **TINY))
   records = tiny_runs.read_metrics(tmp_path)
-  assert {"step", "loss", "bytes_sent"} <= set(records[0])
-  assert any("val_loss" in r for r in records)
-  assert all(r["bytes_sent"] == summary["payload_bytes_per_step"] for r in records)
+  assert records[0].step == 1 and records[-1].step == 6
+  assert any(r.val_loss is not None for r in records)
+  assert all(r.bytes_sent == summary.payload_bytes_per_step for r in records)
   # The figure sent per step is what the compiled step's all-gather carries.
-  assert summary["measured_by_kind"]["all-gather"] == summary["payload_bytes_per_step"]
-  assert summary["measured_by_kind"].get("all-reduce", 0) <= 8  # the loss metric only
-  assert summary["total_bytes_sent_per_worker"] == 6 * summary["payload_bytes_per_step"]
-  assert summary["ratio_vs_ring_allreduce"] > 10
+  assert summary.measured_by_kind["all-gather"] == summary.payload_bytes_per_step
+  assert summary.measured_by_kind.get("all-reduce", 0) <= 8  # the loss metric only
+  assert summary.total_bytes_sent_per_worker == 6 * summary.payload_bytes_per_step
+  assert summary.ratio_vs_ring_allreduce > 10
   assert (tmp_path / "loss.png").stat().st_size > 1000
   assert (tmp_path / "summary.json").exists()
 
@@ -86,7 +86,7 @@ def test_resume_skips_an_unfinished_save_and_refuses_another_run(tmp_path):
   resumed = trainer.run(
     trainer.TrainConfig(steps=6, checkpoint_every=3, resume=True, out_dir=str(tmp_path), **TINY)
   )
-  assert resumed["steps"] == 6
+  assert resumed.steps == 6
   with pytest.raises(trainer.CheckpointError, match="different run"):
     trainer.run(
       trainer.TrainConfig(
@@ -186,7 +186,7 @@ def test_two_processes_with_gloo_end_identical_and_learn(tmp_path):
   assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
   digests = [(tmp_path / f"params_digest.process{i}").read_text() for i in range(2)]
   assert digests[0] == digests[1]
-  losses = [r["loss"] for r in tiny_runs.read_metrics(tmp_path)]
+  losses = [r.loss for r in tiny_runs.read_metrics(tmp_path)]
   assert len(losses) == 10 and losses[-1] < losses[0]
 
 

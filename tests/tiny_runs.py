@@ -1,9 +1,6 @@
 """Short driver runs on the tiny preset, shared by the driver and reliability tests."""
 
-import json
-import os
-
-from experiments import trainer
+from experiments import records, trainer
 
 TINY = {
   "preset": "tiny",
@@ -21,6 +18,5 @@ def run_tiny(out_dir, **overrides):
 
 
 def read_metrics(out_dir):
-  """The records of ``OUT_DIR/metrics.jsonl``."""
-  with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
+  """The :class:`~experiments.records.StepRecord`\\ s of ``OUT_DIR/metrics.jsonl``."""
+  return records.read_metrics(out_dir)

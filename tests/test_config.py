@@ -1,0 +1,78 @@
+"""One config: flags built from its fields, checks, and the resume fingerprint."""
+
+import dataclasses
+
+import pytest
+import tiny_runs
+from absl import flags
+
+from experiments import config, trainer
+from experiments.config import RUNTIME_FIELDS, TrainConfig
+from experiments.launch import LaunchConfig
+
+FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def _changed(value):
+  if isinstance(value, bool):
+    return not value
+  if isinstance(value, int):
+    return value + 1
+  if isinstance(value, float):
+    return value + 0.5
+  return "other"
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_fingerprint_covers_every_field_but_the_runtime_ones(name):
+  base = config.resolve(TrainConfig())
+  other = dataclasses.replace(base, **{name: _changed(getattr(base, name))})
+  differs = config.fingerprint(base) != config.fingerprint(other)
+  assert differs == (name not in RUNTIME_FIELDS), name
+
+
+def test_fingerprint_compares_data_paths_as_absolute(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  a = config.fingerprint(TrainConfig(data_path="book.txt"))
+  b = config.fingerprint(TrainConfig(data_path=str(tmp_path / "book.txt")))
+  assert a == b
+
+
+def test_flags_are_built_from_the_fields_with_their_help():
+  fv = flags.FlagValues()
+  holders = config.define_flags(defaults={"preset": "small"}, flag_values=fv)
+  launch = config.define_flags(LaunchConfig, flag_values=fv)
+  assert set(holders) == set(FIELDS)
+  fv(["prog", "--steps=7", "--nouse_dct", "--learning_rate=0.01", "--num_processes=2"])
+  cfg = config.config_from_flags(holders)
+  assert (cfg.preset, cfg.steps, cfg.use_dct, cfg.learning_rate) == ("small", 7, False, 0.01)
+  assert cfg.compression_decay is None  # unset: the recipe decides
+  assert config.config_from_flags(launch, LaunchConfig).num_processes == 2
+  for f in dataclasses.fields(TrainConfig):
+    assert fv[f.name].help.endswith(f.metadata["help"])
+
+
+def test_unknown_default_is_refused():
+  with pytest.raises(ValueError, match="no field"):
+    config.define_flags(defaults={"stepz": 3}, flag_values=flags.FlagValues())
+
+
+@pytest.mark.parametrize(
+  ("changed", "field"),
+  [
+    ({"data_path": "OTHER"}, "data_path"),
+    ({"preset": "mini", "seq_len": 16}, "preset"),
+    ({"optimizer": "distro_adamw"}, "optimizer"),
+  ],
+)
+def test_resume_with_other_data_preset_or_method_names_the_field(tmp_path, changed, field):
+  text = tmp_path / "a.txt"
+  text.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 400)
+  other = tmp_path / "b.txt"
+  other.write_bytes(b"pack my box with five dozen liquor jugs. " * 400)
+  common = {"steps": 4, "checkpoint_every": 2, "seq_len": 16, "data_path": str(text)}
+  tiny_runs.run_tiny(tmp_path / "run", stop_at_step=2, **common)
+  changed = {k: (str(other) if v == "OTHER" else v) for k, v in changed.items()}
+  with pytest.raises(trainer.CheckpointError, match=f"different run \\({field}: ") as e:
+    tiny_runs.run_tiny(tmp_path / "run", resume=True, **{**common, **changed})
+  assert "\n" not in str(e.value)

@@ -1,0 +1,97 @@
+"""The method registry: the grammar, the entries, and that nothing else branches on a name."""
+
+import ast
+import dataclasses
+import pathlib
+
+import jax
+import pytest
+
+from experiments import config, methods, model, presets
+from experiments.config import ConfigError, TrainConfig
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_method_names_map_to_config_fields():
+  parse = lambda name: methods.parse(name)[1]
+  assert parse("demo-k8-1bit") == {
+    "optimizer": "demo",
+    "compression_topk": 8,
+    "quantize_1bit": True,
+  }
+  assert parse("demo-k2-c32")["compression_chunk"] == 32
+  assert parse("topk-nodct") == {"optimizer": "demo", "use_dct": False}
+  assert parse("topk-nodct-k8-1bit")["compression_topk"] == 8
+  assert parse("demo-stateless")["compression_decay"] == 0.0
+  assert parse("demo-delayed")["delayed_apply"] is True
+  assert parse("demo-k8-1bit-delayed")["quantize_1bit"] is True
+  assert parse("distro_adamw-k8") == {"optimizer": "distro_adamw", "compression_topk": 8}
+  assert parse("diloco") == {"optimizer": "diloco"}
+  assert parse("diloco-h100")["diloco_sync_every"] == 100
+  assert parse("adamw") == {"optimizer": "adamw"}
+
+
+@pytest.mark.parametrize("bad", ["sgd", "demo-k", "demo-x8", "diloco-k8", "adamw-1bit", "demo-"])
+def test_unknown_names_list_the_grammar(bad):
+  with pytest.raises(ConfigError, match=f"unknown method '{bad}'") as e:
+    methods.parse(bad)
+  assert "diloco[-hH]" in str(e.value)
+
+
+def test_get_refuses_an_unknown_family_with_the_choices():
+  with pytest.raises(ConfigError, match="one of demo, distro_adamw, adamw, diloco"):
+    methods.get("sgd")
+
+
+@pytest.mark.parametrize("name", methods.names())
+def test_every_entry_builds_and_accounts_its_bytes(name):
+  method = methods.get(name)
+  cfg = config.resolve(TrainConfig(optimizer=name, preset="tiny", workers=4, batch_size=8))
+  tx = method.build(cfg, methods.Axes("replica", None))
+  params = model.abstract_params(presets.get_preset("tiny"))
+  jax.eval_shape(tx.init, params)
+  payload = method.payload(cfg, params)
+  assert payload.message > 0
+  assert payload.per_step == payload.message / method.exchange_every(cfg)
+  assert payload.sent >= payload.per_step
+  assert method.collective in (methods.ALL_GATHER, methods.ALL_REDUCE)
+  for option in method.options:
+    assert option.field in {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def _string_comparisons(path):
+  """(line, text) of every comparison against a registered family's name in ``path``."""
+  names = set(methods.names())
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if not isinstance(node, ast.Compare):
+      continue
+    consts = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+    for c in node.comparators:
+      if isinstance(c, (ast.Tuple, ast.List, ast.Set)):
+        consts += [e for e in c.elts if isinstance(e, ast.Constant)]
+    if any(isinstance(c.value, str) and c.value in names for c in consts):
+      found.append((node.lineno, ast.unparse(node)))
+  return found
+
+
+def test_no_module_but_the_registry_compares_an_optimizer_name():
+  offenders = {}
+  for path in sorted((ROOT / "experiments").rglob("*.py")):
+    if path.name == "methods.py":
+      continue
+    if found := _string_comparisons(path):
+      offenders[str(path.relative_to(ROOT))] = found
+  assert not offenders, offenders
+
+
+def test_the_scan_finds_a_comparison():
+  # The check above can fail: it sees this very function's kind of code.
+  src = 'if cfg.optimizer == "diloco" or name in ("adamw", "x"):\n  pass\n'
+  tmp = ROOT / "tests" / "_scan_probe.py"
+  try:
+    tmp.write_text(src)
+    assert len(_string_comparisons(tmp)) == 2
+  finally:
+    tmp.unlink()
