@@ -1,9 +1,10 @@
 """netlab's measures and report: step times, time to a target loss, bytes on the links.
 
 Everything here is a pure function of what the runs left behind: each run's
-``metrics.jsonl`` (process 0's records, with the wall-clock time each step
-finished), its ``summary.json`` and the counter samples of
-:mod:`experiments.link_counters`. :func:`write_report` writes ``netlab.md``,
+``metrics.jsonl`` (process 0's :class:`~experiments.records.StepRecord` lines,
+with the wall-clock time each step finished), its ``summary.json``
+(:class:`~experiments.records.Summary`) and the counter samples of
+:mod:`experiments.netlab.counters`. :func:`write_report` writes ``netlab.md``,
 ``netlab_loss.png`` and ``netlab.json``.
 """
 
@@ -13,29 +14,39 @@ import dataclasses
 import json
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from experiments import link_counters
+from experiments import methods
+from experiments.netlab import counters
+from experiments.records import StepRecord, Summary
 from experiments.reporting import human_bytes
 
 __all__ = [
+  "Report",
   "RunResult",
+  "link_bytes_per_step",
+  "markdown",
   "measure_window",
   "median_step_s",
   "payload_traffic",
+  "plot",
+  "step_seconds",
   "summarize",
   "time_to_target_s",
   "write_report",
 ]
 
+# ``netlab.json``: one entry of figures per method, keyed by its name in ``--methods``.
+Report = dict[str, dict[str, Any]]
 
-@dataclasses.dataclass
+
+@dataclasses.dataclass(frozen=True)
 class RunResult:
   """One training run of the lab.
 
   Attributes:
-    method: the optimizer (``adamw``, ``demo``, ``distro_adamw``).
+    method: the method as ``--methods`` named it (``adamw``, ``demo-k8-1bit``).
     shaped: whether the links were rate-limited.
     records: process 0's metrics records, in step order.
     summary: the run's ``summary.json``, or None if it was stopped before writing it.
@@ -44,112 +55,97 @@ class RunResult:
 
   method: str
   shaped: bool
-  records: list[dict[str, Any]]
-  summary: dict[str, Any] | None
+  records: list[StepRecord]
+  summary: Summary | None
   stopped_at_limit: bool = False
 
 
-def _timed(records: Sequence[dict]) -> list[dict]:
-  return [r for r in records if "wall_time" in r]
-
-
-def step_seconds(records: Sequence[dict], skip: int) -> list[float]:
+def step_seconds(records: Sequence[StepRecord], skip: int) -> list[float]:
   """Wall-clock seconds of each step after the first ``skip``.
 
   A step's time is the gap between its finish and the previous step's. Steps
   that carry a validation loss are left out: their gap includes the evaluation.
 
   Args:
-    records: process 0's metrics records, with ``wall_time``.
+    records: process 0's metrics records.
     skip: warm-up steps to leave out.
 
   Returns:
     Seconds per measured step, in step order.
   """
-  rs = _timed(records)
   return [
-    b["wall_time"] - a["wall_time"]
-    for a, b in zip(rs, rs[1:])
-    if b["step"] == a["step"] + 1 and b["step"] > skip and "val_loss" not in b
+    b.wall_time - a.wall_time
+    for a, b in zip(records, records[1:])
+    if b.step == a.step + 1 and b.step > skip and b.val_loss is None
   ]
 
 
-def median_step_s(records: Sequence[dict], skip: int) -> float | None:
+def median_step_s(records: Sequence[StepRecord], skip: int) -> float | None:
   """The median of :func:`step_seconds`, or None when no step is left to measure."""
   times = step_seconds(records, skip)
   return statistics.median(times) if times else None
 
 
-def measure_window(records: Sequence[dict], skip: int) -> tuple[float, float, int] | None:
+def measure_window(records: Sequence[StepRecord], skip: int) -> tuple[float, float, int] | None:
   """The measurement window: from the finish of step ``skip`` to the last step's finish.
 
   Args:
-    records: process 0's metrics records, with ``wall_time``.
+    records: process 0's metrics records.
     skip: warm-up steps to leave out (at least 1: the window starts at a finish).
 
   Returns:
     ``(start, end, steps)`` in unix seconds and steps, or None if no step is left.
   """
-  rs = _timed(records)
-  first = next((r for r in rs if r["step"] == skip), None) if skip else None
-  if first is None or rs[-1]["step"] <= skip:
+  first = next((r for r in records if r.step == skip), None) if skip else None
+  if first is None or records[-1].step <= skip:
     return None
-  return first["wall_time"], rs[-1]["wall_time"], rs[-1]["step"] - skip
+  return first.wall_time, records[-1].wall_time, records[-1].step - skip
 
 
-def time_to_target_s(records: Sequence[dict], target: float) -> float | None:
+def _first_at_target(records: Sequence[StepRecord], target: float) -> StepRecord | None:
+  return next((r for r in records if r.val_loss is not None and r.val_loss <= target), None)
+
+
+def time_to_target_s(records: Sequence[StepRecord], target: float) -> float | None:
   """Seconds from the finish of step 1 to the first validation loss <= ``target``.
 
   Args:
-    records: process 0's metrics records, with ``wall_time``.
+    records: process 0's metrics records.
     target: the validation loss to reach.
 
   Returns:
     The seconds, or None if no validation reached ``target``.
   """
-  rs = _timed(records)
-  if not rs:
-    return None
-  hit = next((r for r in rs if r.get("val_loss", float("inf")) <= target), None)
-  return None if hit is None else hit["wall_time"] - rs[0]["wall_time"]
+  hit = _first_at_target(records, target)
+  return None if hit is None else hit.wall_time - records[0].wall_time
 
 
-def steps_to_target(records: Sequence[dict], target: float) -> int | None:
-  hit = next((r for r in records if r.get("val_loss", float("inf")) <= target), None)
-  return None if hit is None else hit["step"]
-
-
-# Methods whose one collective is an all-gather of every worker's message;
-# the others all-reduce (AdamW every step, DiLoCo every H steps).
-_ALL_GATHER = ("demo", "distro_adamw")
-
-
-def payload_traffic(method: str, summary: dict[str, Any], workers: int) -> dict[str, float]:
+def payload_traffic(summary: Summary, workers: int) -> dict[str, float]:
   """What one process must send per step, computed from the run's summary.
 
   ``message`` is what each worker puts into the collective (the driver's
   ``payload_bytes_per_step``): the DisTrO message, or the gradient (DiLoCo's
   pseudo-gradient amortized over its H steps). ``payload`` is what the
-  collective's algorithm then sends per process: an all-gather forwards the
-  W-1 other messages, a ring all-reduce sends ``2 (W-1)/W`` operands
-  (reduce-scatter, then all-gather), which is the driver's ``bytes_sent_per_step``.
+  method's collective (the registry's ``Method.collective``) then sends per
+  process: an all-gather forwards the W-1 other messages, a ring all-reduce
+  sends ``2 (W-1)/W`` operands (reduce-scatter, then all-gather), which is
+  the driver's ``bytes_sent_per_step``.
 
   Args:
-    method: the optimizer.
     summary: the run's ``summary.json``.
     workers: W, one per process.
 
   Returns:
     ``{"message": bytes, "payload": bytes}`` per process per step.
   """
-  message = summary["payload_bytes_per_step"]
-  if method in _ALL_GATHER:
+  message = summary.payload_bytes_per_step
+  if methods.get(summary.optimizer).collective == methods.ALL_GATHER:
     return {"message": message, "payload": (workers - 1) * message}
-  return {"message": message, "payload": summary["bytes_sent_per_step"]}
+  return {"message": message, "payload": summary.bytes_sent_per_step}
 
 
 def link_bytes_per_step(
-  samples: Sequence[dict], ifaces: Sequence[str], window: tuple[float, float, int]
+  samples: Sequence[Mapping[str, Any]], ifaces: Sequence[str], window: tuple[float, float, int]
 ) -> list[dict[str, float]]:
   """Per process, the bytes its link carried per step in ``window``: up (sent) and down.
 
@@ -167,14 +163,21 @@ def link_bytes_per_step(
   t0, t1, steps = window
   out = []
   for iface in ifaces:
-    rx, tx = link_counters.bytes_between(samples, iface, t0, t1)
+    rx, tx = counters.bytes_between(samples, iface, t0, t1)
     out.append({"up": rx / steps, "down": tx / steps})
   return out
 
 
+def _final_val_loss(run: RunResult) -> float | None:
+  return next((r.val_loss for r in reversed(run.records) if r.val_loss is not None), None)
+
+
 def _run_measures(
-  run: RunResult, samples: Sequence[dict], ifaces: Sequence[str], skip: int
+  run: RunResult | None, samples: Sequence[Mapping[str, Any]], ifaces: Sequence[str], skip: int
 ) -> dict[str, Any]:
+  """One run's figures; empty when the run is missing."""
+  if run is None:
+    return {}
   window = measure_window(run.records, skip)
   links = None
   if window is not None:
@@ -184,23 +187,61 @@ def _run_measures(
       links = None  # the sampler did not cover the run: leave it unmeasured
   return {
     "median_step_s": median_step_s(run.records, skip),
-    "steps": run.records[-1]["step"] if run.records else 0,
+    "steps": run.records[-1].step if run.records else 0,
     "stopped_at_time_limit": run.stopped_at_limit,
     "links": links,
-    "final_val_loss": next((r["val_loss"] for r in reversed(run.records) if "val_loss" in r), None),
+    "final_val_loss": _final_val_loss(run),
   }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+  return a / b if a is not None and b else None
+
+
+def _link_figures(entry: dict[str, Any], m_s: dict, m_u: dict, rates_mbit: Sequence[float]) -> None:
+  """Adds the measured link bytes, and which shaped link bounds the step, to ``entry``."""
+  for key, m in (("shaped", m_s), ("unshaped", m_u)):
+    links = m.get("links")
+    entry[f"link_bytes_per_step_by_process_{key}"] = links
+    mean_up = sum(x["up"] for x in links) / len(links) if links else None
+    entry["link_bytes_per_step" if key == "shaped" else "link_bytes_per_step_unshaped"] = mean_up
+  entry["link_over_payload"] = _ratio(entry["link_bytes_per_step"], entry["payload_bytes_per_step"])
+  links = m_s.get("links")
+  if links:
+    # The link that needs the longest to carry its step's bytes bounds the step.
+    need = [max(x["up"], x["down"]) * 8 / (r * 1e6) for x, r in zip(links, rates_mbit)]
+    slowest = max(range(len(need)), key=need.__getitem__)
+    entry["link_seconds_per_step"] = need
+    entry["bounding_link"] = {
+      "process": slowest,
+      "rate_mbit": rates_mbit[slowest],
+      "seconds_per_step": need[slowest],
+    }
+
+
+def _target_figures(
+  entry: dict[str, Any], shaped: RunResult | None, unshaped: RunResult | None, target: float
+) -> None:
+  """Adds the time to the validation-loss target, shaped and unshaped, to ``entry``."""
+  for key, run in (("shaped", shaped), ("unshaped", unshaped)):
+    entry[f"time_to_target_s_{key}"] = time_to_target_s(run.records, target) if run else None
+  hit = _first_at_target(unshaped.records, target) if unshaped else None
+  if entry["time_to_target_s_shaped"] is None and hit and entry["median_step_s_shaped"]:
+    # The shaped run stopped first: what its own step time gives for the
+    # steps the unshaped run needed (labelled as a projection).
+    entry["time_to_target_s_shaped_projected"] = hit.step * entry["median_step_s_shaped"]
 
 
 def summarize(
   runs: Sequence[RunResult],
   *,
-  samples: Sequence[dict],
+  samples: Sequence[Mapping[str, Any]],
   ifaces: Sequence[str],
   rates_mbit: Sequence[float],
   skip: int,
   target_loss: float | None,
-) -> dict[str, dict[str, Any]]:
-  """The ``netlab.json`` object: one entry per method.
+) -> Report:
+  """The ``netlab.json`` object: one entry per method, in the order they ran.
 
   Args:
     runs: every run, shaped and unshaped.
@@ -216,23 +257,22 @@ def summarize(
     ``{method: {...}}`` with ``median_step_s_shaped``, ``median_step_s_unshaped``,
     ``link_bytes_per_step`` (per process, mean upload on the shaped links),
     ``payload_bytes_per_step`` (computed) and the rest of the report's figures.
+    Every method after the first also gets ``shaped_step_speedup_vs_<first>``:
+    the first method's median shaped step over its own.
   """
   by = {(r.method, r.shaped): r for r in runs}
-  methods = list(dict.fromkeys(r.method for r in runs))
+  names = list(dict.fromkeys(r.method for r in runs))
   workers = len(ifaces)
   if target_loss is None:
-    finals = [
-      _run_measures(r, samples, ifaces, skip)["final_val_loss"] for r in runs if not r.shaped
-    ]
-    finals = [f for f in finals if f is not None]
+    finals = [f for r in runs if not r.shaped if (f := _final_val_loss(r)) is not None]
     target_loss = max(finals) if finals else None
   report = {}
-  for method in methods:
-    shaped, unshaped = by.get((method, True)), by.get((method, False))
-    m_s = _run_measures(shaped, samples, ifaces, skip) if shaped else {}
-    m_u = _run_measures(unshaped, samples, ifaces, skip) if unshaped else {}
+  for name in names:
+    shaped, unshaped = by.get((name, True)), by.get((name, False))
+    m_s = _run_measures(shaped, samples, ifaces, skip)
+    m_u = _run_measures(unshaped, samples, ifaces, skip)
     summary = next((r.summary for r in (unshaped, shaped) if r and r.summary), None)
-    traffic = payload_traffic(method, summary, workers) if summary else {}
+    traffic = payload_traffic(summary, workers) if summary else {}
     entry: dict[str, Any] = {
       "processes": workers,
       "rates_mbit": list(rates_mbit),
@@ -249,49 +289,58 @@ def summarize(
       "final_val_loss_unshaped": m_u.get("final_val_loss"),
       "target_val_loss": target_loss,
     }
-    for key, m in (("shaped", m_s), ("unshaped", m_u)):
-      links = m.get("links")
-      entry[f"link_bytes_per_step_by_process_{key}"] = links
-      mean_up = sum(x["up"] for x in links) / len(links) if links else None
-      entry["link_bytes_per_step" if key == "shaped" else "link_bytes_per_step_unshaped"] = mean_up
-    entry["link_over_payload"] = _ratio(entry["link_bytes_per_step"], traffic.get("payload"))
-    links = m_s.get("links")
-    if links:
-      # The link that needs the longest to carry its step's bytes bounds the step.
-      need = [max(x["up"], x["down"]) * 8 / (r * 1e6) for x, r in zip(links, rates_mbit)]
-      slowest = max(range(len(need)), key=need.__getitem__)
-      entry["link_seconds_per_step"] = need
-      entry["bounding_link"] = {
-        "process": slowest,
-        "rate_mbit": rates_mbit[slowest],
-        "seconds_per_step": need[slowest],
-      }
+    _link_figures(entry, m_s, m_u, rates_mbit)
     if target_loss is not None:
-      for key, run in (("shaped", shaped), ("unshaped", unshaped)):
-        ttt = time_to_target_s(run.records, target_loss) if run else None
-        entry[f"time_to_target_s_{key}"] = ttt
-      n = steps_to_target(unshaped.records, target_loss) if unshaped else None
-      if entry["time_to_target_s_shaped"] is None and n and entry["median_step_s_shaped"]:
-        # The shaped run stopped first: what its own step time gives for the
-        # steps the unshaped run needed (labelled as a projection).
-        entry["time_to_target_s_shaped_projected"] = n * entry["median_step_s_shaped"]
-    report[method] = entry
-  base = report.get("adamw", {}).get("median_step_s_shaped")
-  for method, entry in report.items():
-    if method != "adamw":
-      entry["shaped_step_speedup_vs_adamw"] = _ratio(base, entry["median_step_s_shaped"])
+      _target_figures(entry, shaped, unshaped, target_loss)
+    report[name] = entry
+  # The first method listed is the baseline (``adamw`` in the default ``adamw,demo``).
+  base = names[0] if names else None
+  for name in names[1:]:
+    report[name][f"shaped_step_speedup_vs_{base}"] = _ratio(
+      report[base]["median_step_s_shaped"], report[name]["median_step_s_shaped"]
+    )
   return report
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-  return a / b if a is not None and b else None
 
 
 def _fmt(x: float | None, spec: str = ".2f", unit: str = "") -> str:
   return "n/a" if x is None else f"{x:{spec}}{unit}"
 
 
-def markdown(report: dict[str, dict[str, Any]], settings: str) -> str:
+def _bytes(x: float | None) -> str:
+  return human_bytes(x) if x else "n/a"
+
+
+def _main_row(name: str, e: dict[str, Any]) -> str:
+  """One method's row of the main table."""
+  shaped_ttt = _fmt(e.get("time_to_target_s_shaped"), ".1f", " s")
+  if e.get("time_to_target_s_shaped") is None:
+    shaped_ttt = f"not reached in {e.get('steps_shaped')} steps"
+    if e.get("time_to_target_s_shaped_projected"):
+      shaped_ttt += f" (projected {e['time_to_target_s_shaped_projected']:.0f} s)"
+  return (
+    f"| {name} | {_fmt(e['median_step_s_shaped'], '.3f', ' s')} "
+    f"| {_fmt(e['median_step_s_unshaped'], '.3f', ' s')} "
+    f"| {_fmt(e['shaped_over_unshaped'], '.2f', 'x')} "
+    f"| {_bytes(e['link_bytes_per_step'])} | {_bytes(e['payload_bytes_per_step'])} "
+    f"| {_fmt(e['link_over_payload'], '.2f', 'x')} "
+    f"| {shaped_ttt} | {_fmt(e.get('time_to_target_s_unshaped'), '.1f', ' s')} |"
+  )
+
+
+def _link_rows(name: str, e: dict[str, Any]) -> list[str]:
+  """One method's rows of the per-link table, one per process."""
+  # With equal rates every link carries about the same: none stands out.
+  mixed = len(set(e["rates_mbit"])) > 1
+  bound = (e.get("bounding_link") or {}).get("process") if mixed else None
+  links = e.get("link_bytes_per_step_by_process_shaped") or []
+  return [
+    f"| {name} | {i} | {e['rates_mbit'][i]:g} Mbit/s | {human_bytes(x['up'])} "
+    f"| {human_bytes(x['down'])} | {need:.3f} s{' (bounds the step)' if i == bound else ''} |"
+    for i, (x, need) in enumerate(zip(links, e.get("link_seconds_per_step", [])))
+  ]
+
+
+def markdown(report: Report, settings: str) -> str:
   """The report as markdown: the settings line, the main table and the per-link table.
 
   Args:
@@ -310,29 +359,15 @@ def markdown(report: dict[str, dict[str, Any]], settings: str) -> str:
     "| link bytes/step (up, mean per process) | computed payload/step | link / payload "
     "| time to val loss target, shaped | unshaped |",
     "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    *(_main_row(name, e) for name, e in report.items()),
+    "",
   ]
-  for method, e in report.items():
-    shaped_ttt = _fmt(e.get("time_to_target_s_shaped"), ".1f", " s")
-    if e.get("time_to_target_s_shaped") is None:
-      steps = e.get("steps_shaped")
-      shaped_ttt = f"not reached in {steps} steps"
-      if e.get("time_to_target_s_shaped_projected"):
-        shaped_ttt += f" (projected {e['time_to_target_s_shaped_projected']:.0f} s)"
-    lines.append(
-      f"| {method} | {_fmt(e['median_step_s_shaped'], '.3f', ' s')} "
-      f"| {_fmt(e['median_step_s_unshaped'], '.3f', ' s')} "
-      f"| {_fmt(e['shaped_over_unshaped'], '.2f', 'x')} "
-      f"| {human_bytes(e['link_bytes_per_step']) if e['link_bytes_per_step'] else 'n/a'} "
-      f"| {human_bytes(e['payload_bytes_per_step']) if e['payload_bytes_per_step'] else 'n/a'} "
-      f"| {_fmt(e['link_over_payload'], '.2f', 'x')} "
-      f"| {shaped_ttt} | {_fmt(e.get('time_to_target_s_unshaped'), '.1f', ' s')} |"
-    )
-  lines.append("")
-  for method, e in report.items():
-    if e.get("shaped_step_speedup_vs_adamw"):
+  base = next(iter(report), None)
+  for name, e in report.items():
+    if e.get(f"shaped_step_speedup_vs_{base}"):
       lines.append(
-        f"- {method}'s median shaped step is {e['shaped_step_speedup_vs_adamw']:.1f}x shorter "
-        "than adamw's."
+        f"- {name}'s median shaped step is {e[f'shaped_step_speedup_vs_{base}']:.1f}x shorter "
+        f"than {base}'s."
       )
   target = next((e.get("target_val_loss") for e in report.values()), None)
   if target is not None:
@@ -340,17 +375,8 @@ def markdown(report: dict[str, dict[str, Any]], settings: str) -> str:
   lines += ["", "## Links on the shaped runs", ""]
   lines.append("| method | process | rate | up/step | down/step | seconds/step at its rate |")
   lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
-  for method, e in report.items():
-    links = e.get("link_bytes_per_step_by_process_shaped") or []
-    # With equal rates every link carries about the same: none stands out.
-    mixed = len(set(e["rates_mbit"])) > 1
-    bound = (e.get("bounding_link") or {}).get("process") if mixed else None
-    for i, (x, need) in enumerate(zip(links, e.get("link_seconds_per_step", []))):
-      mark = " (bounds the step)" if i == bound else ""
-      lines.append(
-        f"| {method} | {i} | {e['rates_mbit'][i]:g} Mbit/s | {human_bytes(x['up'])} "
-        f"| {human_bytes(x['down'])} | {need:.3f} s{mark} |"
-      )
+  for name, e in report.items():
+    lines += _link_rows(name, e)
   return "\n".join(lines) + "\n"
 
 
@@ -368,17 +394,16 @@ def plot(runs: Sequence[RunResult], path: str, title: str) -> None:
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(8, 4.5))
-  colors = {}
+  colors: dict[str, str] = {}
   for run in runs:
-    rs = _timed(run.records)
-    if not rs:
+    if not run.records:
       continue
-    t0 = rs[0]["wall_time"]
+    t0 = run.records[0].wall_time
     color = colors.setdefault(run.method, f"C{len(colors)}")
     label = f"{run.method}, {'shaped' if run.shaped else 'unshaped'}"
     ax.plot(
-      [r["wall_time"] - t0 for r in rs],
-      [r["loss"] for r in rs],
+      [r.wall_time - t0 for r in run.records],
+      [r.loss for r in run.records],
       color=color,
       linestyle="-" if run.shaped else "--",
       label=label + (" (stopped at time limit)" if run.stopped_at_limit else ""),
@@ -394,9 +419,7 @@ def plot(runs: Sequence[RunResult], path: str, title: str) -> None:
   plt.close(fig)
 
 
-def write_report(
-  out_dir: str, report: dict[str, dict[str, Any]], runs: Sequence[RunResult], settings: str
-) -> None:
+def write_report(out_dir: str, report: Report, runs: Sequence[RunResult], settings: str) -> None:
   """Writes ``netlab.json``, ``netlab.md`` and ``netlab_loss.png`` into ``out_dir``.
 
   Args:
