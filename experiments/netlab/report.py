@@ -409,6 +409,7 @@ def plot(runs: Sequence[RunResult], path: str, title: str) -> None:
       label=label + (" (stopped at time limit)" if run.stopped_at_limit else ""),
     )
   ax.set_xscale("symlog", linthresh=10)
+  ax.set_xlim(left=0)  # the autoscale margin would reach below step 1
   ax.set_xlabel("wall-clock seconds since step 1")
   ax.set_ylabel("train loss")
   ax.set_title(title)
