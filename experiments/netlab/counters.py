@@ -1,12 +1,14 @@
 r"""Interface byte counters from ``/sys/class/net/*/statistics``, sampled over time.
 
-netlab runs this inside its hub namespace (``/sys/class/net`` shows the
-namespace a process runs in), where every process's veth end sits:
+netlab runs this as a process of its own inside the hub namespace
+(``/sys/class/net`` shows the namespace a process runs in), where every
+process's veth end sits:
 
-  python -m experiments.link_counters --interval_s=0.2 v0 v1 > counters.jsonl
+  python -m experiments.netlab.counters --interval_s=0.2 v0 v1 > link_counters.jsonl
 
-Each line is ``{"t": unix_time, "bytes": {iface: [rx, tx]}}``. Between
-samples, :func:`bytes_between` interpolates linearly.
+Each line is ``{"t": unix_time, "bytes": {iface: [rx, tx]}}``; read them back
+with :func:`experiments.records.read_jsonl`. Between samples,
+:func:`bytes_between` interpolates linearly.
 """
 
 from __future__ import annotations
@@ -15,49 +17,40 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["bytes_between", "load_samples", "read_counters"]
+__all__ = ["bytes_between", "read_counters"]
+
+_SYS_NET = "/sys/class/net"
 
 
-def read_counters(ifaces: Sequence[str], root: str = "/sys/class/net") -> dict[str, list[int]]:
+def read_counters(ifaces: Sequence[str]) -> dict[str, list[int]]:
   """The kernel's byte counters of ``ifaces`` now.
 
   Args:
     ifaces: interface names in the caller's network namespace.
-    root: where sysfs lists the interfaces.
 
   Returns:
     ``{iface: [rx_bytes, tx_bytes]}``.
   """
   out = {}
   for iface in ifaces:
-    stats = os.path.join(root, iface, "statistics")
+    stats = os.path.join(_SYS_NET, iface, "statistics")
     with open(os.path.join(stats, "rx_bytes")) as rx, open(os.path.join(stats, "tx_bytes")) as tx:
       out[iface] = [int(rx.read()), int(tx.read())]
   return out
 
 
-def load_samples(path: str) -> list[dict]:
-  """The JSON lines of ``path`` (this module's samples, or a run's metrics); a torn last
-  line, left by a killed writer, is dropped."""
-  samples = []
-  with open(path) as f:
-    for line in f:
-      try:
-        samples.append(json.loads(line))
-      except json.JSONDecodeError:
-        break
-  return samples
-
-
-def bytes_between(samples: Sequence[dict], iface: str, t0: float, t1: float) -> tuple[float, float]:
+def bytes_between(
+  samples: Sequence[Mapping[str, Any]], iface: str, t0: float, t1: float
+) -> tuple[float, float]:
   """(rx, tx) bytes that crossed ``iface`` between unix times ``t0`` and ``t1``.
 
   Args:
-    samples: what this module's main wrote, in time order.
+    samples: the sampler's lines, in time order.
     iface: one of the sampled interfaces.
     t0: start of the window, unix seconds.
     t1: end of the window.
@@ -78,7 +71,8 @@ def bytes_between(samples: Sequence[dict], iface: str, t0: float, t1: float) -> 
   return float(rx[1] - rx[0]), float(tx[1] - tx[0])
 
 
-def main(argv: Sequence[str]) -> None:
+def _sample_forever(argv: Sequence[str]) -> None:
+  """The sampler: one line on stdout every ``--interval_s`` until it is killed."""
   interval, ifaces = 0.2, []
   for arg in argv:
     if arg.startswith("--interval_s="):
@@ -86,13 +80,12 @@ def main(argv: Sequence[str]) -> None:
     else:
       ifaces.append(arg)
   if not ifaces:
-    sys.exit("usage: python -m experiments.link_counters [--interval_s=S] IFACE...")
+    sys.exit("usage: python -m experiments.netlab.counters [--interval_s=S] IFACE...")
   while True:
-    line = json.dumps({"t": time.time(), "bytes": read_counters(ifaces)})
-    sys.stdout.write(line + "\n")
+    sys.stdout.write(json.dumps({"t": time.time(), "bytes": read_counters(ifaces)}) + "\n")
     sys.stdout.flush()
     time.sleep(interval)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  _sample_forever(sys.argv[1:])

@@ -17,7 +17,7 @@ Every name carries the tag ``nl<launcher pid>``. A guardian process, started
 with the lab, tears it down if the launcher dies without doing so (SIGKILL),
 and :func:`sweep_stale` removes labs whose launcher is gone.
 
-  python -m experiments.netlab_links --guard=nl1234   # what the launcher starts
+  python -m experiments.netlab.links --guard=nl1234   # what Lab.create starts
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
+  "ROOT",
   "Lab",
   "NetlabError",
   "check_prerequisites",
@@ -49,6 +51,9 @@ _CLONE_NEWUTS = 0x04000000
 _PR_SET_PDEATHSIG = 1
 _SUBNET = "10.77.0"
 _TAG_RE = re.compile(r"^nl(\d+)-")
+# The directory that holds ``experiments``: every process the lab starts runs
+# there, so ``python -m experiments...`` imports this copy of the code.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class NetlabError(RuntimeError):
@@ -216,20 +221,23 @@ class Lab:
   num_processes: int
   tag: str = dataclasses.field(default_factory=lambda: f"nl{os.getpid()}")
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
+    # Addresses .1 to .250 of one /24.
     if not 1 <= self.num_processes <= 250:
       raise NetlabError(f"--processes must be in [1, 250], got {self.num_processes}.")
     self._guardian: subprocess.Popen | None = None
-    self.shaped_rates: list[float] | None = None
 
   @property
   def hub(self) -> str:
+    """The hub namespace, which holds the bridge and every process's far veth end."""
     return f"{self.tag}-hub"
 
   def namespace(self, i: int) -> str:
+    """Process ``i``'s namespace."""
     return f"{self.tag}-p{i}"
 
   def address(self, i: int) -> str:
+    """Process ``i``'s IPv4 address on the bridge."""
     return f"{_SUBNET}.{i + 1}"
 
   def hub_interface(self, i: int) -> str:
@@ -244,11 +252,11 @@ class Lab:
     """
     check_prerequisites()
     self._guardian = subprocess.Popen(
-      [sys.executable, "-m", "experiments.netlab_links", f"--guard={self.tag}"],
+      [sys.executable, "-m", "experiments.netlab.links", f"--guard={self.tag}"],
       stdin=subprocess.PIPE,
       stdout=subprocess.DEVNULL,
       start_new_session=True,  # Ctrl-C at the terminal must not reach it
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      cwd=ROOT,
     )
     try:
       _run("ip", "netns", "add", self.hub)
@@ -295,18 +303,8 @@ class Lab:
     for i, rate in enumerate(rates_mbit):
       self._tbf(self.namespace(i), "eth0", rate, latency_ms)  # upload
       self._tbf(self.hub, self.hub_interface(i), rate, latency_ms)  # download
-    self.shaped_rates = list(rates_mbit)
 
-  def unshape(self) -> None:
-    """Removes the rate limits: the links run at veth speed (the compute-only reference)."""
-    if self.shaped_rates is None:
-      return
-    for i in range(self.num_processes):
-      _run("tc", "-n", self.namespace(i), "qdisc", "del", "dev", "eth0", "root")
-      _run("tc", "-n", self.hub, "qdisc", "del", "dev", self.hub_interface(i), "root")
-    self.shaped_rates = None
-
-  def popen(self, i: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+  def popen(self, i: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     """Starts ``argv`` in process ``i``'s namespace, in a session of its own.
 
     It dies with the launcher (``PR_SET_PDEATHSIG``), and its hostname is its
@@ -315,7 +313,9 @@ class Lab:
     Args:
       i: the process index.
       argv: the command.
-      **kwargs: passed to ``subprocess.Popen`` (stdout, cwd, env, ...).
+      **kwargs: passed to ``subprocess.Popen`` (stdout, env, ...); ``cwd``
+        defaults to :data:`ROOT`. ``ip netns exec`` keeps the environment,
+        ``PYTHONPATH`` included.
 
     Returns:
       The started process; its pid leads its session.
@@ -325,15 +325,15 @@ class Lab:
       ["ip", "netns", "exec", self.namespace(i), *argv],
       preexec_fn=lambda: _enter_child_namespaces(address),
       start_new_session=True,
-      **kwargs,
+      **{"cwd": ROOT, **kwargs},
     )
 
-  def popen_hub(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+  def popen_hub(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     """Starts ``argv`` in the hub namespace, where every process's link can be read.
 
     Args:
       argv: the command.
-      **kwargs: passed to ``subprocess.Popen``.
+      **kwargs: passed to ``subprocess.Popen``; ``cwd`` defaults to :data:`ROOT`.
 
     Returns:
       The started process, which dies with the launcher.
@@ -342,7 +342,7 @@ class Lab:
       ["ip", "netns", "exec", self.hub, *argv],
       preexec_fn=lambda: ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL),
       start_new_session=True,
-      **kwargs,
+      **{"cwd": ROOT, **kwargs},
     )
 
   def teardown(self) -> None:
@@ -360,23 +360,16 @@ class Lab:
     if left["namespaces"] or left["pids"]:
       raise NetlabError(f"teardown of {self.tag} left {left}; remove them with `ip netns del`.")
 
-  def __enter__(self) -> Lab:
-    self.create()
-    return self
 
-  def __exit__(self, *exc) -> None:
-    self.teardown()
-
-
-def _guard(tag: str) -> None:
-  """Waits for the launcher to close (or lose) the pipe, then removes what it left."""
+def _guard(argv: Sequence[str]) -> None:
+  """The guardian: waits for the launcher to close (or lose) the pipe, then removes what it left."""
+  arg = argv[0] if len(argv) == 1 else ""
+  if not arg.startswith("--guard="):
+    sys.exit("usage: python -m experiments.netlab.links --guard=TAG")
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   sys.stdin.buffer.read()
-  teardown_tag(tag)
+  teardown_tag(arg.removeprefix("--guard="))
 
 
 if __name__ == "__main__":
-  arg = sys.argv[1] if len(sys.argv) == 2 else ""
-  if not arg.startswith("--guard="):
-    sys.exit("usage: python -m experiments.netlab_links --guard=TAG")
-  _guard(arg.removeprefix("--guard="))
+  _guard(sys.argv[1:])

@@ -1,0 +1,505 @@
+"""Running methods over the lab's links: unshaped first, then shaped, then the report.
+
+:func:`run` is what ``python -m experiments.netlab`` does, as a library
+function: it takes a :class:`LabConfig` (the command's flags, one field each)
+and the flags for the ``experiments.train`` drivers, builds the lab
+(:mod:`experiments.netlab.links`), starts the counter sampler
+(:mod:`experiments.netlab.counters`), runs every method on unshaped links and
+then on shaped ones (:func:`run_once`), tears everything down, and writes the
+report (:mod:`experiments.netlab.report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from experiments import config, methods, presets, records
+from experiments.launch import LaunchConfig
+from experiments.netlab import links, report
+from experiments.netlab.links import NetlabError
+from experiments.netlab.report import RunResult
+
+__all__ = [
+  "LabConfig",
+  "driver_flags",
+  "method_flags",
+  "parse_methods",
+  "parse_rates",
+  "run",
+  "run_once",
+  "settings_line",
+]
+
+
+def _field(default: Any, help: str) -> Any:  # noqa: A002 - absl's word
+  return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class LabConfig:
+  """What one lab run does; each field is a flag of ``python -m experiments.netlab``.
+
+  ``rate_mbit`` and ``methods`` keep the flags' text; :func:`parse_rates` and
+  :func:`parse_methods` read them.
+  """
+
+  processes: int = _field(4, "Training processes, one namespace each.")
+  rate_mbit: str = _field(
+    "10", "Link rate in Mbit/s, in both directions: one for all, or one per process."
+  )
+  latency_ms: float = _field(
+    100.0, "tbf latency: the longest a packet may queue on a link before it is dropped."
+  )
+  methods: str = _field(
+    "adamw,demo",
+    "Comma-separated methods to compare, registry names with options (demo-k8-1bit, "
+    "diloco-h20; python -m experiments.methods lists them). The first is the baseline "
+    "the others' shaped step is compared with.",
+  )
+  preset: str = _field("mini", "Model preset (experiments/presets.py).")
+  steps: int = _field(60, "Training steps per run.")
+  out_dir: str = _field("runs/netlab", "Where the runs and the report go.")
+  skip_steps: int = _field(
+    3, "Warm-up steps left out of the step-time medians and the byte counts."
+  )
+  run_time_limit_s: float = _field(
+    900.0,
+    "A run still going after this many seconds is stopped and reported with the steps it "
+    "finished (0: no limit).",
+  )
+  target_loss: float | None = _field(
+    None,
+    "Validation loss for the time-to-target figure (default: the worst final validation "
+    "loss of the unshaped runs).",
+  )
+
+
+_PORT = 12355  # each namespace is fresh, so a fixed port cannot clash
+# Driver defaults for a lab run, unless passed. One 128-token sequence per
+# process (the batch is set from --processes) keeps the compute per step small
+# next to a slow link. DisTrO methods send what Psyche sends over the
+# internet, top-k 8 with 1-bit values; the reference's top-k 32 in fp32 is
+# --compression_topk=32 --noquantize_1bit, or the method demo-k32 (AdamW
+# ignores both).
+_DRIVER_DEFAULTS: Mapping[str, Any] = {
+  "seq_len": 128,
+  "eval_every": 10,
+  "eval_batches": 2,
+  "log_every": 10,
+  "compression_topk": 8,
+  "quantize_1bit": True,
+}
+
+
+def _reserved() -> dict[str, str]:
+  """Driver flags the lab sets for each run, each with what to use instead.
+
+  Passing one would break the lab's wiring: one process per namespace, one
+  device each and each its own site, a fresh run directory per method.
+  """
+  use_instead = {name: f"use netlab's own --{name}." for name in _SHARED_WITH_DRIVER}
+  use_instead["optimizer"] = "use --methods."
+  wiring = "netlab runs one process per namespace with one device each; use --processes."
+  for name in ("workers", "replicas", "fsdp", *(f.name for f in dataclasses.fields(LaunchConfig))):
+    use_instead[name] = wiring
+  use_instead["resume"] = "every run starts afresh in its own directory."
+  return use_instead
+
+
+# netlab's flags that are also the driver's, passed on to every run.
+_SHARED_WITH_DRIVER = tuple(
+  f.name
+  for f in dataclasses.fields(LabConfig)
+  if f.name in {g.name for g in dataclasses.fields(config.TrainConfig)}
+)
+
+
+def _flag(name: str, value: Any) -> str:
+  """``--name=value``, or ``--name``/``--noname`` for a bool, as absl reads them."""
+  if isinstance(value, bool):
+    return f"--{name}" if value else f"--no{name}"
+  return f"--{name}={value}"
+
+
+def parse_rates(text: str, processes: int) -> list[float]:
+  """``"10"`` or ``"10,100,100,1000"`` -> one rate in Mbit/s per process.
+
+  Args:
+    text: the ``--rate_mbit`` value.
+    processes: N.
+
+  Returns:
+    N rates.
+
+  Raises:
+    NetlabError: not a positive number, or not one rate per process.
+  """
+  try:
+    rates = [float(x) for x in text.split(",")]
+  except ValueError:
+    raise NetlabError(
+      f"--rate_mbit={text!r} is not a number or a comma-separated list of numbers "
+      "(e.g. 10, or 10,100,100,1000)."
+    ) from None
+  if any(not r > 0 for r in rates):
+    raise NetlabError(f"--rate_mbit={text!r}: every rate must be positive.")
+  if len(rates) == 1:
+    return rates * processes
+  if len(rates) != processes:
+    raise NetlabError(
+      f"--rate_mbit lists {len(rates)} rates for --processes={processes}; give one rate "
+      "for all or exactly one per process."
+    )
+  return rates
+
+
+def method_flags(spec: str) -> list[str]:
+  """The driver flags that make a run the method ``spec`` names.
+
+  Args:
+    spec: a registry name with options, e.g. ``"demo-k8-1bit"``.
+
+  Returns:
+    ``--optimizer=`` and one flag per option, e.g. ``["--optimizer=demo",
+    "--compression_topk=8", "--quantize_1bit"]``.
+
+  Raises:
+    ConfigError: ``spec`` is not a registered family followed by its options.
+  """
+  _, overrides = methods.parse(spec)
+  return [_flag(name, value) for name, value in overrides.items()]
+
+
+def parse_methods(text: str) -> dict[str, list[str]]:
+  """``"adamw,demo-k8-1bit"`` -> each method, as named, with its driver flags.
+
+  Args:
+    text: the ``--methods`` value.
+
+  Returns:
+    ``{name: method_flags(name)}``, in the given order.
+
+  Raises:
+    NetlabError: an unknown or repeated name, or none.
+  """
+  specs = [m.strip() for m in text.split(",") if m.strip()]
+  problem = "give at least one" if not specs else None
+  if len(set(specs)) != len(specs):
+    problem = "a method is listed twice"
+  out = {}
+  for spec in specs if problem is None else ():
+    try:
+      out[spec] = method_flags(spec)
+    except config.ConfigError:
+      problem = f"unknown method {spec!r}"
+      break
+  if problem:
+    raise NetlabError(
+      f"--methods={text!r}: {problem}; give distinct names among {', '.join(methods.names())}, "
+      "each optionally with options (demo-k8-1bit, diloco-h20; `python -m experiments.methods` "
+      "lists them)."
+    )
+  return out
+
+
+def _flag_name(arg: str, fields: set[str]) -> str:
+  """The field a driver flag sets: ``--seq_len=64`` -> seq_len, ``--nouse_dct`` -> use_dct."""
+  if not arg.startswith("--"):
+    raise NetlabError(f"unexpected argument {arg!r}; pass driver flags as --name=value.")
+  name = arg[2:].split("=", 1)[0]
+  if name not in fields and name.startswith("no") and "=" not in arg and name[2:] in fields:
+    name = name[2:]
+  if name not in fields:
+    raise NetlabError(
+      f"{arg.split('=', 1)[0]} is neither a netlab flag nor a flag of experiments.train "
+      "(python -m experiments.netlab --helpfull lists netlab's)."
+    )
+  return name
+
+
+def driver_flags(passthrough: Sequence[str], processes: int) -> list[str]:
+  """The driver flags for every process: the lab's defaults, then the passed-through ones.
+
+  Args:
+    passthrough: the command-line arguments netlab does not define.
+    processes: N; the default batch is one sequence per process.
+
+  Returns:
+    The flags, defaults first, so that a passed flag wins.
+
+  Raises:
+    NetlabError: a flag the driver does not have, one the lab sets itself, or
+      an argument that is not a flag.
+  """
+  fields = {f.name for f in dataclasses.fields(config.TrainConfig)}
+  fields |= {f.name for f in dataclasses.fields(LaunchConfig)}
+  reserved = _reserved()
+  names = set()
+  for arg in passthrough:
+    name = _flag_name(arg, fields)
+    if name in reserved:
+      raise NetlabError(f"--{name} is set by netlab for each run; {reserved[name]}")
+    names.add(name)
+  defaults = {**_DRIVER_DEFAULTS, "batch_size": processes}
+  return [_flag(k, v) for k, v in defaults.items() if k not in names] + list(passthrough)
+
+
+def _check(
+  cfg: LabConfig, passthrough: Sequence[str]
+) -> tuple[list[float], dict[str, list[str]], list[str]]:
+  """Reads and checks ``cfg`` before anything is built: rates, methods, driver flags.
+
+  Raises:
+    NetlabError: naming the flag and the fix.
+  """
+  if cfg.processes < 2:
+    raise NetlabError(f"--processes must be at least 2, got {cfg.processes}.")
+  rates = parse_rates(cfg.rate_mbit, cfg.processes)
+  runs = parse_methods(cfg.methods)
+  try:
+    presets.get_preset(cfg.preset)
+  except ValueError as e:
+    raise NetlabError(str(e).replace("unknown preset", "unknown --preset")) from None
+  if cfg.steps <= cfg.skip_steps:
+    raise NetlabError(
+      f"--steps={cfg.steps} leaves nothing to measure after --skip_steps={cfg.skip_steps}."
+    )
+  return rates, runs, driver_flags(passthrough, cfg.processes)
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+  """SIGKILLs each process's session and waits for it.
+
+  Not SIGTERM: JAX's distributed runtime installs a handler for it (its
+  preemption service), and a driver so signalled kept running for seconds.
+  Nothing is lost: the driver flushes every metrics line.
+  """
+  for p in procs:
+    if p.poll() is None:
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+  for p in procs:
+    p.wait(timeout=30)
+
+
+def _tail(path: str, chars: int = 2500) -> str:
+  try:
+    with open(path, errors="replace") as f:
+      return f.read()[-chars:]
+  except OSError:
+    return ""
+
+
+def _raised(log_path: str) -> bool:
+  """Whether a driver's log shows an uncaught exception or the driver's error line."""
+  text = _tail(log_path, 20000)
+  return "Traceback (most recent call last)" in text or "\nerror: " in text
+
+
+def _failure(name: str, i: int, proc: subprocess.Popen, log: str) -> NetlabError:
+  status = "" if proc.returncode is None else f" with exit status {proc.returncode}"
+  return NetlabError(f"{name}: process {i} failed{status}; the end of {log}:\n{_tail(log)}")
+
+
+def _wait(
+  name: str, procs: Sequence[subprocess.Popen], logs: Sequence[str], limit_s: float
+) -> bool:
+  """Waits for every driver to finish; returns whether the time limit stopped them.
+
+  Raises:
+    NetlabError: a driver failed.
+  """
+  start = time.monotonic()
+  while any(p.poll() is None for p in procs):
+    # A driver that raised can hang at exit in JAX's shutdown barrier, waiting
+    # for peers that wait for it; its traceback is the failure.
+    for i, p in enumerate(procs):
+      if p.returncode not in (None, 0) or _raised(logs[i]):
+        raise _failure(name, i, p, logs[i])
+    if limit_s and time.monotonic() - start > limit_s:
+      print(f"netlab: {name}: stopped at --run_time_limit_s={limit_s:g}", flush=True)
+      return True
+    time.sleep(0.2)
+  for i, p in enumerate(procs):
+    if p.returncode:
+      raise _failure(name, i, p, logs[i])
+  return False
+
+
+def run_once(
+  lab: links.Lab,
+  cfg: LabConfig,
+  method: str,
+  shaped: bool,
+  *,
+  port: int,
+  flags: Sequence[str],
+  env: Mapping[str, str],
+) -> RunResult:
+  """One training run: a driver process per namespace, waited on or stopped at the limit.
+
+  Args:
+    lab: the built lab, shaped or not.
+    cfg: the lab's settings (preset, steps, out_dir, run_time_limit_s).
+    method: the method as named in ``--methods``; it names the run's directory.
+    shaped: whether ``lab`` is shaped now (names the run).
+    port: the coordinator's port in namespace 0.
+    flags: driver flags for every process, the method's last so they win.
+    env: the drivers' environment.
+
+  Returns:
+    The run's records and summary.
+
+  Raises:
+    NetlabError: a process failed (its log's tail is in the message).
+  """
+  name = f"{method}-{'shaped' if shaped else 'unshaped'}"
+  run_dir = os.path.join(cfg.out_dir, "runs", name)
+  shutil.rmtree(run_dir, ignore_errors=True)
+  os.makedirs(run_dir)
+  n = lab.num_processes
+  procs, logs = [], []
+  try:
+    for i in range(n):
+      logs.append(os.path.join(run_dir, f"process{i}.log"))
+      argv = [
+        sys.executable, "-m", "experiments.train",
+        f"--preset={cfg.preset}", f"--steps={cfg.steps}", f"--out_dir={run_dir}",
+        f"--workers={n}", f"--num_processes={n}", f"--process_id={i}",
+        f"--coordinator_address={lab.address(0)}:{port}", *flags,
+      ]  # fmt: skip
+      with open(logs[i], "w") as log:
+        procs.append(lab.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env=env))
+    print(f"netlab: {name}: {n} processes started (logs in {run_dir})", flush=True)
+    stopped = _wait(name, procs, logs, cfg.run_time_limit_s)
+  finally:
+    _stop(procs)
+  # A run stopped at the limit may leave a torn last line and no summary.
+  metrics = os.path.join(run_dir, "metrics.jsonl")
+  steps = records.read_metrics(run_dir) if os.path.exists(metrics) else []
+  summary_path = os.path.join(run_dir, "summary.json")
+  summary = records.Summary.load(summary_path) if os.path.exists(summary_path) else None
+  return RunResult(method, shaped, steps, summary, stopped_at_limit=stopped)
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+  raise SystemExit(128 + signum)
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals(handlers: Sequence[Any]) -> Iterator[None]:
+  """Installs a handler per signal of :data:`_SIGNALS` for the block, then restores the old."""
+  old = [signal.getsignal(s) for s in _SIGNALS]
+  for sig, handler in zip(_SIGNALS, handlers):
+    signal.signal(sig, handler)
+  try:
+    yield
+  finally:
+    for sig, handler in zip(_SIGNALS, old):
+      signal.signal(sig, handler)
+
+
+def _driver_env() -> dict[str, str]:
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # No persistent compile cache: only process 0 writes it, so on a rerun
+  # process 0 starts training while the others still compile, and gloo gives
+  # up on a context whose peers are more than 30 s late.
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  return env
+
+
+def _run_all(
+  lab: links.Lab,
+  cfg: LabConfig,
+  rates: Sequence[float],
+  runs: Mapping[str, Sequence[str]],
+  flags: Sequence[str],
+) -> tuple[list[RunResult], list[dict[str, Any]]]:
+  """In a built lab: the sampler, then every method unshaped, then shaped."""
+  env = _driver_env()
+  counters_path = os.path.join(cfg.out_dir, "link_counters.jsonl")
+  ifaces = [lab.hub_interface(i) for i in range(lab.num_processes)]
+  with open(counters_path, "w") as out:
+    sampler = [sys.executable, "-m", "experiments.netlab.counters", "--interval_s=0.05", *ifaces]
+    lab.popen_hub(sampler, stdout=out, env=env)
+  results = []
+  port = _PORT
+  for shaped in (False, True):
+    if shaped:
+      lab.shape(rates, cfg.latency_ms)
+    for method, own in runs.items():
+      flags_ = [*flags, *own]
+      results.append(run_once(lab, cfg, method, shaped, port=port, flags=flags_, env=env))
+      port += 1
+  return results, records.read_jsonl(counters_path)
+
+
+def settings_line(cfg: LabConfig, rates: Sequence[float], flags: Sequence[str]) -> str:
+  """One line saying what was run, for the report's head."""
+  rate_text = (
+    f"{rates[0]:g} Mbit/s links"
+    if len(set(rates)) == 1
+    else f"links of {', '.join(f'{r:g}' for r in rates)} Mbit/s"
+  )
+  return (
+    f"{cfg.processes} processes over {rate_text}: preset {cfg.preset}, {cfg.steps} steps, "
+    f"tbf latency {cfg.latency_ms:g} ms; driver flags: {' '.join(flags)}"
+  )
+
+
+def run(cfg: LabConfig, passthrough: Sequence[str] = ()) -> report.Report:
+  """Builds the lab, runs every method unshaped then shaped, tears down, reports.
+
+  Teardown happens on success, failure, the time limit and Ctrl-C alike: while
+  the lab stands, SIGINT raises ``KeyboardInterrupt`` and SIGTERM or SIGHUP
+  ``SystemExit``, and neither can cut the teardown short.
+
+  Args:
+    cfg: the lab's settings.
+    passthrough: flags for every ``experiments.train`` driver (``--seq_len=64``).
+
+  Returns:
+    What :func:`experiments.netlab.report.summarize` returned; also written,
+    with ``netlab.md`` and ``netlab_loss.png``, to ``cfg.out_dir``.
+
+  Raises:
+    NetlabError: a setting, the machine or a driver failed; the message says
+      which and what to do.
+  """
+  rates, runs, flags = _check(cfg, passthrough)
+  links.check_prerequisites()
+  os.makedirs(cfg.out_dir, exist_ok=True)
+  links.sweep_stale()
+  lab = links.Lab(cfg.processes)
+  # Also when started from a shell that ignores SIGINT in background jobs.
+  with _signals((signal.default_int_handler, _raise_exit, _raise_exit)):
+    lab.create()
+    try:
+      results, samples = _run_all(lab, cfg, rates, runs, flags)
+    finally:
+      with _signals([signal.SIG_IGN] * len(_SIGNALS)):
+        lab.teardown()
+  summary = report.summarize(
+    results,
+    samples=samples,
+    ifaces=[lab.hub_interface(i) for i in range(cfg.processes)],
+    rates_mbit=rates,
+    skip=cfg.skip_steps,
+    target_loss=cfg.target_loss,
+  )
+  settings = settings_line(cfg, rates, flags)
+  report.write_report(cfg.out_dir, summary, results, settings)
+  print(report.markdown(summary, settings), flush=True)
+  return summary
