@@ -44,25 +44,6 @@ def comparison(tmp_path_factory):
   return out, base, rows
 
 
-def test_method_names_map_to_configs():
-  assert compare.method_overrides("demo-k8-1bit") == {
-    "optimizer": "demo",
-    "use_dct": True,
-    "compression_topk": 8,
-    "quantize_1bit": True,
-  }
-  assert compare.method_overrides("demo-k2-c32")["compression_chunk"] == 32
-  assert compare.method_overrides("topk-nodct")["use_dct"] is False
-  assert compare.method_overrides("demo-stateless")["compression_decay"] == 0.0
-  assert compare.method_overrides("demo-delayed")["delayed_apply"] is True
-  assert compare.method_overrides("demo-k8-1bit-delayed")["quantize_1bit"] is True
-  assert compare.method_overrides("diloco") == {"optimizer": "diloco"}
-  assert compare.method_overrides("diloco-h100")["diloco_sync_every"] == 100
-  for bad in ("sgd", "demo-8", "demo-k8-2bit", "diloco-50"):
-    with pytest.raises(ValueError, match="unknown method"):
-      compare.method_overrides(bad)
-
-
 def test_results_table_and_json(comparison):
   out, _, rows = comparison
   with open(out / "results.json") as f:

@@ -191,11 +191,19 @@ def test_two_processes_with_gloo_end_identical_and_learn(tmp_path):
 
 
 def test_resume_drops_a_torn_metrics_line(tmp_path):
+  from experiments.records import StepRecord
   from experiments.reporting import MetricsWriter
 
+  def record(step):
+    return StepRecord(
+      step=step, loss=2.0 / step, wall_time=0.0, bytes_sent=1, lr=0.1, tokens_per_s=1
+    )
+
   path = tmp_path / "metrics.jsonl"
-  path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+  lines = [json.dumps(record(s).to_json()) for s in (1, 2, 3)]
+  path.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:20])  # a torn third line
   writer = MetricsWriter(str(tmp_path), enabled=True, truncate_after=2)
-  writer.write({"step": 3, "loss": 1.25})
+  writer.write(record(3))
   writer.close()
   assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+  assert [r.step for r in tiny_runs.read_metrics(tmp_path)] == [1, 2, 3]
