@@ -27,6 +27,8 @@ from typing import Any
 
 import jax
 
+import distro_jax as dj
+
 __all__ = [
   "DEFAULT_LINKS",
   "REPORT",
@@ -116,7 +118,7 @@ def link_bytes(
   if collective not in ("all-gather", "all-reduce"):
     raise ValueError(f"unknown collective {collective!r}; use 'all-gather' or 'all-reduce'.")
   if topology == "ring":
-    factor = workers - 1 if collective == "all-gather" else 2 * (workers - 1) / workers
+    factor = workers - 1 if collective == "all-gather" else dj.wire.ring_allreduce_factor(workers)
     return factor * operand_bytes, factor * operand_bytes
   if topology == "relay":
     down = (workers - 1) if collective == "all-gather" else 1
