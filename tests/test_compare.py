@@ -44,6 +44,7 @@ def comparison(tmp_path_factory):
   return out, base, rows
 
 
+@pytest.mark.slow
 def test_results_table_and_json(comparison):
   out, _, rows = comparison
   with open(out / "results.json") as f:
@@ -60,6 +61,7 @@ def test_results_table_and_json(comparison):
     assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bytes_columns_equal_the_accounting(comparison):
   _, base, rows = comparison
   params = model.abstract_params(presets.get_preset(base.preset))
@@ -84,6 +86,7 @@ def test_bytes_columns_equal_the_accounting(comparison):
     assert r["ratio_vs_bf16_grad"] == pytest.approx(full.grad_bf16 / r["payload_bytes_per_step"])
 
 
+@pytest.mark.slow
 def test_loss_falls_for_every_method(comparison):
   out, _, rows = comparison
   for r in rows:

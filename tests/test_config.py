@@ -57,6 +57,7 @@ def test_unknown_default_is_refused():
     config.define_flags(defaults={"stepz": 3}, flag_values=flags.FlagValues())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   ("changed", "field"),
   [

@@ -8,7 +8,11 @@ import sys
 import time
 
 import portpicker
+import pytest
 from tiny_runs import read_metrics, run_tiny
+
+# Whole runs: deselect with -m "not slow" while working.
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).parent.parent
 FLAGS = [

@@ -94,6 +94,7 @@ def _run(tmp_path, **kw):
   )
 
 
+@pytest.mark.slow
 def test_driver_counts_the_excluded_worker_and_keeps_training(tmp_path):
   summary = _run(tmp_path, inject_nan_step=3, inject_nan_worker=6)
   records = read_metrics(tmp_path)
@@ -102,6 +103,7 @@ def test_driver_counts_the_excluded_worker_and_keeps_training(tmp_path):
   assert np.isfinite(summary.final_val_loss)
 
 
+@pytest.mark.slow
 def test_driver_adamw_skips_a_nonfinite_step_when_asked(tmp_path):
   with pytest.raises(FloatingPointError, match="--skip_nonfinite"):
     _run(tmp_path / "a", optimizer="adamw", inject_nan_step=3)

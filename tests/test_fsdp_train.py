@@ -7,6 +7,7 @@ import tiny_runs
 from experiments import trainer
 
 
+@pytest.mark.slow
 def test_two_sites_of_two_devices_train_as_two_workers(tmp_path):
   steps = 5
   plain = tiny_runs.run_tiny(tmp_path / "plain", workers=2, steps=steps)
@@ -32,6 +33,7 @@ def test_two_sites_of_two_devices_train_as_two_workers(tmp_path):
   assert plain.measured_by_axes == {"replica": plain.measured_collective_bytes_per_step}
 
 
+@pytest.mark.slow
 def test_delayed_apply_trains_with_one_device_per_site(tmp_path):
   summary = tiny_runs.run_tiny(tmp_path, delayed_apply=True, steps=4)
   records = tiny_runs.read_metrics(tmp_path)

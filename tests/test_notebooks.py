@@ -16,6 +16,9 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+# Whole notebooks: deselect with -m "not slow" while working.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COLAB = ROOT / "colab"
 
@@ -65,6 +68,7 @@ assert all(_s.dtype == jnp.int32 and int(_s.max()) <= TRAIN_STEPS for _s in sent
 """,
   "03_distro_in_miniature.ipynb": """
 import math
+
 assert [r["method"] for r in rows] == METHODS
 _by = {r["method"]: r for r in rows}
 for _r in rows:

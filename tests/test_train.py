@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 TINY = {**tiny_runs.TINY, "eval_every": 3}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["demo", "adamw"])
 def test_resume_is_exact(tmp_path, optimizer):
   straight = trainer.run(
@@ -66,6 +67,7 @@ def test_metrics_summary_and_plot(tmp_path):
   assert (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
   trainer.run(trainer.TrainConfig(steps=3, checkpoint_every=3, out_dir=str(tmp_path), **TINY))
   before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -74,6 +76,7 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
 
 
+@pytest.mark.slow
 def test_resume_skips_an_unfinished_save_and_refuses_another_run(tmp_path):
   trainer.run(
     trainer.TrainConfig(steps=6, checkpoint_every=3, stop_at_step=3, out_dir=str(tmp_path), **TINY)
@@ -114,6 +117,7 @@ def _error_line(out):
   return errors[0]
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_clear_line(tmp_path):
   small = [
     "--preset=tiny",
@@ -152,6 +156,7 @@ def test_cli_errors_are_one_clear_line(tmp_path):
   assert "demo" in out.stderr and "adamw" in out.stderr
 
 
+@pytest.mark.slow
 def test_two_processes_with_gloo_end_identical_and_learn(tmp_path):
   port = portpicker.pick_unused_port()
   common = [
