@@ -71,11 +71,12 @@ class Axes(NamedTuple):
 
   Attributes:
     replica: the data-parallel axis between sites; only messages cross it.
+      ``None`` is one worker with no collective, outside ``shard_map``.
     fsdp: the axis within a site that shards the params, or ``None`` when
       each site is one device.
   """
 
-  replica: str
+  replica: str | None
   fsdp: str | None
 
 

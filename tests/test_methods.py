@@ -4,7 +4,9 @@ import ast
 import dataclasses
 import pathlib
 
+import chex
 import jax
+import jax.numpy as jnp
 import pytest
 
 from experiments import config, methods, model, presets
@@ -45,12 +47,17 @@ def test_get_refuses_an_unknown_family_with_the_choices():
 
 
 @pytest.mark.parametrize("name", methods.names())
-def test_every_entry_builds_and_accounts_its_bytes(name):
+def test_every_entry_builds_updates_and_accounts_its_bytes(name):
   method = methods.get(name)
   cfg = config.resolve(TrainConfig(optimizer=name, preset="tiny", workers=4, batch_size=8))
-  tx = method.build(cfg, methods.Axes("replica", None))
   params = model.abstract_params(presets.get_preset("tiny"))
-  jax.eval_shape(tx.init, params)
+  jax.eval_shape(method.build(cfg, methods.Axes("replica", None)).init, params)
+  # One worker, no collective: an update has the params' shapes and dtypes.
+  tx = method.build(cfg, methods.Axes(None, None))
+  real = jax.tree.map(lambda x: jnp.full(x.shape, 0.01, x.dtype), params)
+  updates, _ = jax.jit(tx.update)(real, tx.init(real), real)
+  chex.assert_trees_all_equal_shapes_and_dtypes(updates, real)
+  chex.assert_tree_all_finite(updates)
   payload = method.payload(cfg, params)
   assert payload.message > 0
   assert payload.per_step == payload.message / method.exchange_every(cfg)
