@@ -138,6 +138,8 @@ class Method:
     excludes_nonfinite: leaves a worker with a non-finite message out of the
       aggregate, and reports how many it left out.
     supports_skip_nonfinite: ``--skip_nonfinite`` applies to it.
+    tuning: the grid ``experiments.frontier`` tries for it, field by field;
+      the best point by validation loss is its recipe for that horizon.
   """
 
   name: str
@@ -153,6 +155,9 @@ class Method:
   supports_delayed_apply: bool = False
   excludes_nonfinite: bool = False
   supports_skip_nonfinite: bool = False
+  tuning: Mapping[str, tuple[Any, ...]] = dataclasses.field(
+    default_factory=lambda: {"learning_rate": (1.5e-3, 3e-3, 6e-3)}
+  )
 
   def recipe_for(self, preset: str) -> Recipe:
     """The defaults for this method on ``preset``."""
@@ -355,6 +360,7 @@ register(
     options=_COMPRESSION_OPTIONS,
     supports_delayed_apply=True,
     excludes_nonfinite=True,
+    tuning={"learning_rate": (2e-3, 4e-3), "compression_decay": (0.95, 0.98)},
   )
 )
 register(
@@ -395,6 +401,7 @@ register(
     options=(Option(r"h(\d+)", "diloco_sync_every", _int, "hH"),),
     exchange_every=lambda cfg: cfg.diloco_sync_every,
     supports_fsdp=False,
+    tuning={"learning_rate": (1.5e-3, 3e-3), "diloco_outer_lr": (0.7, 1.0)},
   )
 )
 

@@ -13,6 +13,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 COMMANDS = [
   "experiments.train",
   "experiments.compare",
+  "experiments.frontier",
   "experiments.sweep",
   "experiments.netlab",
   "experiments.bench_update",
@@ -31,7 +32,7 @@ print(sorted(set(flags.FLAGS) & set({NAMES})))
 
 
 def test_importing_every_command_defines_no_flag():
-  ours = {f.name for f in dataclasses.fields(TrainConfig)} | {"methods", "grid", "num_processes"}
+  ours = {f.name for f in dataclasses.fields(TrainConfig)} | {"methods", "grid", "num_processes", "horizons"}
   code = _PROBE.replace("{NAMES}", repr(sorted(ours)))
   out = subprocess.run(
     [sys.executable, "-c", code, *COMMANDS],
@@ -50,6 +51,7 @@ def test_importing_every_command_defines_no_flag():
 _HELP = {
   "experiments.train": "--optimizer",
   "experiments.compare": "--methods",
+  "experiments.frontier": "--horizons",
   "experiments.sweep": "--grid",
   "experiments.netlab": "--processes",
   "experiments.bench_update": "--",

@@ -1,0 +1,360 @@
+r"""Loss against bytes, over several horizons: the frontier each method reaches.
+
+  python -m experiments.frontier --data_path=english.txt --horizons=300,1000 \
+      --methods=adamw,demo,demo-k8-1bit,demo-k2-1bit,diloco
+
+For every horizon (a number of steps) and every method (a registry name, so
+one family at several budgets of bytes per step is several methods), each
+point of the method's tuning grid (``Method.tuning`` in the registry, or
+``--grid`` for all) is one full run of the driver; the point with the lowest
+final validation loss is that method's result at that horizon. A run whose
+``summary.json`` already exists is read instead of trained, so the command
+picks up where it stopped.
+
+It writes to ``OUT_DIR``: ``frontier.json`` (every run, its settings and
+results, and the best point per method and horizon), ``frontier.md``, and
+three figures:
+
+* ``frontier_bytes.png``: final validation loss against payload bytes per
+  step (log scale), one panel per horizon, AdamW as a horizontal line;
+* ``frontier_gap.png``: each method's gap to AdamW's validation loss against
+  the horizon;
+* ``frontier_time.png``: validation loss against the wall-clock time the time
+  model gives on a ``--link_mbit`` link (measured compute per step plus the
+  transfer of what the ring moves up each link), for the longest horizon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from absl import app, flags
+
+from experiments import cli, config, methods, time_model
+from experiments.config import ConfigError, TrainConfig
+from experiments.launch import LaunchConfig, setup_devices
+from experiments.records import StepRecord, Summary, read_metrics
+
+__all__ = ["DEFAULT_METHODS", "Point", "best_points", "grid_points", "run_frontier"]
+
+DEFAULT_METHODS = ("adamw", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco")
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  """One run of the frontier: a method, a horizon, a grid point, and what it reached.
+
+  Attributes:
+    method: the method name (family and options).
+    horizon: steps trained.
+    settings: the tuned fields and their values.
+    out_dir: where the run lives.
+    summary: the run's summary.
+  """
+
+  method: str
+  horizon: int
+  settings: dict[str, Any]
+  out_dir: str
+  summary: Summary
+
+  @property
+  def val_loss(self) -> float:
+    v = self.summary.final_val_loss
+    return v if v is not None and math.isfinite(v) else math.inf
+
+
+def grid_points(method: methods.Method, grid: Mapping[str, Sequence[Any]] | None) -> list[dict]:
+  """Every combination of ``grid``, or of the method's own ``tuning`` when ``grid`` is None."""
+  grid = dict(method.tuning if grid is None else grid)
+  names = sorted(grid)
+  return [dict(zip(names, values)) for values in itertools.product(*(grid[n] for n in names))]
+
+
+def _point_dir(out_dir: str, horizon: int, method: str, settings: Mapping[str, Any]) -> str:
+  tag = "_".join(f"{k}-{v:g}" if isinstance(v, float) else f"{k}-{v}" for k, v in settings.items())
+  return os.path.join(out_dir, f"steps{horizon}", method, tag or "default")
+
+
+def _plan(
+  base: TrainConfig, method_names: Sequence[str], horizons: Sequence[int], grid: Any, out_dir: str
+) -> list[tuple[str, int, dict, TrainConfig]]:
+  """Every run to make, each checked before any trains."""
+  runs = []
+  for horizon in horizons:
+    for name in method_names:
+      method, overrides = methods.parse(name)
+      for settings in grid_points(method, grid):
+        cfg = dataclasses.replace(
+          base,
+          steps=horizon,
+          eval_every=max(horizon // 10, 1),
+          out_dir=_point_dir(out_dir, horizon, name, settings),
+          progress=False,
+          **{**overrides, **settings},
+        )
+        config.validate(cfg)
+        runs.append((name, horizon, settings, cfg))
+  return runs
+
+
+def run_frontier(
+  base: TrainConfig,
+  method_names: Sequence[str],
+  horizons: Sequence[int],
+  out_dir: str,
+  *,
+  grid: Mapping[str, Sequence[Any]] | None = None,
+  link_mbit: float = 10.0,
+) -> list[Point]:
+  """Trains (or reads back) every run of the frontier, then writes its tables and figures.
+
+  Args:
+    base: the model, data, workers and seed; ``steps``, ``out_dir`` and the
+      tuned fields are set per run.
+    method_names: registry method names, e.g. ``"demo-k8-1bit"``.
+    horizons: the step counts to train for.
+    out_dir: where the runs, tables and figures go.
+    grid: fields to tune and their values, for every method; default: each
+      method's ``tuning``.
+    link_mbit: the link of the time figure, in Mbit/s both ways.
+
+  Returns:
+    Every run as a :class:`Point`.
+
+  Raises:
+    ConfigError: a method, horizon or grid point that cannot run, before any trains.
+  """
+  from experiments import trainer
+
+  if not method_names or not horizons or min(horizons) < 1:
+    raise ConfigError("--methods and --horizons need at least one entry, horizons positive.")
+  points = []
+  for name, horizon, settings, cfg in _plan(base, method_names, horizons, grid, out_dir):
+    summary_path = os.path.join(cfg.out_dir, "summary.json")
+    if os.path.exists(summary_path):
+      summary = Summary.load(summary_path)
+    else:
+      print(f"[frontier] {name} {horizon} steps {settings}", file=sys.stderr, flush=True)
+      summary = trainer.run(cfg)
+    points.append(Point(name, horizon, settings, cfg.out_dir, summary))
+    _write(points, out_dir, link_mbit)
+  return points
+
+
+def best_points(points: Sequence[Point]) -> dict[tuple[str, int], Point]:
+  """The lowest final validation loss per (method, horizon)."""
+  best: dict[tuple[str, int], Point] = {}
+  for p in points:
+    key = (p.method, p.horizon)
+    if key not in best or p.val_loss < best[key].val_loss:
+      best[key] = p
+  return best
+
+
+def _baseline(best: Mapping[tuple[str, int], Point], horizon: int) -> float | None:
+  p = best.get((methods.BASELINE, horizon))
+  return p.val_loss if p else None
+
+
+def _ratio(x: float) -> str:
+  return f"{x:,.0f}x" if x >= 10 else f"{x:.2f}x"
+
+
+def markdown(points: Sequence[Point]) -> str:
+  """The best point of every method at every horizon, then every run."""
+  best = best_points(points)
+  lines = [
+    "| steps | method | val loss | vs AdamW | payload B/step | vs bf16 grad | best settings |",
+    "| ---: | --- | ---: | ---: | ---: | ---: | --- |",
+  ]
+  for (name, horizon), p in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    base = _baseline(best, horizon)
+    gap = f"{100 * (p.val_loss / base - 1):+.1f}%" if base else ""
+    s = p.summary
+    lines.append(
+      f"| {horizon} | {name} | {p.val_loss:.4f} | {gap} | {s.payload_bytes_per_step:,.0f} "
+      f"| {_ratio(s.ratio_vs_bf16_grad)} | {json.dumps(p.settings)} |"
+    )
+  lines += ["", "Every run:", "", "| steps | method | settings | val loss |"]
+  lines += ["| ---: | --- | --- | ---: |"]
+  for p in points:
+    lines.append(f"| {p.horizon} | {p.method} | {json.dumps(p.settings)} | {p.val_loss:.4f} |")
+  return "\n".join(lines)
+
+
+def _write(points: Sequence[Point], out_dir: str, link_mbit: float) -> None:
+  os.makedirs(out_dir, exist_ok=True)
+  best = best_points(points)
+  record = {
+    "runs": [
+      {
+        "method": p.method,
+        "horizon": p.horizon,
+        "settings": p.settings,
+        "out_dir": p.out_dir,
+        "final_val_loss": p.summary.final_val_loss,
+        "final_train_loss": p.summary.final_train_loss,
+        "payload_bytes_per_step": p.summary.payload_bytes_per_step,
+        "ratio_vs_bf16_grad": p.summary.ratio_vs_bf16_grad,
+      }
+      for p in points
+    ],
+    "best": [{"method": m, "horizon": h, "settings": p.settings} for (m, h), p in best.items()],
+  }
+  with open(os.path.join(out_dir, "frontier.json"), "w") as f:
+    json.dump(record, f, indent=2)
+  with open(os.path.join(out_dir, "frontier.md"), "w") as f:
+    f.write(markdown(points) + "\n")
+  _plot(points, out_dir, link_mbit)
+
+
+def _time_curve(p: Point, link_mbit: float) -> tuple[list[float], list[float]]:
+  """Validation loss against projected seconds on the link, for one run."""
+  records: list[StepRecord] = read_metrics(p.out_dir)
+  cfg = p.summary.config
+  method = methods.get(p.summary.optimizer)
+  step_s = [cfg["batch_size"] * cfg["seq_len"] / r.tokens_per_s for r in records[1:]]
+  compute = float(np.median(step_s)) if step_s else 0.0
+  every = method.exchange_every(TrainConfig(**cfg))
+  up, down = time_model.link_bytes(
+    method.collective, p.summary.payload_bytes_per_step * every, p.summary.workers
+  )
+  link = time_model.Link(f"{link_mbit:g} Mbit/s", link_mbit * 1e6, link_mbit * 1e6)
+  exchange = time_model.step_seconds(0.0, up, down, link)
+  xs, ys = [], []
+  for r in records:
+    if r.val_loss is not None:
+      xs.append(r.step * compute + (r.step // every) * exchange)
+      ys.append(r.val_loss)
+  return xs, ys
+
+
+def _plot(points: Sequence[Point], out_dir: str, link_mbit: float) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  best = best_points(points)
+  horizons = sorted({h for _, h in best})
+  names = list(dict.fromkeys(m for m, _ in best))
+  fig, axes = plt.subplots(1, len(horizons), figsize=(6 * len(horizons), 4.5), squeeze=False)
+  families = {}
+  for name in names:
+    families.setdefault(methods.parse(name)[0].name, []).append(name)
+  for ax, horizon in zip(axes[0], horizons):
+    for family, members in families.items():
+      pts = sorted(
+        (p.summary.payload_bytes_per_step, p.val_loss, n)
+        for n in members
+        if (p := best.get((n, horizon))) and n != methods.BASELINE
+      )
+      if not pts:
+        continue
+      ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "o-", label=family)
+      for x, y, n in pts:
+        ax.annotate(n, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    if (base := _baseline(best, horizon)) is not None:
+      ax.axhline(base, color="k", ls="--", label=f"{methods.BASELINE} (all-reduce)")
+    ax.set(xscale="log", xlabel="payload bytes per worker per step", ylabel="final val loss")
+    ax.set_title(f"{horizon} steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "frontier_bytes.png"), dpi=100)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name in names:
+    pts = [(h, best[(name, h)].val_loss / b - 1) for h in horizons
+           if (name, h) in best and (b := _baseline(best, h))]  # fmt: skip
+    if pts and name != methods.BASELINE:
+      ax.plot([x for x, _ in pts], [100 * y for _, y in pts], "o-", label=name)
+  ax.axhline(0, color="k", ls="--")
+  ax.set(xscale="log", xlabel="steps (horizon)", ylabel="val loss gap to AdamW (%)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "frontier_gap.png"), dpi=100)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name in names:
+    if p := best.get((name, horizons[-1])):
+      xs, ys = _time_curve(p, link_mbit)
+      ax.plot(xs, ys, "o-", ms=3, label=name)
+  ax.set(xscale="log", xlabel=f"seconds on a {link_mbit:g} Mbit/s link (time model)")
+  ax.set(ylabel="val loss", title=f"{horizons[-1]} steps")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "frontier_time.png"), dpi=100)
+  plt.close(fig)
+
+
+def _parse_grid(text: str) -> dict[str, tuple[Any, ...]] | None:
+  if not text:
+    return None
+  from experiments.sweep import parse_grid
+
+  points = parse_grid(text)
+  return {k: tuple(dict.fromkeys(p[k] for p in points)) for k in points[0]}
+
+
+def _main(
+  train_flags: Mapping[str, flags.FlagHolder],
+  launch_flags: Mapping[str, flags.FlagHolder],
+  own: Mapping[str, flags.FlagHolder],
+  argv: Sequence[str],
+) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+
+  def frontier() -> list[Point]:
+    base = config.config_from_flags(train_flags)
+    try:
+      horizons = [int(h) for h in own["horizons"].value]
+    except ValueError:
+      given = ",".join(own["horizons"].value)
+      raise ConfigError(f"--horizons={given}: give step counts, e.g. 300,1000.") from None
+    setup_devices(config.config_from_flags(launch_flags, LaunchConfig), base.devices)
+    return run_frontier(
+      base,
+      own["methods"].value,
+      horizons,
+      base.out_dir,
+      grid=_parse_grid(own["grid"].value),
+      link_mbit=own["link_mbit"].value,
+    )
+
+  points = cli.report_user_errors(frontier)
+  print(markdown(points))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  """The command: the driver's flags (small preset) and the frontier's own."""
+  train_flags = config.define_flags(defaults={"preset": "small", "out_dir": "runs/frontier"})
+  launch_flags = config.define_flags(LaunchConfig)
+  own = {
+    "methods": flags.DEFINE_list("methods", list(DEFAULT_METHODS), "Registry method names."),
+    "horizons": flags.DEFINE_list("horizons", ["300", "1000"], "Steps to train each for."),
+    "grid": flags.DEFINE_string(
+      "grid", "", "field=v1,v2;... to tune for every method (default: each method's tuning)."
+    ),
+    "link_mbit": flags.DEFINE_float("link_mbit", 10.0, "The time figure's link, Mbit/s."),
+  }
+  app.run(functools.partial(_main, train_flags, launch_flags, own), argv=argv)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,64 @@
+"""The frontier command: grids from the registry, the best point, cached runs, the figures."""
+
+import dataclasses
+import os
+
+import pytest
+from tiny_runs import TINY
+
+from experiments import frontier, methods
+from experiments.config import ConfigError, TrainConfig
+from experiments.records import Summary
+
+
+def test_grid_points_come_from_the_registry_or_the_given_grid():
+  demo = methods.get("demo")
+  points = frontier.grid_points(demo, None)
+  assert len(points) == len(demo.tuning["learning_rate"]) * len(demo.tuning["compression_decay"])
+  assert {tuple(sorted(p)) for p in points} == {("compression_decay", "learning_rate")}
+  assert frontier.grid_points(demo, {"learning_rate": (1e-3, 2e-3)}) == [
+    {"learning_rate": 1e-3},
+    {"learning_rate": 2e-3},
+  ]
+
+
+def _point(method, horizon, val):
+  summary = dataclasses.replace(_SUMMARY, final_val_loss=val)
+  return frontier.Point(method, horizon, {"learning_rate": val}, "", summary)
+
+
+_SUMMARY = Summary(**{f.name: None for f in dataclasses.fields(Summary)})
+
+
+def test_best_point_is_the_lowest_finite_validation_loss():
+  pts = [_point("demo", 300, 2.0), _point("demo", 300, float("nan")), _point("demo", 300, 1.5)]
+  pts.append(_point("demo", 1000, 1.2))
+  best = frontier.best_points(pts)
+  assert best[("demo", 300)].val_loss == 1.5 and best[("demo", 1000)].val_loss == 1.2
+
+
+def test_a_bad_method_or_horizon_is_refused_before_training(tmp_path):
+  base = TrainConfig(**TINY)
+  with pytest.raises(ConfigError, match="unknown method 'sgd'"):
+    frontier.run_frontier(base, ["adamw", "sgd"], [4], str(tmp_path))
+  with pytest.raises(ConfigError, match="horizons"):
+    frontier.run_frontier(base, ["adamw"], [0], str(tmp_path))
+  assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_frontier_trains_reads_back_and_draws(tmp_path):
+  base = TrainConfig(**{**TINY, "eval_batches": 1})
+  grid = {"learning_rate": (3e-3, 1e-2)}
+  points = frontier.run_frontier(base, ["adamw", "demo-k8-1bit"], [4, 8], str(tmp_path), grid=grid)
+  assert len(points) == 2 * 2 * 2
+  for name in ("frontier.json", "frontier.md", "frontier_bytes.png", "frontier_gap.png"):
+    assert (tmp_path / name).stat().st_size > 100, name
+  assert (tmp_path / "frontier_time.png").stat().st_size > 1000
+  # A second call reads every run back instead of training it again.
+  mtimes = {p.out_dir: os.path.getmtime(os.path.join(p.out_dir, "summary.json")) for p in points}
+  again = frontier.run_frontier(base, ["adamw", "demo-k8-1bit"], [4, 8], str(tmp_path), grid=grid)
+  assert [p.val_loss for p in again] == [p.val_loss for p in points]
+  assert all(os.path.getmtime(os.path.join(d, "summary.json")) == t for d, t in mtimes.items())
+  k8 = frontier.best_points(points)[("demo-k8-1bit", 8)]
+  assert k8.summary.config["compression_topk"] == 8 and k8.summary.config["quantize_1bit"]
