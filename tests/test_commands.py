@@ -32,7 +32,12 @@ print(sorted(set(flags.FLAGS) & set({NAMES})))
 
 
 def test_importing_every_command_defines_no_flag():
-  ours = {f.name for f in dataclasses.fields(TrainConfig)} | {"methods", "grid", "num_processes", "horizons"}
+  ours = {f.name for f in dataclasses.fields(TrainConfig)} | {
+    "methods",
+    "grid",
+    "num_processes",
+    "horizons",
+  }
   code = _PROBE.replace("{NAMES}", repr(sorted(ours)))
   out = subprocess.run(
     [sys.executable, "-c", code, *COMMANDS],
