@@ -31,6 +31,7 @@ __all__ = [
   "config_from_flags",
   "define_flags",
   "fingerprint",
+  "parse_field",
   "resolve",
   "runtime_settings",
   "validate",
@@ -226,6 +227,32 @@ def _flag_kind(cls: type, name: str) -> type:
   return hint
 
 
+_KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+def parse_field(name: str, text: str) -> Any:
+  """A field's value from text, typed as the field is (the sweep's grid values).
+
+  ``none`` gives ``None`` for a field whose default is ``None``; bools take
+  true/false, 1/0 or yes/no.
+
+  Raises:
+    ConfigError: ``text`` is not of the field's type.
+  """
+  kind = _flag_kind(TrainConfig, name)
+  text = text.strip()
+  default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}[name]
+  if text.lower() == "none" and default is None:
+    return None
+  try:
+    if kind is bool:
+      return _WORDS[text.lower()]
+    return kind(text)
+  except (KeyError, ValueError):
+    raise ConfigError(f"{name}={text!r} is not {_KIND_WORDS[kind]}.") from None
+
+
 _DEFINE = {
   bool: flags.DEFINE_bool,
   int: flags.DEFINE_integer,
@@ -320,8 +347,6 @@ _FLOAT_RANGES: dict[str, tuple[float, bool, float, str]] = {
   "diloco_outer_lr": (0.0, False, math.inf, "DiLoCo's paper uses 0.7"),
   "diloco_outer_momentum": (0.0, True, 1.0, "DiLoCo's paper uses 0.9; 0 is plain averaging"),
 }
-
-_KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def _check_types(cfg: TrainConfig) -> None:
