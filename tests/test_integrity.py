@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +47,9 @@ def _largest_file(step_dir):
 
 
 def _flip(path):
-  raw = bytearray(open(path, "rb").read())
+  raw = bytearray(pathlib.Path(path).read_bytes())
   raw[len(raw) // 2] ^= 0x01
-  open(path, "wb").write(bytes(raw))
+  pathlib.Path(path).write_bytes(bytes(raw))
 
 
 def _truncate(path):

@@ -15,11 +15,15 @@ from experiments.rundir import OutDirError
 ROOT = pathlib.Path(__file__).parent.parent
 
 
+def _refused(out_dir, match):
+  """Asserts that claiming ``out_dir`` fails with an error matching ``match``."""
+  with pytest.raises(OutDirError, match=match), rundir.claim(out_dir):
+    pass
+
+
 def test_a_second_claim_fails_at_once_naming_the_holder(tmp_path):
   with rundir.claim(str(tmp_path)):
-    with pytest.raises(OutDirError, match=f"in use by another run \\(pid {os.getpid()} on "):
-      with rundir.claim(str(tmp_path)):
-        pass
+    _refused(str(tmp_path), f"in use by another run \\(pid {os.getpid()} on ")
   # Released: the next run takes it without a word about a stale lock.
   with rundir.claim(str(tmp_path)):
     pass
@@ -41,9 +45,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path, capsys):
   )
   try:
     assert holder.stdout.readline().strip() == "held"
-    with pytest.raises(OutDirError, match=f"pid {holder.pid}"):
-      with rundir.claim(str(tmp_path)):
-        pass
+    _refused(str(tmp_path), f"pid {holder.pid}")
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait(timeout=30)
   finally:
@@ -58,12 +60,8 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path, capsys):
 
 def test_out_dir_that_is_a_file(tmp_path):
   (tmp_path / "f").write_text("x")
-  with pytest.raises(OutDirError, match="is a file, not a directory; choose another --out_dir"):
-    with rundir.claim(str(tmp_path / "f")):
-      pass
-  with pytest.raises(OutDirError, match="lies under a file"):
-    with rundir.claim(str(tmp_path / "f" / "run")):
-      pass
+  _refused(str(tmp_path / "f"), "is a file, not a directory; choose another --out_dir")
+  _refused(str(tmp_path / "f" / "run"), "lies under a file")
 
 
 def test_out_dir_that_cannot_be_written(tmp_path, monkeypatch):
@@ -77,9 +75,7 @@ def test_out_dir_that_cannot_be_written(tmp_path, monkeypatch):
     return real_open(path, *args, **kwargs)
 
   monkeypatch.setattr(os, "open", read_only)
-  with pytest.raises(OutDirError, match="is not writable \\(Read-only file system\\)"):
-    with rundir.claim(str(tmp_path)):
-      pass
+  _refused(str(tmp_path), "is not writable \\(Read-only file system\\)")
 
 
 @pytest.mark.parametrize(
@@ -117,9 +113,7 @@ def test_read_only_and_full_filesystems_for_real(tmp_path):
   ro, full = tmp_path / "ro", tmp_path / "full"
   _mount_tmpfs(ro, "ro,size=1m")
   try:
-    with pytest.raises(OutDirError, match="Read-only file system"):
-      with rundir.claim(str(ro / "run")):
-        pass
+    _refused(str(ro / "run"), "Read-only file system")
   finally:
     subprocess.run(["umount", str(ro)], check=True)
   _mount_tmpfs(full, "size=64k")
@@ -131,8 +125,6 @@ def test_read_only_and_full_filesystems_for_real(tmp_path):
           f.write(b"\0" * 4096)
       except OSError:
         pass
-    with pytest.raises(OutDirError, match="no space left on device while writing .*run.lock"):
-      with rundir.claim(str(full / "run")):
-        pass
+    _refused(str(full / "run"), "no space left on device while writing .*run.lock")
   finally:
     subprocess.run(["umount", str(full)], check=True)
