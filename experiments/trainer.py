@@ -207,6 +207,23 @@ def _open_checkpoints(
   return cfg, checkpointer, point
 
 
+def _check_space(out_dir: str, program: Program) -> None:
+  """A disk too full for one checkpoint is found now, not after compiling and training.
+
+  Orbax writes arrays uncompressed, so a checkpoint takes about the bytes of
+  the params and every worker's optimizer state.
+  """
+  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_state()))
+  stat = os.statvfs(out_dir)
+  free = stat.f_bavail * stat.f_frsize
+  if free < need:
+    raise rundir.OutDirError(
+      f"--out_dir={out_dir} has {reporting.human_bytes(free)} free, less than one checkpoint "
+      f"of this run takes (about {reporting.human_bytes(need)}); free space, choose another "
+      "--out_dir, or run without --checkpoint_every."
+    )
+
+
 def _check_resume_span(cfg: TrainConfig, step: int) -> None:
   """A resume that would train nothing is refused rather than reported done."""
   if step >= cfg.steps:
@@ -376,6 +393,8 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
   tokens = data_lib.load_tokens(cfg.data_path, presets.get_preset(cfg.preset).vocab_size)
   cfg, checkpointer, point = _open_checkpoints(cfg, data_lib.identity(cfg.data_path))
   program = build(cfg)
+  if checkpointer and checkpointer.save_every and jax.process_index() == 0:
+    _check_space(cfg.out_dir, program)
   batches = _Batches(cfg, program, tokens)
   start_step, params, opt_state = _start(program, batches, checkpointer, point)
   step_arg = jax.ShapeDtypeStruct((), jnp.int32, sharding=program.sharding())
