@@ -128,8 +128,15 @@ def _sniff(data_path: str, suffix: str, head: bytes) -> None:
     )
 
 
-def _check_file(data_path: str) -> tuple[str, int]:
-  """``(suffix, size)`` of a data file that exists, is a file, is readable, and is supported."""
+def check_file(data_path: str) -> tuple[str, int]:
+  """``(suffix, size)`` of a data file that exists, is a file, is readable, and is supported.
+
+  Reads only the file's first 64 KiB, so a command can refuse a wrong file
+  before it writes or compiles anything; :func:`load_tokens` calls it too.
+
+  Raises:
+    DataError: naming the file and the fix.
+  """
   if not os.path.exists(data_path):
     raise DataError(
       f"data file {data_path!r} does not exist; pass --data_path=... to an existing "
@@ -203,7 +210,7 @@ def load_tokens(data_path: str | None, vocab_size: int) -> np.ndarray:
     source = "the embedded corpus"
   else:
     source = f"data file {data_path!r}"
-    suffix, size = _check_file(data_path)
+    suffix, size = check_file(data_path)
     if suffix == ".npy":
       tokens = _read_npy(data_path)
     elif suffix == ".bin":

@@ -378,6 +378,8 @@ def run(cfg: TrainConfig) -> Summary:
   """
   config.validate(cfg)
   _checkpoint_dir(cfg)
+  if cfg.data_path is not None:
+    data_lib.check_file(cfg.data_path)  # its ids are scanned once the directory is ours
   main = jax.process_index() == 0
   with rundir.claim(cfg.out_dir, main=main, multiprocess=jax.process_count() > 1):
     try:
