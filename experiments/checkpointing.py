@@ -83,6 +83,14 @@ def _quiet_orbax() -> Iterator[None]:
       lg.removeFilter(quiet)
 
 
+def _difference(key: str, then: Any, now: Any) -> str:
+  if key == "data_identity" and then and now:
+    return f"the data file changed: {then['bytes']:,} bytes then, {now['bytes']:,} now" + (
+      ", and other content" if then["bytes"] == now["bytes"] else ""
+    )
+  return f"{key}: checkpoint {then!r} vs run {now!r}"
+
+
 def _one_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
@@ -265,7 +273,7 @@ class Checkpointer:
       if meta.get(k) != v and not (k in _OPTIONAL and k not in meta)
     }
     if mismatch:
-      detail = ", ".join(f"{k}: checkpoint {a!r} vs run {b!r}" for k, (a, b) in mismatch.items())
+      detail = ", ".join(_difference(k, a, b) for k, (a, b) in mismatch.items())
       raise CheckpointError(
         f"--resume: the checkpoint at step {step} in {self.directory} is from a "
         f"different run ({detail}). Resume with the same flags and data, or use a new "
