@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-__all__ = ["LOCK_NAME", "OutDirError", "claim", "filesystem_error"]
+__all__ = ["LOCK_NAME", "OutDirError", "agree", "claim", "filesystem_error"]
 
 LOCK_NAME = "run.lock"
 # Failures of the disk, not of the program: reported in one line with the fix.
@@ -144,8 +144,8 @@ def _release(fd: int) -> None:
   os.close(fd)  # closing drops the flock
 
 
-def _agree(ok: bool) -> bool:
-  """Process 0's verdict, on every process of a multi-process run."""
+def agree(ok: bool) -> bool:
+  """Process 0's verdict, on every process of a multi-process run (a collective: all call it)."""
   import numpy as np
   from jax.experimental import multihost_utils
 
@@ -171,7 +171,7 @@ def claim(out_dir: str, *, main: bool = True, multiprocess: bool = False) -> Ite
       fd = _lock(out_dir)
     except OutDirError as e:
       error = e
-  if multiprocess and not _agree(error is None):
+  if multiprocess and not agree(error is None):
     error = error or OutDirError(
       f"process 0 could not claim --out_dir={out_dir} (its error says why); fix that and rerun."
     )

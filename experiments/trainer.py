@@ -211,17 +211,25 @@ def _check_space(out_dir: str, program: Program) -> None:
   """A disk too full for one checkpoint is found now, not after compiling and training.
 
   Orbax writes arrays uncompressed, so a checkpoint takes about the bytes of
-  the params and every worker's optimizer state.
+  the params and every worker's optimizer state. Process 0 looks; every
+  process of a multi-process run stops on its verdict.
   """
-  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_state()))
-  stat = os.statvfs(out_dir)
-  free = stat.f_bavail * stat.f_frsize
-  if free < need:
-    raise rundir.OutDirError(
-      f"--out_dir={out_dir} has {reporting.human_bytes(free)} free, less than one checkpoint "
-      f"of this run takes (about {reporting.human_bytes(need)}); free space, choose another "
-      "--out_dir, or run without --checkpoint_every."
+  problem = None
+  if jax.process_index() == 0:
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_state()))
+    stat = os.statvfs(out_dir)
+    if (free := stat.f_bavail * stat.f_frsize) < need:
+      problem = rundir.OutDirError(
+        f"--out_dir={out_dir} has {reporting.human_bytes(free)} free, less than one "
+        f"checkpoint of this run takes (about {reporting.human_bytes(need)}); free space, "
+        "choose another --out_dir, or run without --checkpoint_every."
+      )
+  if jax.process_count() > 1 and not rundir.agree(problem is None):
+    problem = problem or rundir.OutDirError(
+      f"process 0 found no room for a checkpoint in --out_dir={out_dir} (its error says how much)."
     )
+  if problem is not None:
+    raise problem
 
 
 def _check_resume_span(cfg: TrainConfig, step: int) -> None:
@@ -395,7 +403,7 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
   tokens = data_lib.load_tokens(cfg.data_path, presets.get_preset(cfg.preset).vocab_size)
   cfg, checkpointer, point = _open_checkpoints(cfg, data_lib.identity(cfg.data_path))
   program = build(cfg)
-  if checkpointer and checkpointer.save_every and jax.process_index() == 0:
+  if checkpointer and checkpointer.save_every:
     _check_space(cfg.out_dir, program)
   batches = _Batches(cfg, program, tokens)
   start_step, params, opt_state = _start(program, batches, checkpointer, point)
