@@ -55,6 +55,7 @@ def diloco(
   outer_learning_rate: float = 0.7,
   outer_momentum: float = 0.9,
   axis_name: Hashable | None = "data",
+  total_steps: int | None = None,
 ) -> optax.GradientTransformation:
   """DiLoCo: ``sync_every`` local steps of ``inner``, then an outer Nesterov step.
 
@@ -66,6 +67,11 @@ def diloco(
   params from the new outer params. Between synchronizations the update of the
   outer params is zero, so replicas stay identical.
 
+  A run whose length is not a multiple of ``sync_every`` would end with inner
+  steps that never reach the outer params. Given ``total_steps``, the last
+  step synchronizes too: the final, shorter round's pseudo-gradient takes the
+  same outer Nesterov step, so every step of the run counts.
+
   Args:
     inner: the inner optimizer, e.g. ``optax.adamw(lr)``; its state is per
       worker and carries on across synchronizations.
@@ -74,6 +80,9 @@ def diloco(
     outer_momentum: the outer Nesterov momentum (0.9 in the paper).
     axis_name: the data-parallel axis bound by an enclosing ``jax.shard_map``;
       ``None`` for one worker and no collective.
+    total_steps: the run's length in steps; step ``total_steps`` synchronizes
+      even when it is not a multiple of ``sync_every``. ``None``: only the
+      multiples do. Static.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`DilocoState`.
@@ -95,6 +104,12 @@ def diloco(
     raise ValueError(
       f"sync_every must be a positive int (inner steps between synchronizations), got "
       f"{sync_every!r}; DiLoCo's default is 50."
+    )
+  if total_steps is not None and (
+    isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0
+  ):
+    raise ValueError(
+      f"total_steps must be a positive int (the run's length) or None, got {total_steps!r}."
     )
 
   def init_fn(params):
@@ -132,9 +147,12 @@ def diloco(
     def keep_going(local, momentum):
       return jax.tree.map(jnp.zeros_like, params), local, momentum
 
+    sync = count % sync_every == 0
+    if total_steps is not None:
+      sync = sync | (count == total_steps)
     # A cond, not a select: the all-reduce must run only on synchronizing steps.
     outer_updates, local, momentum = jax.lax.cond(
-      count % sync_every == 0, synchronize, keep_going, local, state.outer_momentum
+      sync, synchronize, keep_going, local, state.outer_momentum
     )
     return outer_updates, DilocoState(count, local, inner_state, momentum)
 

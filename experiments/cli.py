@@ -16,6 +16,7 @@ from absl import logging
 from experiments.checkpointing import CheckpointError
 from experiments.config import ConfigError
 from experiments.data import DataError
+from experiments.rundir import OutDirError
 
 __all__ = ["USER_ERRORS", "ReplicaDivergenceError", "report_user_errors"]
 
@@ -26,7 +27,14 @@ class ReplicaDivergenceError(RuntimeError):
 
 # A loss that became NaN on every worker is the settings' doing (too high a
 # learning rate); its message says which flags to change.
-USER_ERRORS = (ConfigError, DataError, CheckpointError, ReplicaDivergenceError, FloatingPointError)
+USER_ERRORS = (
+  ConfigError,
+  DataError,
+  CheckpointError,
+  OutDirError,
+  ReplicaDivergenceError,
+  FloatingPointError,
+)
 
 
 def report_user_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 
 from absl import app, flags
 
-from experiments import cli, config, methods, time_model
+from experiments import cli, config, methods, rundir, time_model
 from experiments.config import ConfigError, TrainConfig
 from experiments.launch import LaunchConfig, setup_devices
 from experiments.records import Summary, read_metrics
@@ -101,8 +101,6 @@ def run_comparison(
     ConfigError: for an unknown or repeated method, or settings one of them
       cannot run with, before anything runs.
   """
-  from experiments import trainer
-
   if not method_names:
     raise ConfigError("--methods is empty; name at least one method, e.g. --methods=adamw,demo.")
   if len(set(method_names)) != len(method_names):
@@ -117,8 +115,17 @@ def run_comparison(
     )
     for m in method_names
   }
-  for cfg in configs.values():
-    config.validate(cfg)
+  for method, cfg in configs.items():
+    try:
+      config.validate(cfg)
+    except ConfigError as e:
+      raise ConfigError(f"--methods {method}: {e}") from None
+  with rundir.claim(out_dir):
+    return _run_all(configs, base, out_dir)
+
+
+def _run_all(configs: dict[str, TrainConfig], base: TrainConfig, out_dir: str) -> list:
+  from experiments import trainer
 
   rows = []
   for method, cfg in configs.items():

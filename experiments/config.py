@@ -11,6 +11,7 @@ what it computes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -23,13 +24,16 @@ from absl import flags
 flags.disclaim_key_flags()
 
 __all__ = [
+  "RESUMED_FIELDS",
   "RUNTIME_FIELDS",
   "ConfigError",
   "TrainConfig",
   "config_from_flags",
   "define_flags",
   "fingerprint",
+  "parse_field",
   "resolve",
+  "runtime_settings",
   "validate",
 ]
 
@@ -99,13 +103,40 @@ class TrainConfig:
   seed: int = _field(0, "Seed for init and data order.")
   out_dir: str = _field("runs/latest", "Where metrics, plots and checkpoints go.")
   resume: bool = _field(False, "Continue from the latest checkpoint.")
-  eval_every: int = _field(100, "Validate every N steps.")
-  eval_batches: int = _field(4, "Validation batches per evaluation.")
-  checkpoint_every: int = _field(0, "Checkpoint every N steps (0: never).")
-  log_every: int = _field(10, "Progress line every N steps off a terminal.")
+  eval_every: int | None = _field(
+    None,
+    "Validate every N steps; 0: only after the last step (default 100; on --resume, "
+    "the checkpointed run's).",
+    fallback=100,
+  )
+  eval_batches: int | None = _field(
+    None,
+    "Validation batches per evaluation (default 4; on --resume, the checkpointed run's).",
+    fallback=4,
+  )
+  checkpoint_every: int | None = _field(
+    None,
+    "Checkpoint every N steps and after the last; 0: never (default 0; on --resume, "
+    "the checkpointed run's).",
+    fallback=0,
+  )
+  keep_checkpoints: int | None = _field(
+    None,
+    "Keep only the newest N checkpoints, deleting older ones as new ones are saved; 0 "
+    "keeps every one (default 0; on --resume, the checkpointed run's).",
+    fallback=0,
+  )
+  log_every: int | None = _field(
+    None,
+    "Progress line every N steps off a terminal (default 10; on --resume, the checkpointed run's).",
+    fallback=10,
+  )
   progress: bool = _field(True, "Show the progress line.")
-  check_replicas: bool = _field(
-    False, "Every log_every steps, verify all workers hold identical params; stop if not."
+  check_replicas: bool | None = _field(
+    None,
+    "Every log_every steps, verify all workers hold identical params; stop if not "
+    "(default off; on --resume, the checkpointed run's).",
+    fallback=False,
   )
   stop_at_step: int = _field(0, "Stop after this step as if interrupted (0: run all --steps).")
   skip_nonfinite: bool = _field(
@@ -117,10 +148,11 @@ class TrainConfig:
     0, "Fault drill: make one worker's gradient NaN at this step (0: never)."
   )
   inject_nan_worker: int = _field(0, "Fault drill: which worker --inject_nan_step hits.")
-  time_optimizer: bool = _field(
-    False,
+  time_optimizer: bool | None = _field(
+    None,
     "After training, time full steps against gradient-only steps and report the "
-    "optimizer's share of a step.",
+    "optimizer's share of a step (default off; on --resume, the checkpointed run's).",
+    fallback=False,
   )
 
   @property
@@ -142,6 +174,7 @@ RUNTIME_FIELDS = frozenset(
     "eval_every",
     "eval_batches",
     "checkpoint_every",
+    "keep_checkpoints",
     "log_every",
     "progress",
     "check_replicas",
@@ -149,6 +182,27 @@ RUNTIME_FIELDS = frozenset(
     "time_optimizer",
   }
 )
+
+
+# The runtime fields a resume takes from the checkpoint unless they are given
+# again: they say how the run is conducted (how often it saves, logs and
+# evaluates), so a run that crashed continues as it was started. Their field
+# default is ``None`` ("not given"); ``metadata["fallback"]`` is the value a
+# fresh run takes.
+RESUMED_FIELDS = (
+  "eval_every",
+  "eval_batches",
+  "checkpoint_every",
+  "keep_checkpoints",
+  "log_every",
+  "check_replicas",
+  "time_optimizer",
+)
+
+
+def runtime_settings(cfg: TrainConfig) -> dict[str, Any]:
+  """The :data:`RESUMED_FIELDS` of a resolved config, as a checkpoint records them."""
+  return {name: getattr(cfg, name) for name in RESUMED_FIELDS}
 
 
 def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
@@ -171,6 +225,32 @@ def _flag_kind(cls: type, name: str) -> type:
   if isinstance(hint, types.UnionType):
     (hint,) = [a for a in hint.__args__ if a is not type(None)]
   return hint
+
+
+_KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+def parse_field(name: str, text: str) -> Any:
+  """A field's value from text, typed as the field is (the sweep's grid values).
+
+  ``none`` gives ``None`` for a field whose default is ``None``; bools take
+  true/false, 1/0 or yes/no.
+
+  Raises:
+    ConfigError: ``text`` is not of the field's type.
+  """
+  kind = _flag_kind(TrainConfig, name)
+  text = text.strip()
+  default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}[name]
+  if text.lower() == "none" and default is None:
+    return None
+  try:
+    if kind is bool:
+      return _WORDS[text.lower()]
+    return kind(text)
+  except (KeyError, ValueError):
+    raise ConfigError(f"{name}={text!r} is not {_KIND_WORDS[kind]}.") from None
 
 
 _DEFINE = {
@@ -235,37 +315,76 @@ def config_from_flags(
   return cls(**{**{k: v.value for k, v in holders.items()}, **overrides})
 
 
-_POSITIVE = (
-  "steps",
-  "workers",
-  "batch_size",
-  "seq_len",
-  "compression_topk",
-  "compression_chunk",
-  "diloco_sync_every",
-)
+# Each integer's least value, and what that value (or the way out) means to the user.
+_INT_FLOORS: dict[str, tuple[int, str]] = {
+  "steps": (1, "use --steps=1 or more"),
+  "workers": (1, "use --workers=1 or more"),
+  "replicas": (1, "use --replicas=1 or more, or leave it unset"),
+  "fsdp": (1, "use --fsdp=1 for one device per site"),
+  "batch_size": (1, "use --batch_size=1 or more"),
+  "seq_len": (1, "use --seq_len=1 or more"),
+  "compression_topk": (1, "use --compression_topk=1 or more (the reference sends 32)"),
+  "compression_chunk": (1, "use --compression_chunk=1 or more (the reference uses 64)"),
+  "diloco_sync_every": (1, "use --diloco_sync_every=1 or more (DiLoCo's paper uses 500)"),
+  "warmup_steps": (0, "use --warmup_steps=0 for no warmup"),
+  "seed": (0, "use a seed in [0, 2**32)"),
+  "eval_every": (0, "use --eval_every=0 to validate only after the last step"),
+  "eval_batches": (1, "use --eval_batches=1 or more"),
+  "checkpoint_every": (0, "use --checkpoint_every=0 to never checkpoint"),
+  "keep_checkpoints": (0, "use --keep_checkpoints=0 to keep every checkpoint"),
+  "log_every": (1, "use --log_every=1 or more"),
+  "stop_at_step": (0, "use --stop_at_step=0 to run all --steps"),
+  "inject_nan_step": (0, "use --inject_nan_step=0 for no fault drill"),
+  "inject_nan_worker": (0, "use a worker index from 0"),
+}
+
+# Each float's allowed interval (low, low inclusive, high exclusive) and the fix.
+_FLOAT_RANGES: dict[str, tuple[float, bool, float, str]] = {
+  "learning_rate": (0.0, False, math.inf, "use a positive rate such as 3e-3, or leave it unset"),
+  "compression_decay": (0.0, True, 1.0, "0 is stateless; the reference uses 0.999"),
+  "clip_norm": (0.0, True, math.inf, "use --clip_norm=0 to turn clipping off, or e.g. 1.0"),
+  "weight_decay": (0.0, True, math.inf, "use --weight_decay=0 for none, or e.g. 0.1"),
+  "diloco_outer_lr": (0.0, False, math.inf, "DiLoCo's paper uses 0.7"),
+  "diloco_outer_momentum": (0.0, True, 1.0, "DiLoCo's paper uses 0.9; 0 is plain averaging"),
+}
 
 
-def validate(cfg: TrainConfig) -> None:
-  """Refuses settings that cannot work, before anything is built.
+def _check_types(cfg: TrainConfig) -> None:
+  """Each field holds its annotated type (Colab, the sweep's grid and tests build configs)."""
+  for f in dataclasses.fields(cfg):
+    value, kind = getattr(cfg, f.name), _flag_kind(TrainConfig, f.name)
+    if value is None and f.default is None:
+      continue
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+      ok = True
+    if not ok:
+      raise ConfigError(f"--{f.name} must be {_KIND_WORDS[kind]}, got {value!r}.")
 
-  Raises:
-    ConfigError: naming the flag and the fix.
-  """
-  from experiments import methods, presets
 
-  method = methods.get(cfg.optimizer)
-  try:
-    presets.get_preset(cfg.preset)
-  except ValueError as e:
-    raise ConfigError(str(e).replace("unknown preset", "unknown --preset", 1)) from None
-  for name in _POSITIVE:
-    if getattr(cfg, name) <= 0:
-      raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}.")
-  if cfg.fsdp < 1 or (cfg.replicas is not None and cfg.replicas < 1):
-    raise ConfigError(
-      f"--fsdp and --replicas must be positive, got --fsdp={cfg.fsdp} --replicas={cfg.replicas}."
-    )
+def _check_numbers(cfg: TrainConfig) -> None:
+  """The sign and range of every number, and that every float is finite."""
+  for name, (floor, fix) in _INT_FLOORS.items():
+    value = getattr(cfg, name)
+    if value is not None and value < floor:
+      raise ConfigError(f"--{name}={value} must be {floor} or more; {fix}.")
+  if cfg.seed >= 2**32:
+    raise ConfigError(f"--seed={cfg.seed} must be below 2**32; use a seed in [0, 2**32).")
+  for name, (low, closed, high, fix) in _FLOAT_RANGES.items():
+    value = getattr(cfg, name)
+    if value is None:
+      continue
+    inside = (low <= value if closed else low < value) and value < high
+    if not (math.isfinite(value) and inside):
+      lower = f"[{low:g}" if closed else f"({low:g}"
+      upper = "inf)" if high == math.inf else f"{high:g})"
+      raise ConfigError(f"--{name}={value} must be a finite number in {lower}, {upper}; {fix}.")
+  if not cfg.out_dir:
+    raise ConfigError("--out_dir is empty; name a directory for the run's outputs.")
+
+
+def _check_mesh(cfg: TrainConfig) -> None:
+  """Devices, sites and the batch split over them."""
   if cfg.replicas is None and cfg.workers % cfg.fsdp:
     raise ConfigError(
       f"--workers={cfg.workers} does not divide by --fsdp={cfg.fsdp}; set --replicas "
@@ -278,9 +397,32 @@ def validate(cfg: TrainConfig) -> None:
       f"--batch_size={cfg.batch_size} does not divide by {flag}={cfg.devices} devices; "
       f"use --batch_size={lo} or {lo + cfg.devices}."
     )
-  _check_method(cfg, method)
-  if cfg.compression_decay is not None and not 0 <= cfg.compression_decay < 1:
-    raise ConfigError(f"--compression_decay must be in [0, 1), got {cfg.compression_decay}.")
+
+
+def _check_combinations(cfg: TrainConfig, max_seq_len: int) -> None:
+  """Settings that are fine alone and wrong together (``cfg`` has the recipe filled in)."""
+  if cfg.seq_len > max_seq_len:
+    raise ConfigError(
+      f"--seq_len={cfg.seq_len} is longer than preset {cfg.preset!r} supports "
+      f"({max_seq_len}); use --seq_len<={max_seq_len}."
+    )
+  if cfg.stop_at_step > cfg.steps:
+    raise ConfigError(
+      f"--stop_at_step={cfg.stop_at_step} is beyond --steps={cfg.steps}; use "
+      f"--stop_at_step<={cfg.steps}, or 0 to run all --steps."
+    )
+  if cfg.inject_nan_step > cfg.steps or cfg.inject_nan_worker >= cfg.sites:
+    raise ConfigError(
+      f"--inject_nan_step={cfg.inject_nan_step} --inject_nan_worker={cfg.inject_nan_worker} "
+      f"names no step of --steps={cfg.steps} or no worker of {cfg.sites}; use a step in "
+      f"[1, {cfg.steps}] and a worker in [0, {cfg.sites})."
+    )
+  if cfg.learning_rate * cfg.weight_decay >= 1:
+    raise ConfigError(
+      f"--weight_decay={cfg.weight_decay:g} with a learning rate of {cfg.learning_rate:g} "
+      f"scales params by 1 - lr x wd = {1 - cfg.learning_rate * cfg.weight_decay:g} each "
+      f"step, to zero or past it; use --weight_decay<{1 / cfg.learning_rate:g}."
+    )
 
 
 def _supporting(attribute: str) -> str:
@@ -290,7 +432,7 @@ def _supporting(attribute: str) -> str:
 
 
 def _check_method(cfg: TrainConfig, method: Any) -> None:
-  """What the chosen method cannot do with these settings."""
+  """What the chosen method cannot do with these settings, then its own check."""
   if cfg.delayed_apply and not method.supports_delayed_apply:
     raise ConfigError(
       "--delayed_apply applies the previous step's DisTrO aggregate; it needs "
@@ -306,14 +448,70 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       "--skip_nonfinite is not supported with --fsdp > 1 (its skip counter would "
       "differ between a site's shards); drop it or use --fsdp=1."
     )
+  method.check(cfg)
 
 
-def resolve(cfg: TrainConfig) -> TrainConfig:
+def validate(cfg: TrainConfig) -> None:
+  """Refuses settings that cannot work, before anything is built or compiled.
+
+  Every field's type; every number's sign, range and finiteness; the preset
+  and the optimizer; how the devices and the batch split; combinations
+  (a stop step beyond the run, a warmup as long as the run, ...); and the
+  method's own check (:attr:`experiments.methods.Method.check`), e.g. a
+  top-k above the largest chunk. What only the data or the filesystem can
+  tell is checked by the trainer, still before compilation.
+
+  Raises:
+    ConfigError: naming the flag and the fix.
+  """
+  from experiments import methods, presets
+
+  _check_types(cfg)
+  method = methods.get(cfg.optimizer)
+  try:
+    model_cfg = presets.get_preset(cfg.preset)
+  except ValueError as e:
+    raise ConfigError(str(e).replace("unknown preset", "unknown --preset", 1)) from None
+  _check_numbers(cfg)
+  _check_mesh(cfg)
+  if cfg.warmup_steps is not None and cfg.warmup_steps >= cfg.steps:
+    raise ConfigError(
+      f"--warmup_steps={cfg.warmup_steps} is not shorter than --steps={cfg.steps}, so the "
+      f"run would end still warming up; use --warmup_steps<{cfg.steps} (e.g. "
+      f"{cfg.steps // 10}), or leave it unset for the recipe's, shortened to fit."
+    )
+  full = _fill(cfg, method, {})
+  _check_combinations(full, model_cfg.max_seq_len)
+  _check_method(full, method)
+
+
+def _fill(cfg: TrainConfig, method: Any, saved: Mapping[str, Any]) -> TrainConfig:
+  """``cfg`` with the recipe, the runtime fields and the mesh made explicit."""
+  rec = method.recipe_for(cfg.preset)
+  fill = {
+    f: getattr(rec, f)
+    for f in ("learning_rate", "compression_decay", "warmup_steps", "clip_norm", "weight_decay")
+    if getattr(cfg, f) is None
+  }
+  fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+  for name in RESUMED_FIELDS:
+    if getattr(cfg, name) is None:
+      fill[name] = saved.get(name, fields[name].metadata["fallback"])
+  return dataclasses.replace(cfg, **fill, replicas=cfg.sites, workers=cfg.devices)
+
+
+def resolve(cfg: TrainConfig, saved: Mapping[str, Any] | None = None) -> TrainConfig:
   """Checks ``cfg`` and fills what it leaves to defaults.
 
-  Every ``None`` hyperparameter takes the method's recipe for the preset,
-  and the mesh is made explicit: ``replicas`` sites of ``fsdp`` devices,
-  ``workers = replicas * fsdp`` in all.
+  Every ``None`` hyperparameter takes the method's recipe for the preset; every
+  ``None`` of :data:`RESUMED_FIELDS` takes its value in ``saved`` (what the
+  checkpoint a run resumes from recorded), else its fallback; and the mesh is
+  made explicit: ``replicas`` sites of ``fsdp`` devices, ``workers =
+  replicas * fsdp`` in all.
+
+  Args:
+    cfg: the config as given.
+    saved: :func:`runtime_settings` of the run being resumed, if any.
 
   Raises:
     ConfigError: for settings that cannot work (see :func:`validate`).
@@ -321,10 +519,4 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
   from experiments import methods
 
   validate(cfg)
-  rec = methods.get(cfg.optimizer).recipe_for(cfg.preset)
-  fill = {
-    f: getattr(rec, f)
-    for f in ("learning_rate", "compression_decay", "warmup_steps", "clip_norm", "weight_decay")
-    if getattr(cfg, f) is None
-  }
-  return dataclasses.replace(cfg, **fill, replicas=cfg.sites, workers=cfg.devices)
+  return _fill(cfg, methods.get(cfg.optimizer), saved or {})

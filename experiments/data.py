@@ -24,6 +24,7 @@ Usage::
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from typing import Any
@@ -71,22 +72,136 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, source: str) -> None:
     )
 
 
+# File formats by extension. Text of any encoding is read as bytes (vocab 256);
+# anything else is refused, since bytes of an archive would train without a word.
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".jsonl", ".json", ".csv", ".tsv", ".html", ".xml")
+SUPPORTED = (
+  "text (" + ", ".join(TEXT_SUFFIXES) + ") read as bytes, .npy token ids, .bin raw uint16 ids"
+)
+# What a file is by its first bytes, for files whose name says otherwise.
+_MAGIC = (
+  (b"\x93NUMPY", "a NumPy .npy array"),
+  (b"PK\x03\x04", "a zip archive (e.g. .npz)"),
+  (b"\x1f\x8b", "gzip-compressed data"),
+  (b"BZh", "bzip2-compressed data"),
+  (b"\xfd7zXZ\x00", "xz-compressed data"),
+  (b"\x28\xb5\x2f\xfd", "zstd-compressed data"),
+  (b"\x89HDF", "an HDF5 file"),
+  (b"%PDF", "a PDF document"),
+  (b"\x7fELF", "an executable"),
+)
+# How much of a file is looked at: a NUL in its first 64 KiB means binary data,
+# or UTF-16/32 text, neither of which a byte-level model should read as bytes.
+_SNIFF = 1 << 16
+
+
+def _head(data_path: str, n: int = _SNIFF) -> bytes:
+  try:
+    with open(data_path, "rb") as f:
+      return f.read(n)
+  except OSError as e:
+    raise DataError(
+      f"data file {data_path!r} cannot be read ({e.strerror}); check its permissions, or "
+      "pass --data_path=... to a readable file"
+    ) from None
+
+
+def _sniff(data_path: str, suffix: str, head: bytes) -> None:
+  """Refuses a file whose content is not what its extension says."""
+  found = next((what for magic, what in _MAGIC if head.startswith(magic)), None)
+  if suffix == ".npy":
+    if found != "a NumPy .npy array":
+      raise DataError(
+        f"data file {data_path!r} is named .npy but is {found or 'not a NumPy array'}; "
+        "save token ids with np.save(path, tokens)"
+      )
+    return
+  if found is not None:
+    raise DataError(
+      f"data file {data_path!r} is named {suffix} but holds {found}; convert it to "
+      f"one of: {SUPPORTED}"
+    )
+  if suffix in TEXT_SUFFIXES and b"\x00" in head:
+    raise DataError(
+      f"data file {data_path!r} is named {suffix} but holds NUL bytes, so it is binary or "
+      "UTF-16/32 text; save text as UTF-8, or token ids as .npy"
+    )
+
+
+def check_file(data_path: str) -> tuple[str, int]:
+  """``(suffix, size)`` of a data file that exists, is a file, is readable, and is supported.
+
+  Reads only the file's first 64 KiB, so a command can refuse a wrong file
+  before it writes or compiles anything; :func:`load_tokens` calls it too.
+
+  Raises:
+    DataError: naming the file and the fix.
+  """
+  if not os.path.exists(data_path):
+    raise DataError(
+      f"data file {data_path!r} does not exist; pass --data_path=... to an existing "
+      ".txt/.npy/.bin file, or omit it for the embedded corpus"
+    )
+  if not os.path.isfile(data_path):
+    raise DataError(
+      f"data file {data_path!r} is not a regular file; pass --data_path=... to a "
+      ".txt/.npy/.bin file, not a directory"
+    )
+  suffix = os.path.splitext(data_path)[1].lower()
+  if suffix not in (*TEXT_SUFFIXES, ".npy", ".bin"):
+    raise DataError(
+      f"data file {data_path!r} has {'the extension ' + repr(suffix) if suffix else 'no extension'}"
+      f", which is not a supported format; supported: {SUPPORTED}"
+    )
+  size = os.path.getsize(data_path)
+  if size == 0:
+    raise DataError(
+      f"data file {data_path!r} is empty; pass --data_path=... to a file with tokens, "
+      "or omit it for the embedded corpus"
+    )
+  _sniff(data_path, suffix, _head(data_path))
+  return suffix, size
+
+
+def _read_npy(data_path: str) -> np.ndarray:
+  try:
+    tokens = np.load(data_path, mmap_mode="r", allow_pickle=False)
+  except (ValueError, OSError) as e:
+    raise DataError(
+      f"data file {data_path!r} is not a readable .npy array ({e}); save it with "
+      "np.save(path, tokens)"
+    ) from e
+  if not np.issubdtype(tokens.dtype, np.integer):
+    raise DataError(
+      f"data file {data_path!r} has dtype {tokens.dtype}, not integer token ids; "
+      "re-save it with np.save(path, tokens.astype(np.int32))"
+    )
+  return tokens.reshape(-1)
+
+
 def load_tokens(data_path: str | None, vocab_size: int) -> np.ndarray:
   """Loads a flat array of token ids and checks them against the vocabulary.
 
+  The format follows the extension, and the content must agree with it:
+
+  * text (:data:`TEXT_SUFFIXES`: ``.txt``, ``.md``, ``.jsonl``, ...) is read as
+    bytes, i.e. byte-level tokens with vocab 256 (memory-mapped); a file that
+    starts like an archive or an array, or holds NUL bytes, is refused;
+  * ``.npy``: integer token ids (memory-mapped; flattened if not 1-D);
+  * ``.bin``: raw uint16 token ids (memory-mapped);
+  * any other extension, or none, is refused with the list of these.
+
   Args:
-    data_path: ``None`` for the embedded generated corpus (bytes, vocab 256); a
-      ``.npy`` file of integer token ids (memory-mapped; flattened if not 1-D);
-      a ``.bin`` file of raw uint16 token ids (memory-mapped); any other file is
-      read as bytes, i.e. byte-level tokens with vocab 256.
+    data_path: ``None`` for the embedded generated corpus (bytes, vocab 256),
+      else the path of a file as above.
     vocab_size: The model's vocabulary size; every id must be below it.
 
   Returns:
     A 1-D integer array (possibly a read-only memory map) of at least 2 tokens.
 
   Raises:
-    DataError: the file is missing, empty, malformed, or holds ids outside
-      ``[0, vocab_size)``.
+    DataError: the file is missing, unreadable, empty, of an unsupported
+      format, malformed, or holds ids outside ``[0, vocab_size)``.
   """
   if vocab_size <= 0:
     raise DataError(f"vocab_size must be positive, got {vocab_size}")
@@ -95,37 +210,9 @@ def load_tokens(data_path: str | None, vocab_size: int) -> np.ndarray:
     source = "the embedded corpus"
   else:
     source = f"data file {data_path!r}"
-    if not os.path.exists(data_path):
-      raise DataError(
-        f"data file {data_path!r} does not exist; pass --data_path=... to an existing "
-        ".txt/.npy/.bin file, or omit it for the embedded corpus"
-      )
-    if not os.path.isfile(data_path):
-      raise DataError(
-        f"data file {data_path!r} is not a regular file; pass --data_path=... to a "
-        ".txt/.npy/.bin file, not a directory"
-      )
-    size = os.path.getsize(data_path)
-    if size == 0:
-      raise DataError(
-        f"data file {data_path!r} is empty; pass --data_path=... to a file with tokens, "
-        "or omit it for the embedded corpus"
-      )
-    suffix = os.path.splitext(data_path)[1].lower()
+    suffix, size = check_file(data_path)
     if suffix == ".npy":
-      try:
-        tokens = np.load(data_path, mmap_mode="r", allow_pickle=False)
-      except (ValueError, OSError) as e:
-        raise DataError(
-          f"data file {data_path!r} is not a readable .npy array ({e}); save it with "
-          "np.save(path, tokens)"
-        ) from e
-      if not np.issubdtype(tokens.dtype, np.integer):
-        raise DataError(
-          f"data file {data_path!r} has dtype {tokens.dtype}, not integer token ids; "
-          "re-save it with np.save(path, tokens.astype(np.int32))"
-        )
-      tokens = tokens.reshape(-1)
+      tokens = _read_npy(data_path)
     elif suffix == ".bin":
       if size % 2:
         raise DataError(
@@ -142,6 +229,28 @@ def load_tokens(data_path: str | None, vocab_size: int) -> np.ndarray:
     )
   _check_ids(tokens, vocab_size, source)
   return tokens
+
+
+def identity(data_path: str | None) -> dict[str, Any] | None:
+  """What a checkpoint records of its data file: size and SHA-256 of both ends.
+
+  A resume with a file that was replaced or edited (not only renamed) is
+  refused through it. Both ends, not the whole file, so a file of many GB is
+  identified in milliseconds; an edit confined to the middle of a file of the
+  same size goes unseen.
+
+  Returns:
+    ``{"bytes": size, "ends_sha256": hex}``, or ``None`` for the embedded corpus.
+  """
+  if data_path is None:
+    return None
+  size = os.path.getsize(data_path)
+  digest = hashlib.sha256()
+  with open(data_path, "rb") as f:
+    digest.update(f.read(_SNIFF))
+    f.seek(max(size - _SNIFF, 0))
+    digest.update(f.read(_SNIFF))
+  return {"bytes": size, "ends_sha256": digest.hexdigest()}
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:

@@ -60,8 +60,9 @@ def setup_devices(launch: LaunchConfig, devices: int) -> None:
     devices: devices the whole run needs; each process simulates its share.
 
   Raises:
-    ConfigError: the devices do not split evenly over the processes, or a
-      multi-process run has no coordinator.
+    ConfigError: the devices do not split evenly over the processes, a
+      multi-process run has no coordinator, or the platform that
+      ``JAX_PLATFORMS`` asks for is not on this machine.
   """
   nproc = launch.num_processes
   if devices % nproc:
@@ -76,6 +77,22 @@ def setup_devices(launch: LaunchConfig, devices: int) -> None:
       num_processes=nproc,
       process_id=launch.process_id,
     )
+  _check_platform()
+
+
+def _check_platform() -> None:
+  """Starts the backend now, so a platform that is not here is one line, not a traceback."""
+  wanted = jax.config.jax_platforms
+  if not wanted:
+    return  # JAX picks what is here; a failure then is a broken install, with its traceback
+  try:
+    jax.devices()
+  except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError or a bare AssertionError
+    detail = f" ({str(e).splitlines()[0][:160]})" if str(e) else ""
+    raise ConfigError(
+      f"JAX_PLATFORMS={wanted} asks for a platform this machine does not have{detail}; "
+      "unset JAX_PLATFORMS to use the devices that are here, or set it to cpu."
+    ) from None
 
 
 def make_mesh(devices: int, fsdp: int = 1) -> jax.sharding.Mesh:

@@ -83,6 +83,25 @@ def _report(preset: str, fsdps: tuple[int, ...], chunk: int) -> None:
   print(f"delayed_apply adds the pending message: {delayed:,} bytes per device at fsdp={fsdps[0]}")
 
 
+def _checked(preset: str, fsdp: Sequence[str], chunk: int) -> tuple[str, tuple[int, ...], int]:
+  """The flags as ``_report`` takes them; each error names its flag and the fix."""
+  try:
+    presets.get_preset(preset)
+  except ValueError as e:
+    raise ConfigError(str(e).replace("unknown preset", "unknown --preset", 1)) from None
+  try:
+    sizes = tuple(int(f) for f in fsdp)
+  except ValueError:
+    raise ConfigError(
+      f"--fsdp={','.join(fsdp)} must be comma-separated integers; e.g. --fsdp=1,2,4,8."
+    ) from None
+  if not sizes or min(sizes) < 1:
+    raise ConfigError(f"--fsdp={','.join(fsdp)} needs positive sizes; e.g. --fsdp=1,2,4,8.")
+  if chunk < 1:
+    raise ConfigError(f"--compression_chunk={chunk} must be 1 or more; the reference uses 64.")
+  return preset, sizes, chunk
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   """The command; its flags are defined here, not at import."""
   preset = flags.DEFINE_string("preset", "report-1.2b", "Model preset (experiments/presets.py).")
@@ -94,16 +113,7 @@ def main(argv: Sequence[str] | None = None) -> None:
       raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
 
     def report() -> None:
-      try:
-        presets.get_preset(preset.value)
-        sizes = tuple(int(f) for f in fsdp.value)
-      except ValueError as e:
-        raise ConfigError(f"--preset/--fsdp: {e}") from None
-      if not sizes or min(sizes) < 1 or chunk.value < 1:
-        raise ConfigError(
-          "--fsdp needs positive sizes (e.g. 1,2,4,8) and --compression_chunk >= 1."
-        )
-      _report(preset.value, sizes, chunk.value)
+      _report(*_checked(preset.value, fsdp.value, chunk.value))
 
     cli.report_user_errors(report)
 

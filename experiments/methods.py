@@ -21,10 +21,12 @@ and registry tests pick it up from :func:`names`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 import optax
 
 import distro_jax as dj
@@ -43,6 +45,7 @@ __all__ = [
   "Recipe",
   "get",
   "grammar",
+  "largest_chunk",
   "lr_schedule",
   "names",
   "parse",
@@ -140,6 +143,13 @@ class Method:
     supports_skip_nonfinite: ``--skip_nonfinite`` applies to it.
     tuning: the grid ``experiments.frontier`` tries for it, field by field;
       the best point by validation loss is its recipe for that horizon.
+    final_exchange: the last step of a run exchanges too, whatever
+      ``exchange_every`` says (DiLoCo's final outer step), so a last partial
+      round is not thrown away.
+    check: ``check(cfg)``, the method's own refusals of a config whose
+      recipe is filled in, raising ``ConfigError`` naming the flag and the
+      fix; ``config.validate`` calls it, so no other module branches on a
+      method's name.
   """
 
   name: str
@@ -158,6 +168,8 @@ class Method:
   tuning: Mapping[str, tuple[Any, ...]] = dataclasses.field(
     default_factory=lambda: {"learning_rate": (1.5e-3, 3e-3, 6e-3)}
   )
+  final_exchange: bool = False
+  check: Callable[[TrainConfig], None] = lambda cfg: None
 
   def recipe_for(self, preset: str) -> Recipe:
     """The defaults for this method on ``preset``."""
@@ -170,6 +182,16 @@ class Method:
     if self.collective == ALL_REDUCE:
       return Payload(message, per_step, per_step * dj.wire.ring_allreduce_factor(cfg.sites))
     return Payload(message, per_step, per_step)
+
+  def exchanges(self, cfg: TrainConfig, steps_done: int) -> int:
+    """How many exchanges steps ``1..steps_done`` of a run of ``cfg.steps`` made."""
+    every = self.exchange_every(cfg)
+    last = self.final_exchange and steps_done == cfg.steps and steps_done % every
+    return steps_done // every + bool(last)
+
+  def sent_over(self, cfg: TrainConfig, payload: Payload, steps_done: int) -> float:
+    """Bytes up one worker's link over steps ``1..steps_done``, every exchange counted."""
+    return payload.sent * self.exchange_every(cfg) * self.exchanges(cfg, steps_done)
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -323,7 +345,8 @@ def _build_adamw(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
   return optax.chain(dj.pmean_gradients(axes.replica), adamw)
 
 
-# Each DiLoCo worker clips and steps its own gradient between synchronizations.
+# Each DiLoCo worker clips and steps its own gradient between synchronizations;
+# the run's last step synchronizes too, so a last partial round is not lost.
 def _build_diloco(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
   return dj.diloco(
     _clipped_adamw(cfg, axes),
@@ -331,7 +354,45 @@ def _build_diloco(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
     outer_learning_rate=cfg.diloco_outer_lr,
     outer_momentum=cfg.diloco_outer_momentum,
     axis_name=axes.replica,
+    total_steps=cfg.steps,
   )
+
+
+def _check_diloco(cfg: TrainConfig) -> None:
+  from experiments.config import ConfigError
+
+  if cfg.steps < cfg.diloco_sync_every:
+    raise ConfigError(
+      f"--steps={cfg.steps} is shorter than --diloco_sync_every={cfg.diloco_sync_every}, "
+      "so DiLoCo would train each worker alone and average only once, at the end; use "
+      f"--diloco_sync_every<={cfg.steps} (e.g. the method diloco-h{max(cfg.steps // 4, 1)}), "
+      "or more --steps."
+    )
+
+
+@functools.cache
+def largest_chunk(preset: str, compression_chunk: int) -> int:
+  """Coefficients in the largest DCT chunk of ``preset``'s params at ``compression_chunk``."""
+  from experiments import model, presets
+
+  params = model.abstract_params(presets.get_preset(preset))
+  return max(dj.plan_chunks(x.shape, compression_chunk).chunk_size for x in jax.tree.leaves(params))
+
+
+# A top-k above every chunk is clamped to the chunk: each chunk goes whole,
+# indices and all, so the "compressed" message outgrows the gradient.
+def _check_compression(cfg: TrainConfig) -> None:
+  from experiments.config import ConfigError
+
+  largest = largest_chunk(cfg.preset, cfg.compression_chunk)
+  if cfg.compression_topk > largest:
+    raise ConfigError(
+      f"--compression_topk={cfg.compression_topk} is above the largest chunk of preset "
+      f"{cfg.preset!r} ({largest} coefficients at --compression_chunk="
+      f"{cfg.compression_chunk}), so every chunk would be sent whole and the message would "
+      f"be larger than the gradient; use --compression_topk<={largest} (the reference "
+      "sends 32 of 4096), or a larger --compression_chunk."
+    )
 
 
 _COMPRESSION_OPTIONS = (
@@ -361,6 +422,7 @@ register(
     supports_delayed_apply=True,
     excludes_nonfinite=True,
     tuning={"learning_rate": (2e-3, 4e-3), "compression_decay": (0.95, 0.98)},
+    check=_check_compression,
   )
 )
 register(
@@ -375,6 +437,7 @@ register(
     options=_COMPRESSION_OPTIONS,
     supports_delayed_apply=True,
     excludes_nonfinite=True,
+    check=_check_compression,
   )
 )
 register(
@@ -402,6 +465,8 @@ register(
     exchange_every=lambda cfg: cfg.diloco_sync_every,
     supports_fsdp=False,
     tuning={"learning_rate": (1.5e-3, 3e-3), "diloco_outer_lr": (0.7, 1.0)},
+    final_exchange=True,
+    check=_check_diloco,
   )
 )
 

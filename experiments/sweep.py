@@ -5,8 +5,10 @@ r"""A grid sweep of the train driver, one process, printed as a markdown table.
 
 Each grid point is a full ``experiments.trainer.run``; the driver's flags
 set everything the grid does not (the recipe for the preset, unless given).
-The whole grid is checked before the first point trains. Results go to
-``OUT_DIR/sweep.md`` and ``OUT_DIR/sweep.json``, rewritten after every point.
+The whole grid is checked before the first point trains: every field name,
+every value's type, and every point's config (``config.validate``). Results
+go to ``OUT_DIR/sweep.md`` and ``OUT_DIR/sweep.json``, rewritten after every
+point, and written with the finished points when a later point fails.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import functools
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,35 +29,49 @@ from experiments import cli, config
 from experiments.config import ConfigError, TrainConfig
 from experiments.launch import LaunchConfig, setup_devices
 
-__all__ = ["main", "parse_grid", "run_sweep", "sweep_table"]
+__all__ = ["check_grid", "main", "parse_grid", "run_sweep", "sweep_table"]
 
 
-def _convert(v: str) -> Any:
-  for cast in (int, float):
-    try:
-      return cast(v)
-    except ValueError:
-      pass
-  return {"true": True, "false": False}.get(v.lower(), v)
+# Fields the sweep sets for every point itself.
+_SET_BY_SWEEP = {"out_dir": "each point trains in OUT_DIR/<point>; set --out_dir instead"}
 
 
 def parse_grid(text: str) -> list[dict[str, Any]]:
   """``"a=1,2;b=x"`` -> every combination, as ``TrainConfig`` field overrides.
 
+  Each value is typed as its field (``config.parse_field``), so a typo in any
+  point is found here, before the first point trains.
+
   Raises:
-    ConfigError: a name that is not a ``TrainConfig`` field, or a part with no values.
+    ConfigError: a name that is not a ``TrainConfig`` field, a field given
+      twice or set by the sweep, an empty value, a value of the wrong type,
+      or two points that are the same.
   """
   fields = [f.name for f in dataclasses.fields(TrainConfig)]
-  axes = []
+  axes: dict[str, list[Any]] = {}
   for part in filter(None, (p.strip() for p in text.split(";"))):
     name, _, values = part.partition("=")
     name = name.strip()
     if name not in fields:
       raise ConfigError(f"--grid: unknown field {name!r}; fields: {', '.join(fields)}.")
-    if not values.strip():
-      raise ConfigError(f"--grid: {name!r} has no values; write {name}=v1,v2.")
-    axes.append([(name, _convert(v.strip())) for v in values.split(",")])
-  return [dict(point) for point in itertools.product(*axes)]
+    if name in _SET_BY_SWEEP:
+      raise ConfigError(f"--grid: {name} is the sweep's to set; {_SET_BY_SWEEP[name]}.")
+    if name in axes:
+      raise ConfigError(f"--grid: {name!r} appears twice; list its values once: {name}=v1,v2.")
+    texts = [v.strip() for v in values.split(",")]
+    if not all(texts):
+      raise ConfigError(f"--grid: {name!r} has an empty value in {part!r}; write {name}=v1,v2.")
+    try:
+      axes[name] = [config.parse_field(name, v) for v in texts]
+    except ConfigError as e:
+      raise ConfigError(f"--grid: {e}") from None
+    if len(set(map(repr, axes[name]))) < len(texts):
+      raise ConfigError(f"--grid: {name!r} repeats a value in {part!r}; list each value once.")
+  return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+def _cell(value: Any) -> str:
+  return "-" if value is None else f"{value:.4f}"
 
 
 def sweep_table(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> str:
@@ -67,49 +84,80 @@ def sweep_table(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> str:
     lines.append(
       "| "
       + " | ".join(str(r[k]) for k in keys)
-      + f" | {r['final_train_loss']:.4f} | {r['train_loss_avg10']:.4f}"
-      + f" | {r['final_val_loss']:.4f} |"
+      + f" | {_cell(r['final_train_loss'])} | {_cell(r['train_loss_avg10'])}"
+      + f" | {_cell(r['final_val_loss'])} |"
     )
   return "\n".join(lines)
+
+
+def _point_name(point: dict[str, Any]) -> str:
+  return ",".join(f"{k}={v}" for k, v in point.items())
+
+
+def check_grid(base: TrainConfig, grid: str, out_dir: str) -> list[tuple[str, dict, TrainConfig]]:
+  """Every point's name, overrides and config, each checked by ``config.validate``.
+
+  Raises:
+    ConfigError: for the grid, or for the first point that cannot run, named.
+  """
+  configs = []
+  for point in parse_grid(grid):
+    name = _point_name(point)
+    run_dir = os.path.join(out_dir, name.replace("=", "-").replace(",", "_"))
+    cfg = dataclasses.replace(base, out_dir=run_dir, progress=False, **point)
+    try:
+      config.validate(cfg)
+    except ConfigError as e:
+      raise ConfigError(f"--grid point {name}: {e}") from None
+    configs.append((name, point, cfg))
+  return configs
 
 
 def run_sweep(base: TrainConfig, grid: str, out_dir: str) -> list[dict[str, Any]]:
   """Trains every grid point on top of ``base``; returns one row per point.
 
+  The table of finished points (``OUT_DIR/sweep.md`` and ``sweep.json``) is
+  rewritten after every point, and once more if a point fails, so what
+  finished is kept.
+
   Raises:
     ConfigError: for a grid or a point that cannot run, before any trains.
   """
-  from experiments import trainer
+  from experiments import rundir, trainer
 
-  points = parse_grid(grid)
-  configs = []
-  for point in points:
-    name = ",".join(f"{k}={v}" for k, v in point.items())
-    run_dir = os.path.join(out_dir, name.replace("=", "-").replace(",", "_"))
-    cfg = dataclasses.replace(base, out_dir=run_dir, progress=False, **point)
-    config.validate(cfg)
-    configs.append((name, point, cfg))
+  configs = check_grid(base, grid, out_dir)
+  keys = list(configs[0][1]) if configs else []
   rows: list[dict[str, Any]] = []
-  keys = list(points[0]) if points else []
-  for name, point, cfg in configs:
-    t0 = time.perf_counter()
-    summary = trainer.run(cfg)
-    rows.append(
-      {
-        **point,
-        "final_train_loss": summary.final_train_loss,
-        "train_loss_avg10": summary.final_train_loss_avg10,
-        "final_val_loss": summary.final_val_loss,
-        "seconds": time.perf_counter() - t0,
-      }
-    )
-    print(
-      f"{name}: train {summary.final_train_loss:.4f} "
-      f"(avg10 {summary.final_train_loss_avg10:.4f}) val {summary.final_val_loss:.4f} "
-      f"in {rows[-1]['seconds']:.0f}s",
-      flush=True,
-    )
-    _write(rows, keys, out_dir)
+  with rundir.claim(out_dir):
+    try:
+      for name, point, cfg in configs:
+        t0 = time.perf_counter()
+        summary = trainer.run(cfg)
+        rows.append(
+          {
+            **point,
+            "final_train_loss": summary.final_train_loss,
+            "train_loss_avg10": summary.final_train_loss_avg10,
+            "final_val_loss": summary.final_val_loss,
+            "seconds": time.perf_counter() - t0,
+          }
+        )
+        print(
+          f"{name}: train {_cell(summary.final_train_loss)} "
+          f"(avg10 {_cell(summary.final_train_loss_avg10)}) val {_cell(summary.final_val_loss)} "
+          f"in {rows[-1]['seconds']:.0f}s",
+          flush=True,
+        )
+        _write(rows, keys, out_dir)
+    except BaseException:
+      _write(rows, keys, out_dir)
+      print(
+        f"sweep stopped after {len(rows)} of {len(configs)} points; the finished ones are in "
+        f"{os.path.join(out_dir, 'sweep.md')}",
+        file=sys.stderr,
+        flush=True,
+      )
+      raise
   return rows
 
 
@@ -132,7 +180,11 @@ def _main(
 
   def sweep() -> list[dict[str, Any]]:
     base = config.config_from_flags(train_flags)
-    setup_devices(config.config_from_flags(launch_flags, LaunchConfig), base.devices)
+    # Checked before any backend starts, which then gets as many devices as the
+    # largest point needs (a grid may vary --workers).
+    points = check_grid(base, grid_flag.value, base.out_dir)
+    devices = max((cfg.devices for _, _, cfg in points), default=base.devices)
+    setup_devices(config.config_from_flags(launch_flags, LaunchConfig), devices)
     return run_sweep(base, grid_flag.value, base.out_dir)
 
   rows = cli.report_user_errors(sweep)

@@ -41,6 +41,7 @@ def _main(
 
   def train() -> None:
     cfg = config.config_from_flags(train_flags)
+    config.validate(cfg)  # before the backend starts: a bad flag needs no devices
     setup_devices(config.config_from_flags(launch_flags, LaunchConfig), cfg.devices)
     trainer.run(cfg)
 

@@ -27,10 +27,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
-from experiments import config, measure, methods, presets, reporting, steps
+from experiments import config, measure, methods, presets, reporting, rundir, steps
 from experiments import data as data_lib
 from experiments import model as model_lib
-from experiments.checkpointing import Checkpointer, CheckpointError
+from experiments.checkpointing import Checkpointer, CheckpointError, ResumePoint
 from experiments.cli import ReplicaDivergenceError
 from experiments.config import ConfigError, TrainConfig
 from experiments.launch import FSDP, REPLICA, make_mesh
@@ -157,17 +157,9 @@ def build(cfg: TrainConfig) -> Program:
   )
 
 
-def _check_out_dir(cfg: TrainConfig) -> str:
-  """The checkpoint directory, once it is clear a run may start there."""
+def _checkpoint_dir(cfg: TrainConfig) -> str:
+  """The checkpoint directory; a resume of a run that never saved stops here, before any write."""
   ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
-  # Orbax names finished checkpoints by their step; a save that died leaves
-  # only a temporary directory, which does not count.
-  saved = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
-  if not cfg.resume and saved:
-    raise CheckpointError(
-      f"{ckpt_dir} already holds checkpoints; pass --resume to continue that run, "
-      "or choose a new --out_dir (a fresh run never overwrites them)."
-    )
   if cfg.resume and not os.path.isdir(ckpt_dir):
     raise CheckpointError(
       f"--resume: checkpoint directory {ckpt_dir} does not exist. Check --out_dir, "
@@ -176,14 +168,90 @@ def _check_out_dir(cfg: TrainConfig) -> str:
   return ckpt_dir
 
 
+def _open_checkpoints(
+  given: TrainConfig, data_identity: Any
+) -> tuple[TrainConfig, Checkpointer | None, ResumePoint | None]:
+  """The resolved config, and the checkpoints it saves to or resumes from.
+
+  A resume reads the newest intact checkpoint's metadata first: it must be of
+  this run (the fingerprint), and the settings that steered the run come from
+  it unless given again. Only small files are read; nothing is compiled yet.
+  """
+  ckpt_dir = os.path.join(given.out_dir, "checkpoints")
+  fixed = config.resolve(given)
+  fingerprint = {**config.fingerprint(fixed), "data_identity": data_identity}
+  procs = {"main": jax.process_index() == 0, "multiprocess": jax.process_count() > 1}
+  point = None
+  if given.resume:
+    checkpointer = Checkpointer(ckpt_dir, fingerprint=fingerprint, **procs)
+    point = checkpointer.find_resume_point()
+  elif os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir)):
+    # Orbax names finished checkpoints by their step; a save that died leaves
+    # only a temporary directory, which does not count.
+    raise CheckpointError(
+      f"{ckpt_dir} already holds checkpoints; pass --resume to continue that run, "
+      "or choose a new --out_dir (a fresh run never overwrites them)."
+    )
+  cfg = config.resolve(given, saved=point.meta.get("runtime") if point else None)
+  if point is not None:
+    _check_resume_span(cfg, point.step)
+  elif cfg.checkpoint_every:
+    checkpointer = Checkpointer(ckpt_dir, fingerprint=fingerprint, **procs)
+  else:
+    return cfg, None, None
+  checkpointer.configure(
+    save_every=cfg.checkpoint_every,
+    keep=cfg.keep_checkpoints,
+    runtime=config.runtime_settings(cfg),
+  )
+  return cfg, checkpointer, point
+
+
+def _check_space(out_dir: str, program: Program) -> None:
+  """A disk too full for one checkpoint is found now, not after compiling and training.
+
+  Orbax writes arrays uncompressed, so a checkpoint takes about the bytes of
+  the params and every worker's optimizer state. Process 0 looks; every
+  process of a multi-process run stops on its verdict.
+  """
+  problem = None
+  if jax.process_index() == 0:
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.abstract_state()))
+    stat = os.statvfs(out_dir)
+    if (free := stat.f_bavail * stat.f_frsize) < need:
+      problem = rundir.OutDirError(
+        f"--out_dir={out_dir} has {reporting.human_bytes(free)} free, less than one "
+        f"checkpoint of this run takes (about {reporting.human_bytes(need)}); free space, "
+        "choose another --out_dir, or run without --checkpoint_every."
+      )
+  if jax.process_count() > 1 and not rundir.agree(problem is None):
+    problem = problem or rundir.OutDirError(
+      f"process 0 found no room for a checkpoint in --out_dir={out_dir} (its error says how much)."
+    )
+  if problem is not None:
+    raise problem
+
+
+def _check_resume_span(cfg: TrainConfig, step: int) -> None:
+  """A resume that would train nothing is refused rather than reported done."""
+  if step >= cfg.steps:
+    raise CheckpointError(
+      f"--resume: the run in {cfg.out_dir} already finished (its checkpoint is at step "
+      f"{step} of --steps={cfg.steps}); nothing is left to train. For a longer run, start "
+      "one with more --steps in a new --out_dir."
+    )
+  if cfg.stop_at_step and cfg.stop_at_step <= step:
+    raise ConfigError(
+      f"--stop_at_step={cfg.stop_at_step} is not past the checkpoint's step {step}, so the "
+      f"resumed run would train nothing; use --stop_at_step in ({step}, {cfg.steps}], or 0."
+    )
+
+
 class _Batches:
   """The run's data: the training iterator, the validation batches, and their placement."""
 
-  def __init__(self, cfg: TrainConfig, program: Program):
-    model_cfg = presets.get_preset(cfg.preset)
-    train_tokens, val_tokens = data_lib.split_tokens(
-      data_lib.load_tokens(cfg.data_path, model_cfg.vocab_size)
-    )
+  def __init__(self, cfg: TrainConfig, program: Program, tokens: np.ndarray):
+    train_tokens, val_tokens = data_lib.split_tokens(tokens)
     self.train = data_lib.make_train_iterator(
       train_tokens,
       seq_len=cfg.seq_len,
@@ -290,11 +358,16 @@ def _describe(program: Program, payload: methods.Payload, hlo: measure.HloBytes)
   )
 
 
-def _start(program: Program, batches: _Batches, checkpointer: Checkpointer | None):
+def _start(
+  program: Program,
+  batches: _Batches,
+  checkpointer: Checkpointer | None,
+  point: ResumePoint | None,
+):
   """``(start_step, params, opt_state)``: restored from the checkpoint, or fresh."""
-  if program.cfg.resume:
-    step, restored = checkpointer.restore_latest(program.abstract_state(), batches.train)
-    return step, restored["params"], restored["opt_state"]
+  if point is not None:
+    restored = checkpointer.restore(point, program.abstract_state(), batches.train)
+    return point.step, restored["params"], restored["opt_state"]
   params = program.init_params()
   return 0, params, program.init_opt_state(params)
 
@@ -302,26 +375,38 @@ def _start(program: Program, batches: _Batches, checkpointer: Checkpointer | Non
 def run(cfg: TrainConfig) -> Summary:
   """Trains one model; returns the summary (also written to ``OUT_DIR/summary.json``).
 
+  Everything that can be checked before compiling is: the settings
+  (``config.validate``), the output directory (claimed for this run alone,
+  ``experiments.rundir``), the data file, and on ``--resume`` the checkpoint.
+
   Raises:
-    ConfigError, data_lib.DataError, CheckpointError: bad flags, data or
-      checkpoints, before anything is written.
+    ConfigError, data_lib.DataError, CheckpointError, rundir.OutDirError: bad
+      flags, data, checkpoints or output directory, before anything compiles;
+      OutDirError also for a disk that fills up or turns read-only later.
   """
-  cfg = config.resolve(cfg)
-  model_cfg = presets.get_preset(cfg.preset)
-  if cfg.seq_len > model_cfg.max_seq_len:
-    raise ConfigError(
-      f"--seq_len={cfg.seq_len} is longer than preset {cfg.preset!r} supports "
-      f"({model_cfg.max_seq_len}); use --seq_len<={model_cfg.max_seq_len}."
-    )
+  config.validate(cfg)
+  _checkpoint_dir(cfg)
+  if cfg.data_path is not None:
+    data_lib.check_file(cfg.data_path)  # its ids are scanned once the directory is ours
+  main = jax.process_index() == 0
+  with rundir.claim(cfg.out_dir, main=main, multiprocess=jax.process_count() > 1):
+    try:
+      return _run_claimed(cfg)
+    except OSError as e:
+      if err := rundir.filesystem_error(e, e.filename or f"to --out_dir={cfg.out_dir}"):
+        raise err from None
+      raise
+
+
+def _run_claimed(cfg: TrainConfig) -> Summary:
+  """:func:`run` once the output directory is this run's."""
+  tokens = data_lib.load_tokens(cfg.data_path, presets.get_preset(cfg.preset).vocab_size)
+  cfg, checkpointer, point = _open_checkpoints(cfg, data_lib.identity(cfg.data_path))
   program = build(cfg)
-  batches = _Batches(cfg, program)
-  ckpt_dir = _check_out_dir(cfg)
-  checkpointer = None
-  if cfg.checkpoint_every or cfg.resume:
-    checkpointer = Checkpointer(
-      ckpt_dir, save_every=cfg.checkpoint_every, fingerprint=config.fingerprint(cfg)
-    )
-  start_step, params, opt_state = _start(program, batches, checkpointer)
+  if checkpointer and checkpointer.save_every:
+    _check_space(cfg.out_dir, program)
+  batches = _Batches(cfg, program, tokens)
+  start_step, params, opt_state = _start(program, batches, checkpointer, point)
   step_arg = jax.ShapeDtypeStruct((), jnp.int32, sharding=program.sharding())
   compiled = program.train_step.lower(
     params, opt_state, step_arg, batches.abstract, batches.abstract
@@ -346,7 +431,9 @@ def run(cfg: TrainConfig) -> Summary:
       log.stepped(step, metrics)
       if cfg.check_replicas and (step % cfg.log_every == 0 or step == cfg.steps):
         _check_replicas(program, params, step)
-      if batches.eval and (step % cfg.eval_every == 0 or step == cfg.steps):
+      # --eval_every=0: only after the last step.
+      due = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
+      if batches.eval and due:
         log.flush(batches.evaluate(program.eval_step, params))
       if checkpointer and checkpointer.should_save(step, last_step):
         log.flush()
@@ -428,7 +515,7 @@ def _summarize(
     measured_by_axes=hlo.by_axes,
     measured_crossing_replicas_per_step=hlo.crossing,
     params_kept_whole=[path for path, _ in program.fsdp_plan.whole],
-    total_bytes_sent_per_worker=payload.sent * steps_done,
+    total_bytes_sent_per_worker=program.method.sent_over(cfg, payload, steps_done),
     ratio_vs_ring_allreduce=wb.ring_allreduce / payload.per_step,
     ratio_vs_bf16_grad=wb.grad_bf16 / payload.per_step,
     params_digest=measure.params_digest(params),
@@ -454,7 +541,14 @@ def _write_outputs(cfg: TrainConfig, summary: Summary, log: _Log) -> None:
     f"done: train loss {summary.final_train_loss:.4f}"
     + (f", val loss {val:.4f}" if val is not None else "")
     + f" | {reporting.human_bytes(summary.total_bytes_sent_per_worker)} sent per worker"
-    f" | {summary.ratio_vs_ring_allreduce:.0f}x less than a ring all-reduce,"
-    f" {summary.ratio_vs_bf16_grad:.0f}x less than a bf16 gradient"
+    f" | {_times(summary.ratio_vs_ring_allreduce)} a ring all-reduce,"
+    f" {_times(summary.ratio_vs_bf16_grad)} a bf16 gradient"
     f" | outputs in {cfg.out_dir}"
   )
+
+
+def _times(ratio: float) -> str:
+  """``"857x less than"``, or for a message larger than the baseline ``"2.5x more than"``."""
+  if ratio >= 1:
+    return f"{ratio:,.0f}x less than" if ratio >= 10 else f"{ratio:.2f}x less than"
+  return f"{1 / ratio:.2f}x more than"

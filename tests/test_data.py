@@ -165,6 +165,75 @@ def test_odd_sized_bin(tmp_path):
     data.load_tokens(str(tmp_path / "o.bin"), 256)
 
 
+@pytest.mark.parametrize("name", ["tokens.npz", "book", "book.pdf", "dump.pt", "x.TXT.gz"])
+def test_unknown_extensions_are_refused_with_the_supported_list(tmp_path, name):
+  (tmp_path / name).write_bytes(b"hello world, as bytes")
+  with pytest.raises(data.DataError) as e:
+    data.load_tokens(str(tmp_path / name), 256)
+  msg = _one_line(e)
+  assert "is not a supported format; supported: text (.txt, " in msg
+  assert ".npy token ids, .bin raw uint16 ids" in msg
+
+
+def test_a_real_npz_is_refused_not_trained_on_as_bytes(tmp_path):
+  np.savez(tmp_path / "t.npz", tokens=np.arange(100))
+  with pytest.raises(data.DataError, match="extension '.npz', which is not a supported format"):
+    data.load_tokens(str(tmp_path / "t.npz"), 256)
+
+
+@pytest.mark.parametrize(
+  ("write", "says"),
+  [
+    (lambda f: np.save(f, np.arange(100)), "named .txt but holds a NumPy .npy array"),
+    (lambda f: np.savez(f, t=np.arange(100)), "named .txt but holds a zip archive"),
+    (lambda f: f.write(b"\x1f\x8b\x08rest"), "named .txt but holds gzip-compressed"),
+    (lambda f: f.write("text".encode("utf-16")), "holds NUL bytes, so it is binary or"),
+  ],
+)
+def test_text_files_are_checked_by_content(tmp_path, write, says):
+  with open(tmp_path / "data.txt", "wb") as f:
+    write(f)
+  with pytest.raises(data.DataError, match=says):
+    data.load_tokens(str(tmp_path / "data.txt"), 256)
+
+
+def test_a_bin_or_npy_that_is_something_else(tmp_path):
+  with open(tmp_path / "t.bin", "wb") as f:
+    np.savez(f, t=np.arange(100))
+  with pytest.raises(data.DataError, match="named .bin but holds a zip archive"):
+    data.load_tokens(str(tmp_path / "t.bin"), 256)
+  (tmp_path / "t.npy").write_bytes(b"plain text, not an array")
+  with pytest.raises(data.DataError, match="named .npy but is not a NumPy array"):
+    data.load_tokens(str(tmp_path / "t.npy"), 256)
+
+
+def test_an_unreadable_file_is_one_line(tmp_path, monkeypatch):
+  # Root reads any file whatever its mode bits, so the refusal is simulated.
+  path = tmp_path / "secret.txt"
+  path.write_bytes(b"hello world")
+  real_open = open
+
+  def denied(file, *args, **kwargs):
+    if str(file) == str(path):
+      raise PermissionError(13, "Permission denied", str(file))
+    return real_open(file, *args, **kwargs)
+
+  monkeypatch.setattr("builtins.open", denied)
+  with pytest.raises(data.DataError) as e:
+    data.load_tokens(str(path), 256)
+  assert "cannot be read (Permission denied); check its permissions" in _one_line(e)
+
+
+def test_identity_changes_with_the_content_not_the_name(tmp_path):
+  a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+  a.write_bytes(b"x" * 100_000)
+  b.write_bytes(b"x" * 100_000)
+  assert data.identity(str(a)) == data.identity(str(b))
+  b.write_bytes(b"x" * 99_999 + b"y")
+  assert data.identity(str(a)) != data.identity(str(b))
+  assert data.identity(None) is None
+
+
 def test_batch_not_divisible_by_workers():
   tokens = np.arange(1000) % 256
   with pytest.raises(data.DataError) as e:

@@ -10,7 +10,7 @@ from sharded_step import build, mesh_of, per_device_copies, place_grads
 import distro_jax as dj
 
 
-def _numpy_diloco(p0, grads_TxW, lr, sync_every, outer_lr, mu):
+def _numpy_diloco(p0, grads_TxW, lr, sync_every, outer_lr, mu, total_steps=None):
   """DiLoCo in float64 NumPy, with plain SGD inside; returns the outer params after each step."""
   outer = p0.astype(np.float64)
   local = [outer.copy() for _ in grads_TxW[0]]
@@ -18,7 +18,7 @@ def _numpy_diloco(p0, grads_TxW, lr, sync_every, outer_lr, mu):
   history = []
   for t, grads_W in enumerate(grads_TxW, start=1):
     local = [x - lr * g for x, g in zip(local, grads_W)]
-    if t % sync_every == 0:
+    if t % sync_every == 0 or t == total_steps:
       delta = np.mean([outer - x for x in local], axis=0)
       m = mu * m + delta
       outer = outer - outer_lr * (delta + mu * m)
@@ -65,6 +65,43 @@ def test_inner_params_is_where_the_gradient_is_taken():
   np.testing.assert_allclose(dj.inner_params(state, params)["w"], 0.9)
   # Every other optimizer computes its gradient at the shared params.
   assert dj.inner_params(optax.adamw(1e-3).init(params), params) is params
+
+
+def test_the_last_partial_round_reaches_the_outer_params():
+  workers, steps, sync_every = 2, 7, 3
+  rng = np.random.default_rng(1)
+  p0 = rng.normal(size=(4, 8)).astype(np.float32)
+  grads = rng.normal(size=(steps, workers, 4, 8)).astype(np.float32)
+  mesh = mesh_of(workers)
+  tx = dj.diloco(optax.sgd(0.1), sync_every=sync_every, total_steps=steps)
+  step, params, state = build(tx, {"w": jnp.asarray(p0)}, mesh)
+  expected = _numpy_diloco(p0, grads, 0.1, sync_every, 0.7, 0.9, total_steps=steps)
+  for t in range(steps):
+    params, state = step(params, state, {"w": place_grads(grads[t], mesh)})
+  np.testing.assert_allclose(per_device_copies(params["w"])[0], expected[-1], atol=1e-5)
+  # Without it, steps 7 of a 7-step run would be thrown away: the params of step 6 stay.
+  thrown_away = _numpy_diloco(p0, grads, 0.1, sync_every, 0.7, 0.9)
+  np.testing.assert_array_equal(thrown_away[-1], thrown_away[-2])
+  assert not np.allclose(expected[-1], expected[-2])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_total_steps_must_be_a_positive_int_or_none(bad):
+  with pytest.raises(ValueError, match="total_steps must be a positive int"):
+    dj.diloco(optax.sgd(1.0), total_steps=bad)
+
+
+def test_the_registry_counts_the_final_exchange():
+  from experiments import config, methods
+  from experiments.config import TrainConfig
+
+  diloco, demo = methods.get("diloco"), methods.get("demo")
+  cfg = config.resolve(TrainConfig(optimizer="diloco", steps=120, diloco_sync_every=50))
+  assert [diloco.exchanges(cfg, n) for n in (49, 50, 100, 119, 120)] == [0, 1, 2, 2, 3]
+  payload = methods.Payload(message=1000.0, per_step=20.0, sent=20.0)
+  assert diloco.sent_over(cfg, payload, 120) == 3000.0
+  plain = config.resolve(TrainConfig(steps=120))
+  assert demo.sent_over(plain, methods.Payload(10.0, 10.0, 10.0), 120) == 1200.0
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True])

@@ -49,7 +49,7 @@ def test_delayed_apply_trains_with_one_device_per_site(tmp_path):
     ({"workers": 8, "fsdp": 3}, "does not divide by --fsdp=3"),
     ({"replicas": 2, "fsdp": 2, "batch_size": 6}, "--replicas x --fsdp=4 devices"),
     ({"optimizer": "adamw", "delayed_apply": True}, "needs --optimizer=demo"),
-    ({"fsdp": 0}, "must be positive"),
+    ({"fsdp": 0}, "--fsdp=0 must be 1 or more; use --fsdp=1"),
   ],
 )
 def test_bad_mesh_flags_name_the_fix(tmp_path, overrides, message):
