@@ -34,11 +34,15 @@ def test_chain_with_clipping_runs_outside_shard_map_with_axis_none():
 
 
 def test_eval_shape_of_init_allocates_nothing():
-  params = jax.eval_shape(lambda: {"w": jnp.zeros((4096, 4096)), "v": jnp.zeros((3, 5, 7))})
+  params = jax.eval_shape(
+    lambda: {"w": jnp.zeros((4096, 4096)), "v": jnp.zeros((3, 5, 7)), "s": jnp.zeros(())}
+  )
   state = jax.eval_shape(dj.demo(1e-3).init, params)
   demo_state = state[0]
+  # The momentum has its param's shape (a scalar's gets one axis, for the per-worker layout).
   assert demo_state.momentum["w"].shape == (4096, 4096)
-  assert demo_state.momentum["v"].shape == (3, 35)
+  assert demo_state.momentum["v"].shape == (3, 5, 7)
+  assert demo_state.momentum["s"].shape == (1,)
 
 
 def test_inject_hyperparams_over_numeric_hyperparameters():
