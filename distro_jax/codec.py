@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distro_jax import bitpack
+from distro_jax import bitpack, dct
 from distro_jax.exchange import varying_axes
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
   "scatter_blocks",
   "select_topk",
   "select_topk_blocks",
+  "select_topk_many",
   "zero_selected",
   "zero_selected_blocks",
 ]
@@ -156,6 +157,15 @@ def _coords(idx: jax.Array, c2: int) -> jax.Array:
   return jnp.stack([idx // c2, idx % c2], axis=-1)
 
 
+def _flat_positions(idx: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
+  """Positions in the flattened block view of chunk-local indices ``(*lead, A, B, k)``."""
+  *lead, a, c1, b, c2 = block_shape
+  bands = jnp.arange(math.prod(lead) * a, dtype=jnp.int32).reshape(*lead, a, 1, 1)
+  cols = jnp.arange(b, dtype=jnp.int32).reshape(b, 1)
+  idx = idx.astype(jnp.int32)
+  return (bands * c1 + idx // c2) * (b * c2) + cols * c2 + idx % c2
+
+
 def gather_blocks(x_blocks: jax.Array, idx: jax.Array) -> jax.Array:
   """Entries of a block view at chunk-local indices.
 
@@ -166,6 +176,12 @@ def gather_blocks(x_blocks: jax.Array, idx: jax.Array) -> jax.Array:
   Returns:
     ``(*lead, A, B, k)``: ``x_blocks[..., a, i, b, j]`` for each ``i * c2 + j``.
   """
+  if not dct.placed_on_mesh(x_blocks):
+    # One flat index per entry is the cheapest gather there is. On a mesh the
+    # batched form below tells the compiler which axes the indices run along,
+    # so the sharding of the chunk axes carries through.
+    flat = _flat_positions(idx, x_blocks.shape)
+    return x_blocks.reshape(-1).at[flat].get(mode="promise_in_bounds", unique_indices=True)
   nb = x_blocks.ndim - 4
   operand_batch, index_batch = _batching(nb)
   dn = jax.lax.GatherDimensionNumbers(
@@ -196,6 +212,11 @@ def scatter_blocks(x_blocks: jax.Array, idx: jax.Array, updates: jax.Array) -> j
     ``x_blocks`` with those entries replaced. Each location is written at most
     once, so no backend needs atomics.
   """
+  updates = jnp.broadcast_to(jnp.asarray(updates, x_blocks.dtype), idx.shape)
+  if not dct.placed_on_mesh(x_blocks):
+    flat = _flat_positions(idx, x_blocks.shape)
+    out = x_blocks.reshape(-1).at[flat].set(updates, unique_indices=True, mode="promise_in_bounds")
+    return out.reshape(x_blocks.shape)
   nb = x_blocks.ndim - 4
   operand_batch, index_batch = _batching(nb)
   dn = jax.lax.ScatterDimensionNumbers(
@@ -205,7 +226,6 @@ def scatter_blocks(x_blocks: jax.Array, idx: jax.Array, updates: jax.Array) -> j
     operand_batching_dims=operand_batch,
     scatter_indices_batching_dims=index_batch,
   )
-  updates = jnp.broadcast_to(jnp.asarray(updates, x_blocks.dtype), idx.shape)
   return jax.lax.scatter(
     x_blocks,
     _coords(idx, x_blocks.shape[-1]),
@@ -215,6 +235,144 @@ def scatter_blocks(x_blocks: jax.Array, idx: jax.Array, updates: jax.Array) -> j
     unique_indices=True,
     mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
   )
+
+
+def _top_k_rows(rows: list[jax.Array], k: int) -> list[jax.Array]:
+  """``jax.lax.top_k(r, k)[1]`` for each 2-D ``r``; rows of equal width share one call."""
+  out: list[jax.Array | None] = [None] * len(rows)
+  by_width: dict[int, list[int]] = {}
+  for i, r in enumerate(rows):
+    by_width.setdefault(r.shape[-1], []).append(i)
+  for members in by_width.values():
+    if len(members) == 1:
+      out[members[0]] = jax.lax.top_k(rows[members[0]], k)[1]
+      continue
+    # Each row is ranked on its own, so stacking rows changes no result, and
+    # one call costs less than many on every backend.
+    _, idx = jax.lax.top_k(jnp.concatenate([rows[i] for i in members]), k)
+    # XLA turns top-k into its fast kernel only when it sees whole rows taken
+    # from a sort; splitting here would merge into those slices and undo it.
+    idx = jax.lax.optimization_barrier(idx)
+    bounds = np.cumsum([rows[i].shape[0] for i in members])[:-1]
+    for i, part in zip(members, jnp.split(idx, bounds)):
+      out[i] = part
+  return out
+
+
+def select_topk_many(blocks: list[jax.Array], ks: list[int]) -> list[tuple[jax.Array, jax.Array]]:
+  """:func:`select_topk_blocks` for many tensors, with one top-k call per kind of row.
+
+  Args:
+    blocks: block views ``(*lead, A, c1, B, c2)``, one per tensor.
+    ks: how many to keep per chunk, one per tensor.
+
+  Returns:
+    Per tensor, what :func:`select_topk_blocks` returns, to the bit.
+  """
+  if any(dct.placed_on_mesh(x) for x in blocks):
+    # Stacking tensors would merge their shardings; keep each on its own.
+    return [select_topk_blocks(x, k) for x, k in zip(blocks, ks)]
+  out: list[tuple[jax.Array, jax.Array] | None] = [None] * len(blocks)
+
+  def flat(x: jax.Array) -> jax.Array:
+    return x.reshape(-1, x.shape[-1])
+
+  for k in sorted(set(ks)):
+    members = [i for i, kk in enumerate(ks) if kk == k]
+    two = [i for i in members if _two_stage(blocks[i].shape, k)]
+    one = [i for i in members if i not in two]
+    full_rows = [_rows(blocks[i]) for i in one]
+    found = _top_k_rows([flat(jnp.abs(r)) for r in full_rows], k)
+    for i, rows, idx in zip(one, full_rows, found):
+      idx = idx.reshape(*rows.shape[:-1], k)
+      out[i] = idx, jnp.take_along_axis(rows, idx, axis=-1)
+    maxima = [_group_maxima(blocks[i]) for i in two]
+    picked = _top_k_rows([flat(m) for m in maxima], k)
+    cands = [
+      _candidates(blocks[i], jnp.sort(g, axis=-1).reshape(*m.shape[:-1], k))
+      for i, g, m in zip(two, picked, maxima)
+    ]
+    found = _top_k_rows([flat(jnp.abs(c)) for c, _ in cands], k)
+    for i, (c, groups), pos in zip(two, cands, found):
+      pos = pos.reshape(*c.shape[:-1], k)
+      idx = jnp.take_along_axis(groups, pos // _GROUP, axis=-1) * _GROUP + pos % _GROUP
+      out[i] = idx, jnp.take_along_axis(c, pos, axis=-1)
+  return out
+
+
+_GROUP = 8
+
+
+def _two_stage(block_shape: tuple[int, ...], k: int) -> bool:
+  *_, c1, _, c2 = block_shape
+  return c2 % _GROUP == 0 and c1 * c2 >= 32 * k
+
+
+def _ab(x_blocks: jax.Array) -> tuple[int, int]:
+  return x_blocks.shape[-4], x_blocks.shape[-2]
+
+
+def _rows(x_blocks: jax.Array) -> jax.Array:
+  """The chunks of a block view as rows ``(*lead, A, B, c1 * c2)`` (a transposed copy)."""
+  *lead, a, c1, b, c2 = x_blocks.shape
+  nb = len(lead)
+  perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
+  return x_blocks.transpose(perm).reshape(*lead, a, b, c1 * c2)
+
+
+def _group_maxima(x_blocks: jax.Array) -> jax.Array:
+  """Max magnitude of every run of 8 along each chunk row: ``(*lead, A, B, c1 * c2 / 8)``.
+
+  Read where the data lies; only these maxima (an eighth) are rearranged.
+  """
+  *lead, a, c1, b, c2 = x_blocks.shape
+  nb = len(lead)
+  maxima = jnp.abs(x_blocks.reshape(*lead, a, c1, b, c2 // _GROUP, _GROUP)).max(axis=-1)
+  perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
+  return maxima.transpose(perm).reshape(*lead, a, b, c1 * c2 // _GROUP)
+
+
+def _candidates(x_blocks: jax.Array, groups: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The 8 entries of each chosen group, in index order: ``(*lead, A, B, 8k)``, and the groups."""
+  *lead, a, c1, b, c2 = x_blocks.shape
+  k = groups.shape[-1]
+  per_row = c2 // _GROUP
+  # Groups run along chunk rows (c2 is a multiple of 8): group g holds
+  # chunk-local indices 8g to 8g + 7, one contiguous run of the block view.
+  if not dct.placed_on_mesh(x_blocks):
+    runs = _flat_positions(groups * _GROUP, x_blocks.shape) // _GROUP
+    found = x_blocks.reshape(-1, _GROUP).at[runs].get(mode="promise_in_bounds")
+    return found.reshape(*lead, a, b, k * _GROUP), groups
+  nb = len(lead)
+  operand_batch, index_batch = _batching(nb)
+  dn = jax.lax.GatherDimensionNumbers(
+    offset_dims=(nb + 3,),
+    collapsed_slice_dims=(nb + 1, nb + 3),
+    start_index_map=(nb + 1, nb + 3),
+    operand_batching_dims=operand_batch,
+    start_indices_batching_dims=index_batch,
+  )
+  coords = jnp.stack([groups // per_row, groups % per_row], axis=-1)
+  found = jax.lax.gather(
+    x_blocks.reshape(*lead, a, c1, b, per_row, _GROUP),
+    coords,
+    dn,
+    (1,) * (nb + 4) + (_GROUP,),
+    mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+  )
+  return found.reshape(*lead, a, b, k * _GROUP), groups
+
+
+def _top_k(x: jax.Array, k: int) -> jax.Array:
+  """Indices of the ``k`` largest entries of each last-axis row, largest first, ties low.
+
+  XLA partitions its top-k kernel by gathering the rows onto every device, so
+  on a mesh this is a stable sort, which it partitions along the other axes.
+  Both give the same indices in the same order.
+  """
+  if not dct.placed_on_mesh(x):
+    return jax.lax.top_k(x, k)[1]
+  return jnp.argsort(-x, axis=-1, stable=True)[..., :k]
 
 
 def select_topk_blocks(x_blocks: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -238,35 +396,14 @@ def select_topk_blocks(x_blocks: jax.Array, k: int) -> tuple[jax.Array, jax.Arra
     ``(indices, values)``, both ``(*lead, A, B, k)``: int32 chunk-local
     positions ``i * c2 + j`` in descending magnitude, and the entries there.
   """
-  *lead, a, c1, b, c2 = x_blocks.shape
-  nb = len(lead)
-  group = 8
-  if c2 % group or c1 * c2 < 32 * k:
-    perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
-    rows = x_blocks.transpose(perm).reshape(*lead, a, b, c1 * c2)
-    _, idx = jax.lax.top_k(jnp.abs(rows), k)
+  if not _two_stage(x_blocks.shape, k):
+    rows = _rows(x_blocks)
+    idx = _top_k(jnp.abs(rows), k)
     return idx, jnp.take_along_axis(rows, idx, axis=-1)
-  per_row = c2 // group
-  x6 = x_blocks.reshape(*lead, a, c1, b, per_row, group)
-  maxima = jnp.abs(x6).max(axis=-1)  # (*lead, A, c1, B, per_row)
-  maxima = maxima.transpose(*range(nb), nb, nb + 2, nb + 1, nb + 3).reshape(*lead, a, b, -1)
-  _, groups = jax.lax.top_k(maxima, k)
-  groups = jnp.sort(groups, axis=-1)
-  operand_batch, index_batch = _batching(nb)
-  dn = jax.lax.GatherDimensionNumbers(
-    offset_dims=(nb + 3,),
-    collapsed_slice_dims=(nb + 1, nb + 3),
-    start_index_map=(nb + 1, nb + 3),
-    operand_batching_dims=operand_batch,
-    start_indices_batching_dims=index_batch,
-  )
-  coords = jnp.stack([groups // per_row, groups % per_row], axis=-1)
-  slice_sizes = (1,) * (nb + 4) + (group,)
-  candidates = jax.lax.gather(
-    x6, coords, dn, slice_sizes, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
-  ).reshape(*lead, a, b, k * group)
-  _, pos = jax.lax.top_k(jnp.abs(candidates), k)
-  idx = jnp.take_along_axis(groups, pos // group, axis=-1) * group + pos % group
+  groups = _top_k(_group_maxima(x_blocks), k)
+  candidates, groups = _candidates(x_blocks, jnp.sort(groups, axis=-1))
+  pos = _top_k(jnp.abs(candidates), k)
+  idx = jnp.take_along_axis(groups, pos // _GROUP, axis=-1) * _GROUP + pos % _GROUP
   return idx, jnp.take_along_axis(candidates, pos, axis=-1)
 
 
@@ -476,14 +613,28 @@ def aggregate_blocks(
       out.append((scatter_blocks(mean, idx, mu), scatter_blocks(count, idx, n)))
     return out
 
-  init = [(jnp.zeros(s, jnp.float32), jnp.zeros(s, count_dtype)) for s in block_shapes]
+  def zeros(idx_W: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
+    # Zeros of the same shape would be merged into one buffer, which the loop
+    # then copies into each tensor's slot; a zero XLA cannot prove (an index
+    # is never negative) keeps one fresh buffer per tensor.
+    zero = jnp.minimum(idx_W.reshape(-1)[0], 0).astype(dtype)
+    return jnp.broadcast_to(zero, shape)
+
+  init = [
+    (zeros(idx, s, jnp.float32), zeros(idx, s, count_dtype))
+    for (idx, _), s in zip(prepared, block_shapes)
+  ]
   # The loop carry must be typed as varying over every mesh axis its inputs
   # vary over (e.g. "fsdp" when each device aggregates its own shard).
   axes = frozenset(varying_axes(valid_W))
   for idx, val in prepared:
     axes |= varying_axes(idx) | varying_axes(val)
-  if axes:
-    init = jax.lax.pcast(init, tuple(sorted(axes, key=str)), to="varying")
+
+  def typed(x: jax.Array) -> jax.Array:
+    missing = tuple(sorted(axes - varying_axes(x), key=str))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  init = jax.tree.map(typed, init)
   result = jax.lax.fori_loop(0, num_workers, fold, init)
   return [(mean, count.astype(jnp.int32)) for mean, count in result]
 

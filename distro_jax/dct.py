@@ -178,7 +178,7 @@ def dct_basis(n: int) -> jax.Array:
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _explicit_sharding(x: jax.Array) -> Any:
+def explicit_sharding(x: jax.Array) -> Any:
   """``x``'s sharding when its type carries one over explicit mesh axes, else ``None``.
 
   Under ``jax.jit`` on a mesh with ``AxisType.Explicit`` axes a reshape that
@@ -195,6 +195,19 @@ def _explicit_sharding(x: jax.Array) -> Any:
   if not named or not any(t == explicit for t in mesh.axis_types):
     return None
   return sharding
+
+
+def placed_on_mesh(x: jax.Array) -> bool:
+  """Whether ``x``'s type places it on mesh axes that the compiler shards (auto or explicit).
+
+  Inside ``shard_map`` (every axis manual) or on one device it is not, and any
+  layout trick is free; on a mesh, ops must let the sharding flow through.
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not mesh.axis_names:
+    return False
+  return any(t != jax.sharding.AxisType.Manual for t in mesh.axis_types)
 
 
 def _axis_entry_size(mesh: Any, entry: Any) -> int:
@@ -235,10 +248,13 @@ def to_blocks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
     ``(..., a, :, b, :)`` is chunk ``(a, b)``. A sharding of ``x`` over
     explicit mesh axes moves to the chunk-count axes.
   """
-  sharding = _explicit_sharding(x)
+  sharding = explicit_sharding(x)
   if sharding is None:
     return jnp.reshape(x, plan.block_shape)
-  return jnp.reshape(x, plan.block_shape, out_sharding=_block_spec(sharding, plan))
+  spec = _block_spec(sharding, plan)
+  return jnp.reshape(
+    x, plan.block_shape, out_sharding=jax.sharding.NamedSharding(sharding.mesh, spec)
+  )
 
 
 def from_blocks(y: jax.Array, plan: ChunkPlan, shape: tuple[int, ...] | None = None) -> jax.Array:
@@ -253,13 +269,16 @@ def from_blocks(y: jax.Array, plan: ChunkPlan, shape: tuple[int, ...] | None = N
     ``y`` reshaped to ``shape``, its explicit sharding carried back.
   """
   shape = plan.shape if shape is None else shape
-  sharding = _explicit_sharding(y)
+  if y.shape == tuple(shape):
+    return y
+  sharding = explicit_sharding(y)
   if sharding is None or len(plan.shape) < 1:
     return jnp.reshape(y, shape)
   spec = tuple(sharding.spec) + (None,) * (y.ndim - len(tuple(sharding.spec)))
   nb = plan.batch_dims
   out = (*spec[:nb], spec[nb], spec[nb + 2]) if len(plan.shape) >= 2 else (spec[2],)
-  return jnp.reshape(y, shape, out_sharding=jax.sharding.PartitionSpec(*out))
+  out_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*out))
+  return jnp.reshape(y, shape, out_sharding=out_sharding)
 
 
 def _along_c1(basis: jax.Array, x: jax.Array) -> jax.Array:

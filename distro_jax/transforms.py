@@ -39,6 +39,9 @@ class DemoState(NamedTuple):
       place it, and a sharding that keeps chunks whole keeps it local. The DCT
       is orthonormal, so this is the reference's buffer ``m`` in another basis,
       and error feedback is exactly "zero the coefficients that were sent".
+      A worker whose values were not finite restarts from zero; without
+      ``delayed_apply``, a step in which every worker's message was left out
+      leaves every momentum as it was.
     contributors: how many workers' messages went into the last aggregate;
       those whose values were not finite are left out (so ``W - contributors``
       were excluded). int32 scalar, the same on every worker. With
@@ -315,15 +318,15 @@ def scale_by_demo(
 
     # Everything param-sized stays in each tensor's block view, where both DCT
     # stages, top-k's first stage and the scatters read the data in place.
-    kept, sel_idx, sel_val = [], [], []
-    for g, m, plan, t in zip(grads, momenta, plans, layout.tensors):
+    blocks = []
+    for g, m, plan in zip(grads, momenta, plans):
       g = dct.to_blocks(g, plan)
       coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
-      m = compression_decay * dct.to_blocks(m, plan) + lr * coeffs
-      idx, val = codec.select_topk_blocks(m, t.k)
-      kept.append(codec.zero_selected_blocks(m, idx))
-      sel_idx.append(idx)
-      sel_val.append(val)
+      blocks.append(compression_decay * dct.to_blocks(m, plan) + lr * coeffs)
+    selections = codec.select_topk_many(blocks, [t.k for t in layout.tensors])
+    sel_idx = [idx for idx, _ in selections]
+    sel_val = [val for _, val in selections]
+    kept = [codec.zero_selected_blocks(m, idx) for m, idx in zip(blocks, sel_idx)]
 
     # A non-finite gradient anywhere in a chunk spreads over all its
     # coefficients, so checking what was selected catches it. Such a worker
@@ -338,8 +341,6 @@ def scale_by_demo(
     )
     if site_axes:
       finite = jax.lax.pmin(finite.astype(jnp.int32), tuple(site_axes)) > 0
-    reset = lambda: jax.tree.map(jnp.zeros_like, kept)
-    kept = _replace_rarely(jnp.logical_not(finite), kept, reset)
 
     if axis_name is None and not delayed_apply:
       # One worker: its aggregate is its own selection as the wire would carry
@@ -388,6 +389,20 @@ def scale_by_demo(
     if site_axes:
       # Equal on every device of a site already; this only types it so.
       contributors = jax.lax.pmax(contributors, tuple(site_axes))
+    if delayed_apply:
+      # The message in flight is not this step's, so a worker that failed
+      # restarts from zero whatever the others sent.
+      reset = lambda: jax.tree.map(jnp.zeros_like, kept)
+      kept = _replace_rarely(jnp.logical_not(finite), kept, reset)
+    else:
+      # A worker that failed restarts from zero; a step in which every worker
+      # failed changes nothing, so each keeps the momentum it came with. The
+      # old momentum must outlive this step's, so this select is a pass over
+      # it, the one the plain exchange pays for that guarantee.
+      received = contributors > 0
+      kept = [dct.from_blocks(k, p, p.state_shape) for k, p in zip(kept, plans)]
+      # In the momentum's own shape, so XLA writes the result over it in place.
+      kept = [jnp.where(finite, k, jnp.where(received, 0.0, m)) for k, m in zip(kept, momenta)]
     new_state = DemoState(
       count=optax.safe_increment(state.count),
       momentum=treedef.unflatten(
@@ -421,8 +436,18 @@ def _skip_when_nothing_received(
     # The select on the updates fuses into what consumes them; the state is
     # param-sized and materialized, so it is held back only when it must be.
     new_updates = jax.tree.map(lambda u: jnp.where(received, u, jnp.zeros_like(u)), new_updates)
-    held = (new_state[0], *state[1:]) if delayed_apply else state
-    return new_updates, _replace_rarely(jnp.logical_not(received), new_state, lambda: held)
+    hold = lambda new, old: jax.tree.map(lambda n, o: jnp.where(received, n, o), new, old)
+    # Selects on state that the rest of the chain computes elementwise fuse
+    # into that computation. DeMo's momentum is held by scale_by_demo itself,
+    # and with delayed_apply its state moves on (the messages left out were
+    # the previous step's, this step's gradient is already in the momentum).
+    demo_new, demo_old = new_state[0], state[0]
+    if not delayed_apply:
+      demo_new = demo_new._replace(
+        count=hold(demo_new.count, demo_old.count),
+        contributors=hold(demo_new.contributors, demo_old.contributors),
+      )
+    return new_updates, (demo_new, *hold(new_state[1:], state[1:]))
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
