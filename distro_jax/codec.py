@@ -457,6 +457,21 @@ def _from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Ar
   return jax.lax.bitcast_convert_type(b, dtype)
 
 
+def _unsharded(x: jax.Array) -> jax.Array:
+  """``x`` replicated, when its type shards it over explicit mesh axes.
+
+  A message is one byte vector, so a selection sharded with its param (one
+  worker under ``jax.jit`` on an explicit mesh) is gathered first: the
+  selection, a sliver of the param, never the param itself.
+  """
+  sharding = dct.explicit_sharding(x)
+  if sharding is None:
+    return x
+  return jax.sharding.reshard(
+    x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  )
+
+
 def encode_message(
   indices: list[jax.Array],
   values: list[jax.Array],
@@ -478,6 +493,8 @@ def encode_message(
   Returns:
     ``uint8[layout.num_bytes]``.
   """
+  indices = [_unsharded(x) for x in indices]
+  values = [_unsharded(x) for x in values]
   stream = [bitpack.to_bit_stream(idx, t.index_bits) for t, idx in zip(layout.tensors, indices)]
   if layout.quantize_1bit:
     stream += [(v >= 0).reshape(-1).astype(jnp.uint8) for v in values]

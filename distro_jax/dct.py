@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.shard_alike import shard_alike
 
 __all__ = [
   "ChunkPlan",
@@ -215,25 +216,30 @@ def _axis_entry_size(mesh: Any, entry: Any) -> int:
   return math.prod(mesh.shape[n] for n in names)
 
 
-def _block_spec(sharding: Any, plan: ChunkPlan) -> jax.sharding.PartitionSpec:
-  """Where the sharding of a tensor's axes goes in its block view, or a clear error."""
-  P = jax.sharding.PartitionSpec
+def _chunk_whole_spec(sharding: Any, plan: ChunkPlan) -> tuple[Any, ...]:
+  """The tensor's spec with every entry that would cut a chunk dropped."""
   spec = tuple(sharding.spec) + (None,) * (len(plan.shape) - len(tuple(sharding.spec)))
+  if len(plan.shape) == 0:
+    return spec
+  chunked = {len(plan.shape) - 1: plan.n2 // plan.c2}
   if len(plan.shape) >= 2:
-    lead, e1, e2 = spec[:-2], spec[-2], spec[-1]
-  elif len(plan.shape) == 1:
-    lead, e1, e2 = (), None, spec[0]
-  else:
-    return P()
-  for entry, n, c, axis in ((e1, plan.n1, plan.c1, -2), (e2, plan.n2, plan.c2, -1)):
-    if entry is not None and (n // c) % _axis_entry_size(sharding.mesh, entry):
-      raise ValueError(
-        f"A tensor of shape {plan.shape} is sharded over {entry!r} along axis {axis}, "
-        f"which cuts its DCT chunks of length {c} ({n // c} chunks do not divide evenly "
-        "over the shards). Shard it along an axis whose chunks divide by the mesh "
-        "axis size, or pick a compression_chunk that makes them divide."
-      )
-  return P(*lead, e1, None, e2, None)
+    chunked[len(plan.shape) - 2] = plan.n1 // plan.c1
+  return tuple(
+    None
+    if e is not None and d in chunked and chunked[d] % _axis_entry_size(sharding.mesh, e)
+    else e
+    for d, e in enumerate(spec)
+  )
+
+
+def _block_spec(spec: tuple[Any, ...], plan: ChunkPlan) -> jax.sharding.PartitionSpec:
+  """Where a chunk-whole spec of a tensor's axes goes in its block view."""
+  P = jax.sharding.PartitionSpec
+  if len(plan.shape) >= 2:
+    return P(*spec[:-2], spec[-2], None, spec[-1], None)
+  if len(plan.shape) == 1:
+    return P(None, None, spec[0], None)
+  return P()
 
 
 def to_blocks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
@@ -246,39 +252,64 @@ def to_blocks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
   Returns:
     ``x`` reshaped to ``(*batch, n1 // c1, c1, n2 // c2, c2)``; block
     ``(..., a, :, b, :)`` is chunk ``(a, b)``. A sharding of ``x`` over
-    explicit mesh axes moves to the chunk-count axes.
+    explicit mesh axes moves to the chunk-count axes; a sharded axis whose
+    chunks do not divide over its shards is gathered first (chunks are
+    transformed whole), and :func:`from_blocks` with ``like`` shards the
+    result back.
   """
   sharding = explicit_sharding(x)
   if sharding is None:
     return jnp.reshape(x, plan.block_shape)
-  spec = _block_spec(sharding, plan)
-  return jnp.reshape(
-    x, plan.block_shape, out_sharding=jax.sharding.NamedSharding(sharding.mesh, spec)
-  )
+  whole = _chunk_whole_spec(sharding, plan)
+  if whole != tuple(sharding.spec) + (None,) * (x.ndim - len(tuple(sharding.spec))):
+    x = jax.sharding.reshard(
+      x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*whole))
+    )
+  out = jax.sharding.NamedSharding(sharding.mesh, _block_spec(whole, plan))
+  return jnp.reshape(x, plan.block_shape, out_sharding=out)
 
 
-def from_blocks(y: jax.Array, plan: ChunkPlan, shape: tuple[int, ...] | None = None) -> jax.Array:
+def from_blocks(
+  y: jax.Array,
+  plan: ChunkPlan,
+  shape: tuple[int, ...] | None = None,
+  like: jax.Array | None = None,
+) -> jax.Array:
   """Inverse of :func:`to_blocks`.
 
   Args:
     y: an array of shape ``plan.block_shape``.
     plan: the :class:`ChunkPlan` it was made with.
     shape: the shape to return, ``plan.shape`` by default (or ``plan.state_shape``).
+    like: an array whose explicit sharding the result should have (the
+      tensor that went into :func:`to_blocks`); by default the one the block
+      view carries.
 
   Returns:
     ``y`` reshaped to ``shape``, its explicit sharding carried back.
   """
-  shape = plan.shape if shape is None else shape
-  if y.shape == tuple(shape):
-    return y
+  shape = tuple(plan.shape if shape is None else shape)
   sharding = explicit_sharding(y)
-  if sharding is None or len(plan.shape) < 1:
-    return jnp.reshape(y, shape)
-  spec = tuple(sharding.spec) + (None,) * (y.ndim - len(tuple(sharding.spec)))
-  nb = plan.batch_dims
-  out = (*spec[:nb], spec[nb], spec[nb + 2]) if len(plan.shape) >= 2 else (spec[2],)
-  out_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*out))
-  return jnp.reshape(y, shape, out_sharding=out_sharding)
+  if y.shape != shape:
+    if sharding is None or len(plan.shape) < 1:
+      y = jnp.reshape(y, shape)
+    else:
+      spec = tuple(sharding.spec) + (None,) * (y.ndim - len(tuple(sharding.spec)))
+      nb = plan.batch_dims
+      out = (*spec[:nb], spec[nb], spec[nb + 2]) if len(plan.shape) >= 2 else (spec[2],)
+      out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*out))
+      y = jnp.reshape(y, shape, out_sharding=out)
+  if like is None or not placed_on_mesh(like):
+    return y
+  want = explicit_sharding(like)
+  if want is not None:
+    return y if jax.typeof(y).sharding.spec == want.spec else jax.sharding.reshard(y, want)
+  if explicit_sharding(y) is None:
+    # On an auto mesh the sharding is the compiler's to choose; ask for the
+    # one it gives ``like`` (results decoded from a replicated message would
+    # otherwise come back replicated).
+    y, _ = shard_alike(y, like)
+  return y
 
 
 def _along_c1(basis: jax.Array, x: jax.Array) -> jax.Array:

@@ -370,14 +370,25 @@ def scale_by_demo(
       gathered = exchange.all_gather_messages(message, axis_name)
       assert gathered.shape == (num_workers, layout.num_bytes)
       tensors, valid_W = codec.decode_message(gathered, layout)
-      aggregates = codec.aggregate_blocks(tensors, [p.block_shape for p in plans], valid_W)
-      dense = [mean for mean, _ in aggregates]
+      if num_workers == 1:
+        # One message (delayed_apply with one worker): its mean is itself.
+        dense = [
+          codec.scatter_blocks(
+            jnp.zeros_like(m),
+            i[0].reshape(s.shape),
+            jnp.where(valid_W[0], v[0], 0.0).reshape(s.shape),
+          )
+          for (i, v), m, s in zip(tensors, kept, sel_idx)
+        ]
+      else:
+        aggregates = codec.aggregate_blocks(tensors, [p.block_shape for p in plans], valid_W)
+        dense = [mean for mean, _ in aggregates]
       contributors = jnp.sum(valid_W, dtype=jnp.int32)
 
     directions = []
     for d, plan, x, g in zip(dense, plans, wire_dtypes, grads):
       q = dct.inverse_blocks(d, plan) if use_dct else d
-      direction = dct.from_blocks(q, plan).astype(x.dtype)
+      direction = dct.from_blocks(q, plan, like=g).astype(x.dtype)
       whole = tuple(a for a in site_axes if not exchange.varies_over(g, a))
       if whole:
         # A param kept whole on every device of a site is decoded identically
@@ -400,13 +411,13 @@ def scale_by_demo(
       # old momentum must outlive this step's, so this select is a pass over
       # it, the one the plain exchange pays for that guarantee.
       received = contributors > 0
-      kept = [dct.from_blocks(k, p, p.state_shape) for k, p in zip(kept, plans)]
+      kept = [dct.from_blocks(k, p, p.state_shape, like=m) for k, p, m in zip(kept, plans, momenta)]
       # In the momentum's own shape, so XLA writes the result over it in place.
       kept = [jnp.where(finite, k, jnp.where(received, 0.0, m)) for k, m in zip(kept, momenta)]
     new_state = DemoState(
       count=optax.safe_increment(state.count),
       momentum=treedef.unflatten(
-        [dct.from_blocks(m, p, p.state_shape) for m, p in zip(kept, plans)]
+        [dct.from_blocks(k, p, p.state_shape, like=m) for k, p, m in zip(kept, plans, momenta)]
       ),
       contributors=contributors,
       pending=pending,
