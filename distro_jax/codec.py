@@ -327,7 +327,12 @@ def _group_maxima(x_blocks: jax.Array) -> jax.Array:
   """
   *lead, a, c1, b, c2 = x_blocks.shape
   nb = len(lead)
-  maxima = jnp.abs(x_blocks.reshape(*lead, a, c1, b, c2 // _GROUP, _GROUP)).max(axis=-1)
+  runs = x_blocks.reshape(*lead, a, c1, b, c2 // _GROUP, _GROUP)
+  # A max over eight strided reads is one vectorized loop; a reduce over a
+  # minor axis of 8 runs about three times slower on CPU. Same values.
+  maxima = jnp.abs(runs[..., 0])
+  for e in range(1, _GROUP):
+    maxima = jnp.maximum(maxima, jnp.abs(runs[..., e]))
   perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
   return maxima.transpose(perm).reshape(*lead, a, b, c1 * c2 // _GROUP)
 

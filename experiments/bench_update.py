@@ -135,11 +135,11 @@ def demo_parts(
     return out
 
   def top_k(ms):
-    out = []
-    for m, t in zip(ms, layout.tensors):
-      idx, val = codec.select_topk_blocks(m[0], t.k)
-      out.append((codec.zero_selected_blocks(m[0], idx)[None], idx[None], val[None]))
-    return out
+    selections = codec.select_topk_many([m[0] for m in ms], [t.k for t in layout.tensors])
+    return [
+      (codec.zero_selected_blocks(m[0], idx)[None], idx[None], val[None])
+      for m, (idx, val) in zip(ms, selections)
+    ]
 
   def aggregate(selections):
     message = codec.encode_message(
