@@ -370,8 +370,10 @@ def scale_by_demo(
       gathered = exchange.all_gather_messages(message, axis_name)
       assert gathered.shape == (num_workers, layout.num_bytes)
       tensors, valid_W = codec.decode_message(gathered, layout)
-      if num_workers == 1:
-        # One message (delayed_apply with one worker): its mean is itself.
+      if axis_name is None:
+        # One message and no collective (delayed_apply with one worker): its
+        # mean is itself. (With an axis bound, even of size 1, the all-gather
+        # types the aggregate as identical on every worker; keep that path.)
         dense = [
           codec.scatter_blocks(
             jnp.zeros_like(m),

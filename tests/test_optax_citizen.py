@@ -221,3 +221,17 @@ def test_empty_trees_and_nothing_masked():
     params = {"w": jnp.ones((8, 8))}
     updates, _ = masked.update(params, masked.init(params), params)
     np.testing.assert_array_equal(updates["w"], params["w"])
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_one_worker_on_a_mesh_of_one_device(delayed):
+  # A single GPU: the data axis is bound but has size 1; the aggregate must
+  # still come out typed as identical on every worker.
+  params = _params()
+  step, p, state = build(dj.demo(1e-2, delayed_apply=delayed), params, mesh_of(1))
+  grads = {k: np.asarray(v)[None] for k, v in _grads(1, params).items()}
+  for _ in range(2):
+    p, state = step(p, state, place_grads(grads, mesh_of(1)))
+  # Two sign steps of lr, the first of which delayed_apply spends waiting.
+  moved = np.abs(np.asarray(p["w"]) - np.asarray(params["w"])).max()
+  assert moved == pytest.approx((1 if delayed else 2) * 1e-2, rel=1e-5)
