@@ -179,8 +179,6 @@ def run(
   Returns:
     ``{"ms": {name: median ms}, "ratio": {name: median ratio to AdamW}, "numel": int}``.
   """
-  # Simulated CPU devices; set before the first device query, no effect on GPUs.
-  jax.config.update("jax_num_cpu_devices", workers)
   devices = jax.devices()[:workers]
   if len(devices) < workers:
     raise ValueError(f"--workers={workers} but only {len(devices)} devices are visible.")
@@ -257,6 +255,8 @@ def main() -> None:
 
   def _main(argv: list[str]) -> None:
     del argv
+    # Simulated CPU devices; set before the first device query, no effect on GPUs.
+    jax.config.update("jax_num_cpu_devices", workers.value)
     try:
       run(
         workers=workers.value,

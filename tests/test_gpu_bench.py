@@ -22,3 +22,18 @@ def test_gpu_bench_runs_on_cpu_at_a_tiny_size(capsys):
 
 def test_importing_it_defines_no_flags():
   assert "presets" not in flags.FLAGS and "train_rounds" not in flags.FLAGS
+
+
+def test_bench_update_takes_a_preset_and_times_the_parts(capsys):
+  from experiments import bench_update
+
+  assert "repeats" not in flags.FLAGS  # flags only when run as a command
+  out = bench_update.run(
+    workers=2, preset="tiny", d_model=0, layers=0, vocab=0, repeats=1, dtype="float32"
+  )
+  names = set(out["ms"])
+  assert {"AdamW + grad pmean", "dj.demo (defaults)", "dj.demo (top-k 8, 1-bit)"} <= names
+  for part in ("transform", "top-k", "aggregate", "decode"):
+    assert f"  {part} (defaults)" in names and f"  {part} (top-k 8, 1-bit)" in names
+  assert out["ratio"]["AdamW + grad pmean"] == 1.0
+  assert "tree: tiny" in capsys.readouterr().out
