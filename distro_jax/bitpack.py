@@ -8,15 +8,20 @@ Both are pure, shape-static and exact, so every worker decodes the same
 message to the same integers.
 """
 
-from __future__ import annotations
-
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["bits_for", "pack_bits", "packed_bytes", "unpack_bits"]
+__all__ = [
+  "bits_for",
+  "from_bit_stream",
+  "pack_bits",
+  "packed_bytes",
+  "to_bit_stream",
+  "unpack_bits",
+]
 
 
 def bits_for(num_values: int) -> int:
@@ -37,6 +42,45 @@ def packed_bytes(count: int, bits: int) -> int:
 def _check_bits(bits: int) -> None:
   if not 1 <= bits <= 32:
     raise ValueError(f"bits must be in [1, 32], got {bits}.")
+
+
+def to_bit_stream(values: jax.Array, bits: int) -> jax.Array:
+  """The bits of ``values``, least significant first, one per ``uint8`` entry.
+
+  Several of these, at different widths, concatenate into one stream that
+  ``jnp.packbits(stream, bitorder="little")`` packs with no padding between
+  them; :func:`pack_bits` is that for a single array.
+
+  Args:
+    values: non-negative integers below ``2**bits``, any shape (flattened in C
+      order).
+    bits: width of each value, 1 to 32. Static.
+
+  Returns:
+    ``uint8[values.size * bits]`` of zeros and ones.
+  """
+  _check_bits(bits)
+  flat = jnp.ravel(values).astype(jnp.uint32)
+  shifts = jnp.arange(bits, dtype=jnp.uint32)
+  return ((flat[:, None] >> shifts) & np.uint32(1)).astype(jnp.uint8).reshape(-1)
+
+
+def from_bit_stream(stream: jax.Array, bits: int, count: int) -> jax.Array:
+  """Inverse of :func:`to_bit_stream`, with leading batch axes kept.
+
+  Args:
+    stream: ``uint8[..., count * bits]`` of zeros and ones.
+    bits: width of each value. Static.
+    count: how many values. Static.
+
+  Returns:
+    ``uint32[..., count]``.
+  """
+  _check_bits(bits)
+  lead = stream.shape[:-1]
+  grouped = stream.reshape(*lead, count, bits).astype(jnp.uint32)
+  weights = np.uint32(1) << jnp.arange(bits, dtype=jnp.uint32)
+  return jnp.sum(grouped * weights, axis=-1, dtype=jnp.uint32)
 
 
 def pack_bits(values: jax.Array, bits: int) -> jax.Array:
@@ -62,12 +106,9 @@ def pack_bits(values: jax.Array, bits: int) -> jax.Array:
     [5, 4095, 0]
   """
   _check_bits(bits)
-  flat = jnp.ravel(values).astype(jnp.uint32)
   if bits == 8:
-    return flat.astype(jnp.uint8)
-  shifts = jnp.arange(bits, dtype=jnp.uint32)
-  stream = ((flat[:, None] >> shifts) & np.uint32(1)).astype(jnp.uint8).reshape(-1)
-  return jnp.packbits(stream, bitorder="little")
+    return jnp.ravel(values).astype(jnp.uint8)
+  return jnp.packbits(to_bit_stream(values, bits), bitorder="little")
 
 
 def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
@@ -82,10 +123,7 @@ def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
     ``uint32[..., count]``.
   """
   _check_bits(bits)
-  lead = packed.shape[:-1]
   if bits == 8:
     return packed[..., :count].astype(jnp.uint32)
   stream = jnp.unpackbits(packed, axis=-1, count=count * bits, bitorder="little")
-  stream = stream.reshape(*lead, count, bits).astype(jnp.uint32)
-  weights = np.uint32(1) << jnp.arange(bits, dtype=jnp.uint32)
-  return jnp.sum(stream * weights, axis=-1, dtype=jnp.uint32)
+  return from_bit_stream(stream, bits, count)

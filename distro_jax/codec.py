@@ -1,17 +1,30 @@
 """Codec and wire format: per-chunk top-k, the byte message, and aggregation.
 
 One worker's message for a whole parameter tree is a single ``uint8`` vector,
-so one collective carries it. Its first byte says whether the sender's values
-are finite (1) or not (0); receivers leave a message marked 0 out of the
-aggregate. Then, for each tensor, in tree order, it holds the
-chunk-local indices (``rows * k`` entries in the narrowest unsigned type that
-holds the chunk size) and then the values (``rows * k`` entries in the
-parameter dtype). With 1-bit values the value blocks are left out and the
-signs of every tensor are packed together, 8 per byte, at the end of the
-message. The receiver maps a set bit to +1 and a clear bit to -1.
-"""
+so one collective carries it. It is laid out as:
 
-from __future__ import annotations
+1. **Indices**, one bit stream for every tensor in tree order: each tensor's
+   ``rows * k`` chunk-local indices (row-major over chunks, then in top-k
+   order within a chunk), each written with ``ceil(log2(chunk size))`` bits,
+   least significant bit first (12 bits for a 4096-coefficient chunk, 6 for
+   64). With ``quantize_1bit`` the stream goes on with one sign bit per value
+   (set: +1, clear: -1), tensor after tensor. The stream is packed 8 bits to a
+   byte with no padding between tensors, and padded with zeros to a whole
+   byte at its end (:mod:`distro_jax.bitpack`).
+2. **Values**, without ``quantize_1bit``: per tensor, ``rows * k`` values in
+   the parameter dtype, in the same order as the indices.
+
+A message whose sender's values were not finite is all zeros, and receivers
+leave it out of the aggregate. A valid message can never look like that, since
+the first chunk of the first tensor that keeps two or more coefficients names
+two different positions. When no tensor keeps more than one coefficient per
+chunk there is no such chunk, and the message starts with one flag byte
+instead (1: valid, 0: left out).
+
+The indices come back exactly as sent, in the same order, so decoding is
+exact and identical on every worker, and the aggregate does not depend on the
+format.
+"""
 
 import math
 from typing import NamedTuple
@@ -20,25 +33,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distro_jax import bitpack, dct
 from distro_jax.exchange import varying_axes
 
 __all__ = [
   "TensorWire",
   "WireLayout",
   "aggregate",
+  "aggregate_blocks",
   "decode_message",
   "encode_message",
+  "gather_blocks",
+  "index_bits",
   "index_dtype",
+  "scatter_blocks",
   "select_topk",
+  "select_topk_blocks",
+  "select_topk_many",
   "zero_selected",
+  "zero_selected_blocks",
 ]
 
 
-HEADER_BYTES = 1  # the validity flag
+def index_bits(chunk_size: int) -> int:
+  """Bits per index on the wire: ``ceil(log2(chunk_size))``, at least 1."""
+  return bitpack.bits_for(chunk_size)
 
 
 def index_dtype(chunk_size: int) -> np.dtype:
-  """The narrowest unsigned integer dtype that indexes a chunk of this size."""
+  """The narrowest unsigned integer dtype that indexes a chunk of this size.
+
+  The wire no longer uses it (indices travel at :func:`index_bits` bits); it
+  is the width the format had before, and what an unpacked index needs.
+  """
   if chunk_size <= 1 << 8:
     return np.dtype(np.uint8)
   if chunk_size <= 1 << 16:
@@ -62,8 +89,8 @@ class TensorWire(NamedTuple):
   value_dtype: str
 
   @property
-  def index_dtype(self) -> np.dtype:
-    return index_dtype(self.chunk_size)
+  def index_bits(self) -> int:
+    return index_bits(self.chunk_size)
 
   @property
   def entries(self) -> int:
@@ -75,37 +102,331 @@ class WireLayout(NamedTuple):
 
   Attributes:
     tensors: one :class:`TensorWire` per leaf, in tree order.
-    quantize_1bit: whether values travel as packed sign bits.
+    quantize_1bit: whether values travel as sign bits in the bit stream.
   """
 
   tensors: tuple[TensorWire, ...]
   quantize_1bit: bool
 
   @property
-  def index_bytes(self) -> int:
-    return sum(t.entries * t.index_dtype.itemsize for t in self.tensors)
+  def marker(self) -> int | None:
+    """The tensor whose first chunk marks validity (two distinct indices), or ``None``."""
+    return next((i for i, t in enumerate(self.tensors) if t.k >= 2), None)
+
+  @property
+  def header_bytes(self) -> int:
+    """1 (a flag byte) when no tensor keeps two coefficients per chunk, else 0."""
+    return 1 if self.marker is None else 0
+
+  @property
+  def index_bits(self) -> int:
+    """Bits of all the indices."""
+    return sum(t.entries * t.index_bits for t in self.tensors)
+
+  @property
+  def stream_bits(self) -> int:
+    """Bits of the bit stream: the indices, then the signs with ``quantize_1bit``."""
+    signs = sum(t.entries for t in self.tensors) if self.quantize_1bit else 0
+    return self.index_bits + signs
+
+  @property
+  def stream_bytes(self) -> int:
+    return math.ceil(self.stream_bits / 8)
 
   @property
   def value_bytes(self) -> int:
+    """Bytes of full-precision values (0 with ``quantize_1bit``)."""
     if self.quantize_1bit:
-      return math.ceil(sum(t.entries for t in self.tensors) / 8)
+      return 0
     return sum(t.entries * np.dtype(t.value_dtype).itemsize for t in self.tensors)
 
   @property
   def num_bytes(self) -> int:
     """Bytes one worker sends per step: the length of its message."""
-    return HEADER_BYTES + self.index_bytes + self.value_bytes
+    return self.header_bytes + self.stream_bytes + self.value_bytes
+
+
+def _batching(nb: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """Batching dims of a block view ``(*lead, A, c1, B, c2)`` and of its ``(*lead, A, B, k)``."""
+  return (*range(nb), nb, nb + 2), (*range(nb), nb, nb + 1)
+
+
+def _coords(idx: jax.Array, c2: int) -> jax.Array:
+  """Chunk-local indices ``i * c2 + j`` as ``(i, j)`` pairs on a new last axis."""
+  idx = idx.astype(jnp.int32)
+  return jnp.stack([idx // c2, idx % c2], axis=-1)
+
+
+def _flat_positions(idx: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
+  """Positions in the flattened block view of chunk-local indices ``(*lead, A, B, k)``."""
+  *lead, a, c1, b, c2 = block_shape
+  bands = jnp.arange(math.prod(lead) * a, dtype=jnp.int32).reshape(*lead, a, 1, 1)
+  cols = jnp.arange(b, dtype=jnp.int32).reshape(b, 1)
+  idx = idx.astype(jnp.int32)
+  return (bands * c1 + idx // c2) * (b * c2) + cols * c2 + idx % c2
+
+
+def gather_blocks(x_blocks: jax.Array, idx: jax.Array) -> jax.Array:
+  """Entries of a block view at chunk-local indices.
+
+  Args:
+    x_blocks: ``(*lead, A, c1, B, c2)``.
+    idx: int ``(*lead, A, B, k)``, each in ``[0, c1 * c2)``.
+
+  Returns:
+    ``(*lead, A, B, k)``: ``x_blocks[..., a, i, b, j]`` for each ``i * c2 + j``.
+  """
+  if not dct.placed_on_mesh(x_blocks):
+    # One flat index per entry is the cheapest gather there is. On a mesh the
+    # batched form below tells the compiler which axes the indices run along,
+    # so the sharding of the chunk axes carries through.
+    flat = _flat_positions(idx, x_blocks.shape)
+    return x_blocks.reshape(-1).at[flat].get(mode="promise_in_bounds", unique_indices=True)
+  nb = x_blocks.ndim - 4
+  operand_batch, index_batch = _batching(nb)
+  dn = jax.lax.GatherDimensionNumbers(
+    offset_dims=(),
+    collapsed_slice_dims=(nb + 1, nb + 3),
+    start_index_map=(nb + 1, nb + 3),
+    operand_batching_dims=operand_batch,
+    start_indices_batching_dims=index_batch,
+  )
+  return jax.lax.gather(
+    x_blocks,
+    _coords(idx, x_blocks.shape[-1]),
+    dn,
+    (1,) * x_blocks.ndim,
+    mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+  )
+
+
+def scatter_blocks(x_blocks: jax.Array, idx: jax.Array, updates: jax.Array) -> jax.Array:
+  """Writes ``updates`` into a block view at chunk-local indices (distinct per chunk).
+
+  Args:
+    x_blocks: ``(*lead, A, c1, B, c2)``.
+    idx: int ``(*lead, A, B, k)``, distinct within each chunk.
+    updates: ``(*lead, A, B, k)``, or a scalar.
+
+  Returns:
+    ``x_blocks`` with those entries replaced. Each location is written at most
+    once, so no backend needs atomics.
+  """
+  updates = jnp.broadcast_to(jnp.asarray(updates, x_blocks.dtype), idx.shape)
+  if not dct.placed_on_mesh(x_blocks):
+    flat = _flat_positions(idx, x_blocks.shape)
+    out = x_blocks.reshape(-1).at[flat].set(updates, unique_indices=True, mode="promise_in_bounds")
+    return out.reshape(x_blocks.shape)
+  nb = x_blocks.ndim - 4
+  operand_batch, index_batch = _batching(nb)
+  dn = jax.lax.ScatterDimensionNumbers(
+    update_window_dims=(),
+    inserted_window_dims=(nb + 1, nb + 3),
+    scatter_dims_to_operand_dims=(nb + 1, nb + 3),
+    operand_batching_dims=operand_batch,
+    scatter_indices_batching_dims=index_batch,
+  )
+  return jax.lax.scatter(
+    x_blocks,
+    _coords(idx, x_blocks.shape[-1]),
+    updates,
+    dn,
+    indices_are_sorted=False,
+    unique_indices=True,
+    mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+  )
+
+
+def _top_k_rows(rows: list[jax.Array], k: int) -> list[jax.Array]:
+  """``jax.lax.top_k(r, k)[1]`` for each 2-D ``r``; rows of equal width share one call."""
+  out: list[jax.Array | None] = [None] * len(rows)
+  by_width: dict[int, list[int]] = {}
+  for i, r in enumerate(rows):
+    by_width.setdefault(r.shape[-1], []).append(i)
+  for members in by_width.values():
+    if len(members) == 1:
+      out[members[0]] = jax.lax.top_k(rows[members[0]], k)[1]
+      continue
+    # Each row is ranked on its own, so stacking rows changes no result, and
+    # one call costs less than many on every backend.
+    _, idx = jax.lax.top_k(jnp.concatenate([rows[i] for i in members]), k)
+    # XLA turns top-k into its fast kernel only when it sees whole rows taken
+    # from a sort; splitting here would merge into those slices and undo it.
+    idx = jax.lax.optimization_barrier(idx)
+    bounds = np.cumsum([rows[i].shape[0] for i in members])[:-1]
+    for i, part in zip(members, jnp.split(idx, bounds)):
+      out[i] = part
+  return out
+
+
+def select_topk_many(blocks: list[jax.Array], ks: list[int]) -> list[tuple[jax.Array, jax.Array]]:
+  """:func:`select_topk_blocks` for many tensors, with one top-k call per kind of row.
+
+  Args:
+    blocks: block views ``(*lead, A, c1, B, c2)``, one per tensor.
+    ks: how many to keep per chunk, one per tensor.
+
+  Returns:
+    Per tensor, what :func:`select_topk_blocks` returns, to the bit.
+  """
+  if any(dct.placed_on_mesh(x) for x in blocks):
+    # Stacking tensors would merge their shardings; keep each on its own.
+    return [select_topk_blocks(x, k) for x, k in zip(blocks, ks)]
+  out: list[tuple[jax.Array, jax.Array] | None] = [None] * len(blocks)
+
+  def flat(x: jax.Array) -> jax.Array:
+    return x.reshape(-1, x.shape[-1])
+
+  for k in sorted(set(ks)):
+    members = [i for i, kk in enumerate(ks) if kk == k]
+    two = [i for i in members if _two_stage(blocks[i].shape, k)]
+    one = [i for i in members if i not in two]
+    full_rows = [_rows(blocks[i]) for i in one]
+    found = _top_k_rows([flat(jnp.abs(r)) for r in full_rows], k)
+    for i, rows, idx in zip(one, full_rows, found):
+      idx = idx.reshape(*rows.shape[:-1], k)
+      out[i] = idx, jnp.take_along_axis(rows, idx, axis=-1)
+    maxima = [_group_maxima(blocks[i]) for i in two]
+    picked = _top_k_rows([flat(m) for m in maxima], k)
+    cands = [
+      _candidates(blocks[i], jnp.sort(g, axis=-1).reshape(*m.shape[:-1], k))
+      for i, g, m in zip(two, picked, maxima)
+    ]
+    found = _top_k_rows([flat(jnp.abs(c)) for c, _ in cands], k)
+    for i, (c, groups), pos in zip(two, cands, found):
+      pos = pos.reshape(*c.shape[:-1], k)
+      idx = jnp.take_along_axis(groups, pos // _GROUP, axis=-1) * _GROUP + pos % _GROUP
+      out[i] = idx, jnp.take_along_axis(c, pos, axis=-1)
+  return out
+
+
+_GROUP = 8
+
+
+def _two_stage(block_shape: tuple[int, ...], k: int) -> bool:
+  *_, c1, _, c2 = block_shape
+  return c2 % _GROUP == 0 and c1 * c2 >= 32 * k
+
+
+def _ab(x_blocks: jax.Array) -> tuple[int, int]:
+  return x_blocks.shape[-4], x_blocks.shape[-2]
+
+
+def _rows(x_blocks: jax.Array) -> jax.Array:
+  """The chunks of a block view as rows ``(*lead, A, B, c1 * c2)`` (a transposed copy)."""
+  *lead, a, c1, b, c2 = x_blocks.shape
+  nb = len(lead)
+  perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
+  return x_blocks.transpose(perm).reshape(*lead, a, b, c1 * c2)
+
+
+def _group_maxima(x_blocks: jax.Array) -> jax.Array:
+  """Max magnitude of every run of 8 along each chunk row: ``(*lead, A, B, c1 * c2 / 8)``.
+
+  Read where the data lies; only these maxima (an eighth) are rearranged.
+  """
+  *lead, a, c1, b, c2 = x_blocks.shape
+  nb = len(lead)
+  runs = x_blocks.reshape(*lead, a, c1, b, c2 // _GROUP, _GROUP)
+  # A max over eight strided reads is one vectorized loop; a reduce over a
+  # minor axis of 8 runs about three times slower on CPU. Same values.
+  maxima = jnp.abs(runs[..., 0])
+  for e in range(1, _GROUP):
+    maxima = jnp.maximum(maxima, jnp.abs(runs[..., e]))
+  perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
+  return maxima.transpose(perm).reshape(*lead, a, b, c1 * c2 // _GROUP)
+
+
+def _candidates(x_blocks: jax.Array, groups: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The 8 entries of each chosen group, in index order: ``(*lead, A, B, 8k)``, and the groups."""
+  *lead, a, c1, b, c2 = x_blocks.shape
+  k = groups.shape[-1]
+  per_row = c2 // _GROUP
+  # Groups run along chunk rows (c2 is a multiple of 8): group g holds
+  # chunk-local indices 8g to 8g + 7, one contiguous run of the block view.
+  if not dct.placed_on_mesh(x_blocks):
+    runs = _flat_positions(groups * _GROUP, x_blocks.shape) // _GROUP
+    found = x_blocks.reshape(-1, _GROUP).at[runs].get(mode="promise_in_bounds")
+    return found.reshape(*lead, a, b, k * _GROUP), groups
+  nb = len(lead)
+  operand_batch, index_batch = _batching(nb)
+  dn = jax.lax.GatherDimensionNumbers(
+    offset_dims=(nb + 3,),
+    collapsed_slice_dims=(nb + 1, nb + 3),
+    start_index_map=(nb + 1, nb + 3),
+    operand_batching_dims=operand_batch,
+    start_indices_batching_dims=index_batch,
+  )
+  coords = jnp.stack([groups // per_row, groups % per_row], axis=-1)
+  found = jax.lax.gather(
+    x_blocks.reshape(*lead, a, c1, b, per_row, _GROUP),
+    coords,
+    dn,
+    (1,) * (nb + 4) + (_GROUP,),
+    mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+  )
+  return found.reshape(*lead, a, b, k * _GROUP), groups
+
+
+def _top_k(x: jax.Array, k: int) -> jax.Array:
+  """Indices of the ``k`` largest entries of each last-axis row, largest first, ties low.
+
+  XLA partitions its top-k kernel by gathering the rows onto every device, so
+  on a mesh this is a stable sort, which it partitions along the other axes.
+  Both give the same indices in the same order.
+  """
+  if not dct.placed_on_mesh(x):
+    return jax.lax.top_k(x, k)[1]
+  return jnp.argsort(-x, axis=-1, stable=True)[..., :k]
+
+
+def select_topk_blocks(x_blocks: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Keeps the ``k`` largest-magnitude entries of every chunk of a block view.
+
+  Ties go to the lower chunk-local index, as ``jax.lax.top_k`` documents, so
+  the choice is the same on every backend. Wide chunks whose rows split into
+  groups of 8 are searched in two stages, which pick exactly the same
+  indices in the same order: the k groups of 8 with the largest maxima hold
+  every one of the top k (each element of the top k lifts its own group's
+  maximum to at least the k-th value, and at most k groups can reach it), so
+  a second top-k over those 8k candidates, kept in index order, finds them.
+  The first stage reads the chunks where they lie, so only the group maxima
+  (an eighth of the data) are rearranged.
+
+  Args:
+    x_blocks: float ``(*lead, A, c1, B, c2)`` (see :func:`distro_jax.dct.to_blocks`).
+    k: how many to keep, ``1 <= k <= c1 * c2``.
+
+  Returns:
+    ``(indices, values)``, both ``(*lead, A, B, k)``: int32 chunk-local
+    positions ``i * c2 + j`` in descending magnitude, and the entries there.
+  """
+  if not _two_stage(x_blocks.shape, k):
+    rows = _rows(x_blocks)
+    idx = _top_k(jnp.abs(rows), k)
+    return idx, jnp.take_along_axis(rows, idx, axis=-1)
+  groups = _top_k(_group_maxima(x_blocks), k)
+  candidates, groups = _candidates(x_blocks, jnp.sort(groups, axis=-1))
+  pos = _top_k(jnp.abs(candidates), k)
+  idx = jnp.take_along_axis(groups, pos // _GROUP, axis=-1) * _GROUP + pos % _GROUP
+  return idx, jnp.take_along_axis(candidates, pos, axis=-1)
+
+
+def zero_selected_blocks(x_blocks: jax.Array, idx: jax.Array) -> jax.Array:
+  """Error feedback in place: what was sent leaves the buffer."""
+  return scatter_blocks(x_blocks, idx, 0.0)
+
+
+def _rows_as_blocks(x: jax.Array) -> jax.Array:
+  """A ``(..., rows, chunk)`` array as a block view with one row per chunk."""
+  return x.reshape(*x.shape[:-1], 1, 1, 1, x.shape[-1])
 
 
 def select_topk(coeffs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """Keeps the ``k`` largest-magnitude coefficients of every row.
 
-  Ties go to the lower index, as ``jax.lax.top_k`` documents, so the choice is
-  the same on every backend. Wide rows are searched in two stages, which pick
-  exactly the same set: the k groups of 8 with the largest maxima hold every
-  one of the top k (each element of the top k lifts its own group's maximum to
-  at least the k-th value, and at most k groups can reach it), so a second
-  top-k over those 8k candidates, kept in index order, finds them.
+  The rows-layout form of :func:`select_topk_blocks`, with the same choice and
+  order.
 
   Args:
     coeffs: float array ``(rows, chunk_size)``.
@@ -115,25 +436,16 @@ def select_topk(coeffs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     ``(indices, values)``, both ``(rows, k)``: int32 positions within the chunk,
     and the coefficients found there.
   """
-  rows, width = coeffs.shape
-  mag = jnp.abs(coeffs)
-  group = 8
-  if width % group or width < 32 * k:
-    _, idx = jax.lax.top_k(mag, k)
-  else:
-    mag_RxGxS = mag.reshape(rows, width // group, group)
-    _, groups = jax.lax.top_k(mag_RxGxS.max(axis=-1), k)
-    groups = jnp.sort(groups, axis=-1)
-    candidates = jnp.take_along_axis(mag_RxGxS, groups[..., None], axis=1).reshape(rows, k * group)
-    _, pos = jax.lax.top_k(candidates, k)
-    idx = jnp.take_along_axis(groups, pos // group, axis=1) * group + pos % group
-  return idx, jnp.take_along_axis(coeffs, idx, axis=-1)
+  rows = coeffs.shape[0]
+  idx, val = select_topk_blocks(_rows_as_blocks(coeffs), k)
+  return idx.reshape(rows, k), val.reshape(rows, k)
 
 
 def zero_selected(coeffs: jax.Array, idx: jax.Array) -> jax.Array:
-  """Error feedback in the coefficient domain: what was sent leaves the buffer."""
-  rows = jnp.arange(coeffs.shape[0])[:, None]
-  return coeffs.at[rows, idx].set(0.0, unique_indices=True)
+  """Error feedback in the rows layout: what was sent leaves the buffer."""
+  rows, k = idx.shape
+  out = zero_selected_blocks(_rows_as_blocks(coeffs), idx.reshape(rows, 1, 1, k))
+  return out.reshape(coeffs.shape)
 
 
 def _to_bytes(x: jax.Array) -> jax.Array:
@@ -150,6 +462,21 @@ def _from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Ar
   return jax.lax.bitcast_convert_type(b, dtype)
 
 
+def _unsharded(x: jax.Array) -> jax.Array:
+  """``x`` replicated, when its type shards it over explicit mesh axes.
+
+  A message is one byte vector, so a selection sharded with its param (one
+  worker under ``jax.jit`` on an explicit mesh) is gathered first: the
+  selection, a sliver of the param, never the param itself.
+  """
+  sharding = dct.explicit_sharding(x)
+  if sharding is None:
+    return x
+  return jax.sharding.reshard(
+    x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  )
+
+
 def encode_message(
   indices: list[jax.Array],
   values: list[jax.Array],
@@ -159,25 +486,33 @@ def encode_message(
   """Serializes one worker's top-k selections into its wire message.
 
   Args:
-    indices: per tensor, int ``(rows, k)`` chunk-local positions.
-    values: per tensor, float ``(rows, k)`` coefficients (full precision).
+    indices: per tensor, int chunk-local positions, ``rows * k`` of them in any
+      shape whose C-order flattening is row-major over chunks (``(rows, k)``,
+      or ``(*lead, A, B, k)`` from :func:`select_topk_blocks`).
+    values: per tensor, float coefficients (full precision), shaped as the indices.
     layout: the :class:`WireLayout` of the tree.
     valid: False marks the message as one to leave out (the sender's values
-      were not finite).
+      were not finite): it goes out as all zeros (after a 0 flag byte when the
+      layout has one).
 
   Returns:
     ``uint8[layout.num_bytes]``.
   """
-  parts = [jnp.asarray(valid, jnp.uint8).reshape(1)]
-  for t, idx in zip(layout.tensors, indices):
-    parts.append(_to_bytes(idx.astype(t.index_dtype)))
+  indices = [_unsharded(x) for x in indices]
+  values = [_unsharded(x) for x in values]
+  stream = [bitpack.to_bit_stream(idx, t.index_bits) for t, idx in zip(layout.tensors, indices)]
   if layout.quantize_1bit:
-    signs = jnp.concatenate([(v >= 0).reshape(-1) for v in values])
-    parts.append(jnp.packbits(signs))
-  else:
-    for t, v in zip(layout.tensors, values):
-      parts.append(_to_bytes(v.astype(t.value_dtype)))
-  return jnp.concatenate(parts)
+    stream += [(v >= 0).reshape(-1).astype(jnp.uint8) for v in values]
+  parts = []
+  if layout.header_bytes:
+    parts.append(jnp.ones((1,), jnp.uint8))
+  if stream:
+    parts.append(jnp.packbits(jnp.concatenate(stream), bitorder="little"))
+  if not layout.quantize_1bit:
+    parts += [_to_bytes(v.astype(t.value_dtype)) for t, v in zip(layout.tensors, values)]
+  message = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
+  # Zeros mark a message to leave out; the message is tiny, so this costs nothing.
+  return jnp.where(jnp.asarray(valid, bool), message, jnp.zeros_like(message))
 
 
 def decode_message(
@@ -191,44 +526,53 @@ def decode_message(
 
   Returns:
     ``(tensors, valid)``: per tensor, ``(indices, values)`` of shape
-    ``(..., rows, k)``; and the bool validity flag of each message, ``(...)``.
+    ``(..., rows, k)``, exactly as sent; and the bool validity flag of each
+    message, ``(...)``.
   """
-  valid = message[..., 0] == 1
-  out_idx, offset = [], HEADER_BYTES
+  lead = message.shape[:-1]
+  offset = layout.header_bytes
+  stream = jnp.unpackbits(
+    message[..., offset : offset + layout.stream_bytes],
+    axis=-1,
+    count=layout.stream_bits,
+    bitorder="little",
+  )
+  offset += layout.stream_bytes
+  out_idx, start = [], 0
   for t in layout.tensors:
-    n = t.entries * t.index_dtype.itemsize
-    raw = message[..., offset : offset + n]
-    out_idx.append(_from_bytes(raw, t.index_dtype, (t.rows, t.k)).astype(jnp.int32))
-    offset += n
+    n = t.entries * t.index_bits
+    idx = bitpack.from_bit_stream(stream[..., start : start + n], t.index_bits, t.entries)
+    out_idx.append(idx.astype(jnp.int32).reshape(*lead, t.rows, t.k))
+    start += n
   out_val = []
-  if layout.quantize_1bit:
-    total = sum(t.entries for t in layout.tensors)
-    bits = jnp.unpackbits(message[..., offset:], axis=-1, count=total)
-    signs = jnp.where(bits.astype(bool), 1.0, -1.0).astype(jnp.float32)
-    start = 0
-    for t in layout.tensors:
-      chunk = signs[..., start : start + t.entries]
-      out_val.append(chunk.reshape(*chunk.shape[:-1], t.rows, t.k))
+  for t in layout.tensors:
+    if layout.quantize_1bit:
+      bits = stream[..., start : start + t.entries].reshape(*lead, t.rows, t.k)
+      out_val.append(jnp.where(bits.astype(bool), 1.0, -1.0).astype(jnp.float32))
       start += t.entries
-  else:
-    for t in layout.tensors:
+    else:
       dt = np.dtype(t.value_dtype)
       n = t.entries * dt.itemsize
       raw = message[..., offset : offset + n]
       out_val.append(_from_bytes(raw, dt, (t.rows, t.k)).astype(jnp.float32))
       offset += n
+  if layout.marker is None:
+    valid = message[..., 0] == 1
+  else:
+    first = out_idx[layout.marker]
+    valid = first[..., 0, 0] != first[..., 0, 1]
   return list(zip(out_idx, out_val)), valid
 
 
-def _worker_keys(indices_WxRxK: jax.Array, values_WxRxK: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _worker_keys(indices_Wx: jax.Array, values_Wx: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Two 32-bit content hashes per worker; they fix a canonical worker order.
 
   Integer sums wrap identically in any order, so the keys, and the order they
   give, are the same whichever way the workers were numbered.
   """
-  num_workers = indices_WxRxK.shape[0]
-  bits = jax.lax.bitcast_convert_type(values_WxRxK.astype(jnp.float32), jnp.uint32)
-  x = (bits ^ (indices_WxRxK.astype(jnp.uint32) * np.uint32(0x9E3779B1))).reshape(num_workers, -1)
+  num_workers = indices_Wx.shape[0]
+  bits = jax.lax.bitcast_convert_type(values_Wx.astype(jnp.float32), jnp.uint32)
+  x = (bits ^ (indices_Wx.astype(jnp.uint32) * np.uint32(0x9E3779B1))).reshape(num_workers, -1)
   pos = jnp.arange(x.shape[1], dtype=jnp.uint32)
   keys = []
   for mul, salt in ((0x85EBCA6B, 0x27D4EB2F), (0xC2B2AE35, 0x165667B1)):
@@ -236,6 +580,85 @@ def _worker_keys(indices_WxRxK: jax.Array, values_WxRxK: jax.Array) -> tuple[jax
     h = h ^ (h >> 15)
     keys.append(jnp.sum(h * (pos * np.uint32(2) + np.uint32(1)), axis=1, dtype=jnp.uint32))
   return keys[0], keys[1]
+
+
+def aggregate_blocks(
+  selections: list[tuple[jax.Array, jax.Array]],
+  block_shapes: list[tuple[int, ...]],
+  valid_W: jax.Array | None = None,
+) -> list[tuple[jax.Array, jax.Array]]:
+  """:func:`aggregate` for many tensors at once, straight into their block views.
+
+  One loop over the workers folds every tensor's contributions, each tensor in
+  its own canonical worker order (a hash of that tensor's part of the
+  messages), with the arithmetic of :func:`aggregate`, so the result is the
+  same to the bit.
+
+  Args:
+    selections: per tensor, ``(indices, values)`` of shape ``(W, *lead, A, B,
+      k)`` (or any shape with W first and ``rows * k`` entries per worker, in
+      chunk-major order).
+    block_shapes: per tensor, its block view ``(*lead, A, c1, B, c2)``.
+    valid_W: optional bool per worker; a worker marked False is left out.
+
+  Returns:
+    Per tensor, ``(mean, count)`` in its block view: float32 means over
+    contributors and int32 contributor counts.
+  """
+  if not selections:
+    return []
+  num_workers = selections[0][0].shape[0]
+  if valid_W is None:
+    valid_W = jnp.ones((num_workers,), bool)
+  prepared, orders = [], []
+  for (idx, val), shape in zip(selections, block_shapes):
+    *lead, a, _, b, _ = shape
+    k = math.prod(idx.shape[1:]) // (math.prod(lead) * a * b)
+    idx = idx.astype(jnp.int32).reshape(num_workers, *lead, a, b, k)
+    val = val.astype(jnp.float32).reshape(num_workers, *lead, a, b, k)
+    key_a, key_b = _worker_keys(idx, val)
+    orders.append(jnp.lexsort((key_b, key_a)))
+    prepared.append((idx, val))
+  # The count only ever reaches W; a narrow type keeps this dense buffer small.
+  count_dtype = jnp.uint8 if num_workers < 255 else jnp.int32
+
+  def fold(i, carry):
+    out = []
+    for (mean, count), (idx_W, val_W), order in zip(carry, prepared, orders):
+      w = order[i]
+      ok = valid_W[w]
+      idx, val = idx_W[w], val_W[w]
+      n = gather_blocks(count, idx) + ok.astype(count_dtype)
+      mu = gather_blocks(mean, idx)
+      step = (val - mu) / jnp.maximum(n, 1).astype(jnp.float32)
+      mu = jnp.where(ok, mu + step, mu)
+      out.append((scatter_blocks(mean, idx, mu), scatter_blocks(count, idx, n)))
+    return out
+
+  def zeros(idx_W: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
+    # Zeros of the same shape would be merged into one buffer, which the loop
+    # then copies into each tensor's slot; a zero XLA cannot prove (an index
+    # is never negative) keeps one fresh buffer per tensor.
+    zero = jnp.minimum(idx_W.reshape(-1)[0], 0).astype(dtype)
+    return jnp.broadcast_to(zero, shape)
+
+  init = [
+    (zeros(idx, s, jnp.float32), zeros(idx, s, count_dtype))
+    for (idx, _), s in zip(prepared, block_shapes)
+  ]
+  # The loop carry must be typed as varying over every mesh axis its inputs
+  # vary over (e.g. "fsdp" when each device aggregates its own shard).
+  axes = frozenset(varying_axes(valid_W))
+  for idx, val in prepared:
+    axes |= varying_axes(idx) | varying_axes(val)
+
+  def typed(x: jax.Array) -> jax.Array:
+    missing = tuple(sorted(axes - varying_axes(x), key=str))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  init = jax.tree.map(typed, init)
+  result = jax.lax.fori_loop(0, num_workers, fold, init)
+  return [(mean, count.astype(jnp.int32)) for mean, count in result]
 
 
 def aggregate(
@@ -265,34 +688,7 @@ def aggregate(
     ``(dense, contributors)``: float32 ``(rows, chunk_size)`` aggregate, and
     int32 ``(rows, chunk_size)`` count of workers behind each coefficient.
   """
-  num_workers, rows, _ = indices_WxRxK.shape
-  indices_WxRxK = indices_WxRxK.astype(jnp.int32)
-  values_WxRxK = values_WxRxK.astype(jnp.float32)
-  if valid_W is None:
-    valid_W = jnp.ones((num_workers,), bool)
-  key_a, key_b = _worker_keys(indices_WxRxK, values_WxRxK)
-  order = jnp.lexsort((key_b, key_a))
-  row_ids = jnp.arange(rows)[:, None]
-  # The count only ever reaches W; a narrow type keeps this dense buffer small.
-  count_dtype = jnp.uint8 if num_workers < 255 else jnp.int32
-
-  def fold(i, carry):
-    mean, count = carry
-    w = order[i]
-    idx, val = indices_WxRxK[w], values_WxRxK[w]
-    n = count[row_ids, idx] + valid_W[w].astype(count_dtype)
-    mu = mean[row_ids, idx]
-    step = (val - mu) / jnp.maximum(n, 1).astype(jnp.float32)
-    mu = jnp.where(valid_W[w], mu + step, mu)
-    mean = mean.at[row_ids, idx].set(mu, unique_indices=True)
-    count = count.at[row_ids, idx].set(n, unique_indices=True)
-    return mean, count
-
-  init = (jnp.zeros((rows, chunk_size), jnp.float32), jnp.zeros((rows, chunk_size), count_dtype))
-  # The loop carry must be typed as varying over every mesh axis its inputs
-  # vary over (e.g. "fsdp" when each device aggregates its own shard).
-  axes = varying_axes(indices_WxRxK) | varying_axes(values_WxRxK) | varying_axes(valid_W)
-  if axes:
-    init = jax.lax.pcast(init, tuple(sorted(axes, key=str)), to="varying")
-  mean, count = jax.lax.fori_loop(0, num_workers, fold, init)
-  return mean, count.astype(jnp.int32)
+  _, rows, _ = indices_WxRxK.shape
+  shape = (rows, 1, 1, 1, chunk_size)
+  ((mean, count),) = aggregate_blocks([(indices_WxRxK, values_WxRxK)], [shape], valid_W)
+  return mean.reshape(rows, chunk_size), count.reshape(rows, chunk_size)

@@ -5,24 +5,36 @@ Every tensor is viewed as ``(*batch, n1, n2)``: a scalar as ``(1, 1)``, a vector
 length-1 axis gets a 1x1 identity transform), and anything of higher rank keeps
 its leading axes as batch axes. Each of the last two axes is cut into chunks of
 the largest divisor that does not exceed the target, and every
-``(c1, c2)`` block gets a separable 2-D DCT. Coefficients are laid out as
-``(rows, c1 * c2)``, one row per chunk, rows ordered row-major over
-``(*batch, n1 // c1, n2 // c2)`` and each row flattened with the c1 axis first.
+``(c1, c2)`` block gets a separable 2-D DCT.
+
+Two layouts hold the coefficients:
+
+- **In place** (:func:`transform`, :func:`inverse`): the tensor's own shape,
+  each block's coefficients written over that block, coefficient ``(i, j)`` of
+  a block at the block's row ``i`` and column ``j``. DeMo's momentum lives in
+  this layout, so it has its param's shape and any sharding of the param that
+  does not cut a chunk applies to it unchanged. Both 1-D transforms are plain
+  matmuls over an axis of the block view ``(*batch, n1 // c1, c1, n2 // c2,
+  c2)`` (:func:`to_blocks`), with no transpose in between.
+- **Rows** (:func:`encode`, :func:`decode`): ``(rows, c1 * c2)``, one row per
+  chunk, rows ordered row-major over ``(*batch, n1 // c1, n2 // c2)`` and each
+  row flattened with the c1 axis first. Position ``i * c2 + j`` of a row is the
+  chunk-local index that the wire format carries. :func:`to_chunks` turns the
+  in-place layout into this one.
 
 The transform is a pair of small matmuls with a precomputed basis, not an FFT:
 chunks are at most a few dozen long, where a dense basis is fastest on every
 accelerator.
 """
 
-from __future__ import annotations
-
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.shard_alike import shard_alike
 
 __all__ = [
   "ChunkPlan",
@@ -30,9 +42,13 @@ __all__ = [
   "dct_basis",
   "decode",
   "encode",
+  "from_blocks",
   "from_chunks",
+  "inverse",
   "plan_chunks",
+  "to_blocks",
   "to_chunks",
+  "transform",
 ]
 
 
@@ -93,8 +109,28 @@ class ChunkPlan(NamedTuple):
 
   @property
   def coeff_shape(self) -> tuple[int, int]:
-    """Shape of the coefficient array, ``(rows, chunk_size)``."""
+    """Shape of the coefficient array in the rows layout, ``(rows, chunk_size)``."""
     return (self.rows, self.chunk_size)
+
+  @property
+  def state_shape(self) -> tuple[int, ...]:
+    """Shape of DeMo's in-place momentum: the tensor's own, and ``(1,)`` for a scalar.
+
+    A scalar gets one axis so that per-worker state can be laid out along axis 0
+    (see :mod:`distro_jax.worker_state`).
+    """
+    return self.shape or (1,)
+
+  @property
+  def batch_dims(self) -> int:
+    """Number of leading (batch) axes the tensor keeps in its block view."""
+    return max(len(self.shape) - 2, 0)
+
+  @property
+  def block_shape(self) -> tuple[int, ...]:
+    """The block view ``(*batch, n1 // c1, c1, n2 // c2, c2)`` (see :func:`to_blocks`)."""
+    lead = self.shape[:-2] if len(self.shape) >= 2 else ()
+    return (*lead, self.n1 // self.c1, self.c1, self.n2 // self.c2, self.c2)
 
 
 def plan_chunks(shape: tuple[int, ...], target: int) -> ChunkPlan:
@@ -143,8 +179,216 @@ def dct_basis(n: int) -> jax.Array:
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def explicit_sharding(x: jax.Array) -> Any:
+  """``x``'s sharding when its type carries one over explicit mesh axes, else ``None``.
+
+  Under ``jax.jit`` on a mesh with ``AxisType.Explicit`` axes a reshape that
+  splits a sharded axis must be told where the sharding goes; everywhere else
+  (auto meshes, inside ``shard_map``, one device) the compiler decides.
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not mesh.axis_names:
+    return None
+  explicit = jax.sharding.AxisType.Explicit
+  spec = tuple(sharding.spec)
+  named = [e for e in spec if e is not None]
+  if not named or not any(t == explicit for t in mesh.axis_types):
+    return None
+  return sharding
+
+
+def placed_on_mesh(x: jax.Array) -> bool:
+  """Whether ``x``'s type places it on mesh axes that the compiler shards (auto or explicit).
+
+  Inside ``shard_map`` (every axis manual) or on one device it is not, and any
+  layout trick is free; on a mesh, ops must let the sharding flow through.
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not mesh.axis_names:
+    return False
+  return any(t != jax.sharding.AxisType.Manual for t in mesh.axis_types)
+
+
+def _axis_entry_size(mesh: Any, entry: Any) -> int:
+  names = entry if isinstance(entry, tuple) else (entry,)
+  return math.prod(mesh.shape[n] for n in names)
+
+
+def _chunk_whole_spec(sharding: Any, plan: ChunkPlan) -> tuple[Any, ...]:
+  """The tensor's spec with every entry that would cut a chunk dropped."""
+  spec = tuple(sharding.spec) + (None,) * (len(plan.shape) - len(tuple(sharding.spec)))
+  if len(plan.shape) == 0:
+    return spec
+  chunked = {len(plan.shape) - 1: plan.n2 // plan.c2}
+  if len(plan.shape) >= 2:
+    chunked[len(plan.shape) - 2] = plan.n1 // plan.c1
+  return tuple(
+    None
+    if e is not None and d in chunked and chunked[d] % _axis_entry_size(sharding.mesh, e)
+    else e
+    for d, e in enumerate(spec)
+  )
+
+
+def _block_spec(spec: tuple[Any, ...], plan: ChunkPlan) -> jax.sharding.PartitionSpec:
+  """Where a chunk-whole spec of a tensor's axes goes in its block view."""
+  P = jax.sharding.PartitionSpec
+  if len(plan.shape) >= 2:
+    return P(*spec[:-2], spec[-2], None, spec[-1], None)
+  if len(plan.shape) == 1:
+    return P(None, None, spec[0], None)
+  return P()
+
+
+def to_blocks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
+  """The block view of ``x``: shape ``plan.block_shape``, no data moved.
+
+  Args:
+    x: a tensor of shape ``plan.shape`` (or ``plan.state_shape``), any dtype.
+    plan: its :class:`ChunkPlan`.
+
+  Returns:
+    ``x`` reshaped to ``(*batch, n1 // c1, c1, n2 // c2, c2)``; block
+    ``(..., a, :, b, :)`` is chunk ``(a, b)``. A sharding of ``x`` over
+    explicit mesh axes moves to the chunk-count axes; a sharded axis whose
+    chunks do not divide over its shards is gathered first (chunks are
+    transformed whole), and :func:`from_blocks` with ``like`` shards the
+    result back.
+  """
+  sharding = explicit_sharding(x)
+  if sharding is None:
+    return jnp.reshape(x, plan.block_shape)
+  whole = _chunk_whole_spec(sharding, plan)
+  if whole != tuple(sharding.spec) + (None,) * (x.ndim - len(tuple(sharding.spec))):
+    x = jax.sharding.reshard(
+      x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*whole))
+    )
+  out = jax.sharding.NamedSharding(sharding.mesh, _block_spec(whole, plan))
+  return jnp.reshape(x, plan.block_shape, out_sharding=out)
+
+
+def from_blocks(
+  y: jax.Array,
+  plan: ChunkPlan,
+  shape: tuple[int, ...] | None = None,
+  like: jax.Array | None = None,
+) -> jax.Array:
+  """Inverse of :func:`to_blocks`.
+
+  Args:
+    y: an array of shape ``plan.block_shape``.
+    plan: the :class:`ChunkPlan` it was made with.
+    shape: the shape to return, ``plan.shape`` by default (or ``plan.state_shape``).
+    like: an array whose explicit sharding the result should have (the
+      tensor that went into :func:`to_blocks`); by default the one the block
+      view carries.
+
+  Returns:
+    ``y`` reshaped to ``shape``, its explicit sharding carried back.
+  """
+  shape = tuple(plan.shape if shape is None else shape)
+  sharding = explicit_sharding(y)
+  if y.shape != shape:
+    if sharding is None or len(plan.shape) < 1:
+      y = jnp.reshape(y, shape)
+    else:
+      spec = tuple(sharding.spec) + (None,) * (y.ndim - len(tuple(sharding.spec)))
+      nb = plan.batch_dims
+      out = (*spec[:nb], spec[nb], spec[nb + 2]) if len(plan.shape) >= 2 else (spec[2],)
+      out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*out))
+      y = jnp.reshape(y, shape, out_sharding=out)
+  if like is None or not placed_on_mesh(like):
+    return y
+  want = explicit_sharding(like)
+  if want is not None:
+    return y if jax.typeof(y).sharding.spec == want.spec else jax.sharding.reshard(y, want)
+  if explicit_sharding(y) is None:
+    # On an auto mesh the sharding is the compiler's to choose; ask for the
+    # one it gives ``like`` (results decoded from a replicated message would
+    # otherwise come back replicated).
+    y, _ = shard_alike(y, like)
+  return y
+
+
+def _along_c1(basis: jax.Array, x: jax.Array) -> jax.Array:
+  """``basis @ block`` for every block of a block view: the transform along ``c1``.
+
+  For each ``(*batch, a)`` the chunks of that band form one ``(c1, B * c2)``
+  matrix, so this is a batched matmul whose output is already in place. Written
+  as a plain contraction, XLA would put the basis's free axis first and
+  transpose the result back, one more pass over the data. With a single chunk
+  along the last axis that transpose is free, and the plain form is kept.
+  """
+  *lead, a, c1, b, c2 = x.shape
+  if b == 1:
+    return jnp.einsum("ip,...apbj->...aibj", basis, x, precision=_HIGHEST)
+  bands = x.reshape(*lead, a, c1, b * c2)
+  batched = jnp.broadcast_to(basis, (*lead, a, c1, c1))
+  out = jnp.einsum("...aip,...apn->...ain", batched, bands, precision=_HIGHEST)
+  return out.reshape(x.shape)
+
+
+def forward_blocks(x_blocks: jax.Array, plan: ChunkPlan) -> jax.Array:
+  """The 2-D DCT of every block of a block view; float32, same layout.
+
+  Args:
+    x_blocks: ``plan.block_shape``, any float dtype.
+    plan: its :class:`ChunkPlan`.
+
+  Returns:
+    Float32 coefficients of shape ``plan.block_shape``, in place.
+  """
+  d1, d2 = dct_basis(plan.c1), dct_basis(plan.c2)
+  x = x_blocks.astype(jnp.float32)
+  t = jnp.einsum("jq,...apbq->...apbj", d2, x, precision=_HIGHEST)
+  return _along_c1(d1, t)
+
+
+def inverse_blocks(y_blocks: jax.Array, plan: ChunkPlan) -> jax.Array:
+  """Inverse of :func:`forward_blocks`."""
+  d1, d2 = dct_basis(plan.c1), dct_basis(plan.c2)
+  t = _along_c1(d1.T, y_blocks)
+  return jnp.einsum("jq,...apbj->...apbq", d2, t, precision=_HIGHEST)
+
+
+def transform(x: jax.Array, plan: ChunkPlan) -> jax.Array:
+  """Chunked 2-D DCT of ``x`` with every chunk's coefficients in the chunk's own place.
+
+  Args:
+    x: a tensor of shape ``plan.shape``, any float dtype.
+    plan: its :class:`ChunkPlan`.
+
+  Returns:
+    Float32 coefficients of shape ``plan.shape``. :func:`to_chunks` of them is
+    :func:`encode` of ``x``.
+
+  Example:
+    >>> import jax.numpy as jnp, distro_jax as dj
+    >>> plan = dj.plan_chunks((128, 64), 64)
+    >>> y = dj.dct.transform(jnp.ones((128, 64)), plan)
+    >>> float(y[0, 0]), float(y[64, 0])  # each 64x64 block's DC term, at its corner
+    (64.0, 64.0)
+  """
+  return from_blocks(forward_blocks(to_blocks(x, plan), plan), plan)
+
+
+def inverse(y: jax.Array, plan: ChunkPlan) -> jax.Array:
+  """Inverse of :func:`transform`.
+
+  Args:
+    y: float32 in-place coefficients of shape ``plan.shape``.
+    plan: the :class:`ChunkPlan` they were made with.
+
+  Returns:
+    A float32 tensor of shape ``plan.shape``.
+  """
+  return from_blocks(inverse_blocks(to_blocks(y, plan), plan), plan)
+
+
 def encode(x: jax.Array, plan: ChunkPlan) -> jax.Array:
-  """Chunked 2-D DCT of ``x``; arithmetic in float32.
+  """Chunked 2-D DCT of ``x`` in the rows layout; arithmetic in float32.
 
   Args:
     x: a tensor of shape ``plan.shape``, any float dtype.
@@ -153,12 +397,7 @@ def encode(x: jax.Array, plan: ChunkPlan) -> jax.Array:
   Returns:
     Float32 coefficients of shape ``plan.coeff_shape``.
   """
-  a, b = plan.n1 // plan.c1, plan.n2 // plan.c2
-  x_BxAxPxBxQ = x.astype(jnp.float32).reshape(plan.batch, a, plan.c1, b, plan.c2)
-  d1, d2 = dct_basis(plan.c1), dct_basis(plan.c2)
-  t = jnp.einsum("jq,zapbq->zapbj", d2, x_BxAxPxBxQ, precision=_HIGHEST)
-  y = jnp.einsum("ip,zapbj->zabij", d1, t, precision=_HIGHEST)
-  return y.reshape(plan.coeff_shape)
+  return to_chunks(transform(x, plan), plan)
 
 
 def decode(y: jax.Array, plan: ChunkPlan) -> jax.Array:
@@ -171,29 +410,28 @@ def decode(y: jax.Array, plan: ChunkPlan) -> jax.Array:
   Returns:
     A float32 tensor of shape ``plan.shape``.
   """
-  a, b = plan.n1 // plan.c1, plan.n2 // plan.c2
-  y_BxAxBxIxJ = y.reshape(plan.batch, a, b, plan.c1, plan.c2)
-  d1, d2 = dct_basis(plan.c1), dct_basis(plan.c2)
-  t = jnp.einsum("ip,zabij->zapbj", d1, y_BxAxBxIxJ, precision=_HIGHEST)
-  x = jnp.einsum("jq,zapbj->zapbq", d2, t, precision=_HIGHEST)
-  return x.reshape(plan.shape)
+  return inverse(from_chunks(y, plan), plan)
 
 
 def to_chunks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
-  """The blocks of :func:`encode` with no transform: the no-DCT ablation's "coefficients".
+  """Rearranges ``x`` into the rows layout, one chunk per row; no transform.
+
+  On a tensor this is the no-DCT ablation's "coefficients"; on in-place
+  coefficients (DeMo's momentum, :func:`transform`) it gives the rows layout
+  of :func:`encode`.
 
   Args:
-    x: a tensor of shape ``plan.shape``, any float dtype.
+    x: a tensor of shape ``plan.shape`` (or ``plan.state_shape``), any float dtype.
     plan: its :class:`ChunkPlan`.
 
   Returns:
     Float32 array of shape ``plan.coeff_shape``; row ``r`` holds the entries
-    of chunk ``r``, row-major with the ``c1`` axis first, as :func:`encode`
-    lays out coefficients.
+    of chunk ``r``, row-major with the ``c1`` axis first.
   """
-  a, b = plan.n1 // plan.c1, plan.n2 // plan.c2
-  x_BxAxPxBxQ = x.astype(jnp.float32).reshape(plan.batch, a, plan.c1, b, plan.c2)
-  return x_BxAxPxBxQ.transpose(0, 1, 3, 2, 4).reshape(plan.coeff_shape)
+  x = jnp.reshape(x.astype(jnp.float32), plan.block_shape)
+  nb = plan.batch_dims
+  perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
+  return x.transpose(perm).reshape(plan.coeff_shape)
 
 
 def from_chunks(y: jax.Array, plan: ChunkPlan) -> jax.Array:
@@ -206,6 +444,8 @@ def from_chunks(y: jax.Array, plan: ChunkPlan) -> jax.Array:
   Returns:
     A float32 tensor of shape ``plan.shape``.
   """
-  a, b = plan.n1 // plan.c1, plan.n2 // plan.c2
-  y_BxAxBxPxQ = y.reshape(plan.batch, a, b, plan.c1, plan.c2)
-  return y_BxAxBxPxQ.transpose(0, 1, 3, 2, 4).reshape(plan.shape)
+  lead, (a, c1, b, c2) = plan.block_shape[:-4], plan.block_shape[-4:]
+  nb = plan.batch_dims
+  y = y.reshape(*lead, a, b, c1, c2)
+  perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
+  return y.transpose(perm).reshape(plan.shape)

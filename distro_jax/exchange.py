@@ -6,8 +6,6 @@ gradients with respect to worker-local params (:func:`local_value_and_grad`),
 since autodiff all-reduces the gradient of a replicated value.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable, Hashable
 from typing import Any
 

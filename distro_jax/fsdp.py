@@ -16,8 +16,6 @@ along every axis do not divide by ``fsdp``) stays whole on every device of a
 site; :class:`FsdpPlan` names each one and says why.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple

@@ -6,8 +6,6 @@ only, so every instruction's result shape is indexed first and the operands are
 looked up there.
 """
 
-from __future__ import annotations
-
 import re
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple

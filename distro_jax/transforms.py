@@ -6,10 +6,8 @@ and the decoded aggregate ``Q``. :func:`demo` follows it with ``sign`` as the
 reference does; :func:`distro` follows it with any optax transformation.
 """
 
-from __future__ import annotations
-
 import numbers
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
@@ -34,9 +32,16 @@ class DemoState(NamedTuple):
   Attributes:
     count: number of updates applied, int32 scalar.
     momentum: per parameter, the decoupled momentum in the chunked DCT domain,
-      float32 ``(rows, chunk_size)`` (see :mod:`distro_jax.dct`). The DCT is
-      orthonormal, so this is the reference's buffer ``m`` in another basis,
+      float32, with the parameter's shape (``(1,)`` for a scalar): each chunk's
+      coefficients sit in that chunk's own place (the in-place layout of
+      :mod:`distro_jax.dct`; ``dj.to_chunks(m, plan)`` gives one row per
+      chunk). So ``optax.tree_map_params`` and a param's ``PartitionSpec``
+      place it, and a sharding that keeps chunks whole keeps it local. The DCT
+      is orthonormal, so this is the reference's buffer ``m`` in another basis,
       and error feedback is exactly "zero the coefficients that were sent".
+      A worker whose values were not finite restarts from zero; without
+      ``delayed_apply``, a step in which every worker's message was left out
+      leaves every momentum as it was.
     contributors: how many workers' messages went into the last aggregate;
       those whose values were not finite are left out (so ``W - contributors``
       were excluded). int32 scalar, the same on every worker. With
@@ -142,6 +147,73 @@ def _check_trees(updates: Any, params: Any) -> None:
       )
 
 
+def _refuse_complex(params: Any) -> None:
+  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = getattr(p, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+      raise ValueError(
+        f"Parameter {jax.tree_util.keystr(path)} is complex ({dtype}). DeMo's DCT, top-k "
+        "by magnitude and sign step are defined for real values only. Keep it as two "
+        "real parameters (e.g. jnp.stack([z.real, z.imag]), recombined in the model), "
+        "or leave it out of DeMo with optax.masked or optax.multi_transform."
+      )
+
+
+def _zero_momentum(p: Any) -> jax.Array:
+  if np.ndim(p) == 0:
+    return jnp.zeros((1,), jnp.float32)
+  # zeros_like keeps the param's sharding where its type carries one (explicit meshes).
+  return jnp.zeros_like(p, dtype=jnp.float32)
+
+
+def _check_momentum(updates: Any, momenta: list[Any], plans: list[dct.ChunkPlan]) -> None:
+  for (path, _), m, plan in zip(jax.tree_util.tree_flatten_with_path(updates)[0], momenta, plans):
+    if np.shape(m) != plan.state_shape:
+      raise ValueError(
+        f"DemoState.momentum{jax.tree_util.keystr(path)} has shape {np.shape(m)}, but its "
+        f"parameter needs {plan.state_shape} (the param's own shape, (1,) for a scalar). "
+        "The state was built for other params, or by an older distro_jax that kept one row "
+        "per chunk; build it again with tx.init(params) (or dj.init_worker_state), or "
+        "convert an old momentum m with dj.from_chunks(m, dj.plan_chunks(shape, chunk))."
+      )
+
+
+def _replace_rarely(pred: jax.Array, tree: Any, replacement: Callable[[], Any]) -> Any:
+  """``replacement()`` where ``pred`` holds, else ``tree``, with no pass over ``tree``.
+
+  A ``jnp.where`` or a ``lax.cond`` reads and writes every byte of ``tree``
+  even when ``pred`` is false, which for param-sized buffers costs as much as
+  the step's arithmetic. A while loop whose body runs only when ``pred`` holds
+  hands the buffers through untouched otherwise, and ``pred`` (a worker that
+  failed) is rare.
+  """
+  # Traced only for its types (unused, so compiled away): inside shard_map the
+  # loop carry must be typed as varying over the axes either side varies over.
+  probe = replacement()
+  pred_axes = exchange.varying_axes(pred)
+
+  def axes(x: Any, r: Any) -> tuple[Hashable, ...]:
+    union = exchange.varying_axes(x) | exchange.varying_axes(r) | pred_axes
+    return tuple(sorted(union, key=str))
+
+  targets = jax.tree.map(axes, tree, probe)
+
+  def typed(x: Any, want: tuple[Hashable, ...], dtype: Any) -> jax.Array:
+    x = jnp.asarray(x, dtype)
+    missing = tuple(a for a in want if not exchange.varies_over(x, a))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  tree = jax.tree.map(lambda x, want: typed(x, want, x.dtype), tree, targets)
+  dtypes = jax.tree.map(lambda x: x.dtype, tree)
+
+  def body(carry):
+    new = jax.tree.map(typed, replacement(), targets, dtypes)
+    return jnp.zeros_like(carry[0]), new
+
+  _, out = jax.lax.while_loop(lambda c: c[0], body, (pred, tree))
+  return out
+
+
 def scale_by_demo(
   learning_rate: optax.ScalarOrSchedule,
   *,
@@ -209,9 +281,8 @@ def scale_by_demo(
   to_chunks, from_chunks = (dct.encode, dct.decode) if use_dct else (dct.to_chunks, dct.from_chunks)
 
   def init_fn(params):
-    momentum = jax.tree.map(
-      lambda p: jnp.zeros(wire.plan_chunk_leaf(p, chunk).coeff_shape, jnp.float32), params
-    )
+    _refuse_complex(params)
+    momentum = jax.tree.map(_zero_momentum, params)
     zero = jnp.zeros([], jnp.int32)
     pending = None
     if delayed_apply:
@@ -224,8 +295,15 @@ def scale_by_demo(
   def update_fn(updates, state, params=None):
     _check_trees(updates, params)
     num_workers = exchange.bound_axis_size(axis_name)
-    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     grads, treedef = jax.tree.flatten(updates)
+    if not grads:
+      # Nothing to compress (an empty tree, or optax.masked selecting nothing):
+      # no message, and no worker failed.
+      return updates, state._replace(
+        count=optax.safe_increment(state.count),
+        contributors=jnp.full([], num_workers, jnp.int32),
+      )
+    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     momenta = treedef.flatten_up_to(state.momentum)
     dtypes_from = jax.tree.leaves(params) if params is not None else grads
     wire_dtypes = [jax.ShapeDtypeStruct(np.shape(g), x.dtype) for g, x in zip(grads, dtypes_from)]
@@ -236,14 +314,19 @@ def scale_by_demo(
       quantize_1bit=quantize_1bit,
     )
     plans = wire.plan_tree(wire_dtypes, chunk)
+    _check_momentum(updates, momenta, plans)
 
-    new_momenta, sel_idx, sel_val = [], [], []
-    for g, m, plan, t in zip(grads, momenta, plans, layout.tensors):
-      m = compression_decay * m + lr * to_chunks(g, plan)
-      idx, val = codec.select_topk(m, t.k)
-      new_momenta.append(codec.zero_selected(m, idx))
-      sel_idx.append(idx)
-      sel_val.append(val)
+    # Everything param-sized stays in each tensor's block view, where both DCT
+    # stages, top-k's first stage and the scatters read the data in place.
+    blocks = []
+    for g, m, plan in zip(grads, momenta, plans):
+      g = dct.to_blocks(g, plan)
+      coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
+      blocks.append(compression_decay * dct.to_blocks(m, plan) + lr * coeffs)
+    selections = codec.select_topk_many(blocks, [t.k for t in layout.tensors])
+    sel_idx = [idx for idx, _ in selections]
+    sel_val = [val for _, val in selections]
+    kept = [codec.zero_selected_blocks(m, idx) for m, idx in zip(blocks, sel_idx)]
 
     # A non-finite gradient anywhere in a chunk spreads over all its
     # coefficients, so checking what was selected catches it. Such a worker
@@ -258,27 +341,56 @@ def scale_by_demo(
     )
     if site_axes:
       finite = jax.lax.pmin(finite.astype(jnp.int32), tuple(site_axes)) > 0
-    sel_val = [jnp.where(finite, v, 0.0) for v in sel_val]
-    new_momenta = [jnp.where(finite, m, 0.0) for m in new_momenta]
-    message = codec.encode_message(sel_idx, sel_val, layout, valid=finite)
-    if delayed_apply:
-      if state.pending is None or state.pending.shape != message.shape:
-        raise ValueError(
-          "delayed_apply=True needs the state of a delayed_apply=True transformation "
-          "(DemoState.pending holding the previous message); build the state with the "
-          "same arguments, e.g. tx.init(params) or dj.init_worker_state(tx, params, mesh)."
-        )
-      message, pending = state.pending, message
-    else:
-      pending = None
-    gathered = exchange.all_gather_messages(message, axis_name)
-    assert gathered.shape == (num_workers, layout.num_bytes)
 
-    tensors, valid_W = codec.decode_message(gathered, layout)
+    if axis_name is None and not delayed_apply:
+      # One worker: its aggregate is its own selection as the wire would carry
+      # it (the mean of one value is that value), so skip the bytes.
+      dense = []
+      for idx, val, m, t in zip(sel_idx, sel_val, kept, layout.tensors):
+        if quantize_1bit:
+          val = jnp.where(val >= 0, 1.0, -1.0)
+        else:
+          val = val.astype(t.value_dtype).astype(jnp.float32)
+        val = jnp.where(finite, val, 0.0)
+        dense.append(codec.scatter_blocks(jnp.zeros_like(m), idx, val))
+      contributors = finite.astype(jnp.int32)
+      pending = None
+    else:
+      message = codec.encode_message(sel_idx, sel_val, layout, valid=finite)
+      if delayed_apply:
+        if state.pending is None or state.pending.shape != message.shape:
+          raise ValueError(
+            "delayed_apply=True needs the state of a delayed_apply=True transformation "
+            "(DemoState.pending holding the previous message); build the state with the "
+            "same arguments, e.g. tx.init(params) or dj.init_worker_state(tx, params, mesh)."
+          )
+        message, pending = state.pending, message
+      else:
+        pending = None
+      gathered = exchange.all_gather_messages(message, axis_name)
+      assert gathered.shape == (num_workers, layout.num_bytes)
+      tensors, valid_W = codec.decode_message(gathered, layout)
+      if axis_name is None:
+        # One message and no collective (delayed_apply with one worker): its
+        # mean is itself. (With an axis bound, even of size 1, the all-gather
+        # types the aggregate as identical on every worker; keep that path.)
+        dense = [
+          codec.scatter_blocks(
+            jnp.zeros_like(m),
+            i[0].reshape(s.shape),
+            jnp.where(valid_W[0], v[0], 0.0).reshape(s.shape),
+          )
+          for (i, v), m, s in zip(tensors, kept, sel_idx)
+        ]
+      else:
+        aggregates = codec.aggregate_blocks(tensors, [p.block_shape for p in plans], valid_W)
+        dense = [mean for mean, _ in aggregates]
+      contributors = jnp.sum(valid_W, dtype=jnp.int32)
+
     directions = []
-    for (idx_w, val_w), plan, x, g in zip(tensors, plans, wire_dtypes, grads):
-      dense, _ = codec.aggregate(idx_w, val_w, plan.chunk_size, valid_W)
-      direction = from_chunks(dense, plan).astype(x.dtype)
+    for d, plan, x, g in zip(dense, plans, wire_dtypes, grads):
+      q = dct.inverse_blocks(d, plan) if use_dct else d
+      direction = dct.from_blocks(q, plan, like=g).astype(x.dtype)
       whole = tuple(a for a in site_axes if not exchange.varies_over(g, a))
       if whole:
         # A param kept whole on every device of a site is decoded identically
@@ -287,13 +399,28 @@ def scale_by_demo(
         direction = jax.lax.pmax(direction, whole)
       directions.append(direction)
 
-    contributors = jnp.sum(valid_W, dtype=jnp.int32)
     if site_axes:
       # Equal on every device of a site already; this only types it so.
       contributors = jax.lax.pmax(contributors, tuple(site_axes))
+    if delayed_apply:
+      # The message in flight is not this step's, so a worker that failed
+      # restarts from zero whatever the others sent.
+      reset = lambda: jax.tree.map(jnp.zeros_like, kept)
+      kept = _replace_rarely(jnp.logical_not(finite), kept, reset)
+    else:
+      # A worker that failed restarts from zero; a step in which every worker
+      # failed changes nothing, so each keeps the momentum it came with. The
+      # old momentum must outlive this step's, so this select is a pass over
+      # it, the one the plain exchange pays for that guarantee.
+      received = contributors > 0
+      kept = [dct.from_blocks(k, p, p.state_shape, like=m) for k, p, m in zip(kept, plans, momenta)]
+      # In the momentum's own shape, so XLA writes the result over it in place.
+      kept = [jnp.where(finite, k, jnp.where(received, 0.0, m)) for k, m in zip(kept, momenta)]
     new_state = DemoState(
       count=optax.safe_increment(state.count),
-      momentum=treedef.unflatten(new_momenta),
+      momentum=treedef.unflatten(
+        [dct.from_blocks(k, p, p.state_shape, like=m) for k, p, m in zip(kept, plans, momenta)]
+      ),
       contributors=contributors,
       pending=pending,
     )
@@ -319,11 +446,21 @@ def _skip_when_nothing_received(
   def update_fn(updates, state, params=None, **extra_args):
     new_updates, new_state = tx.update(updates, state, params, **extra_args)
     received = new_state[0].contributors > 0
+    # The select on the updates fuses into what consumes them; the state is
+    # param-sized and materialized, so it is held back only when it must be.
     new_updates = jax.tree.map(lambda u: jnp.where(received, u, jnp.zeros_like(u)), new_updates)
-    held = jax.tree.map(lambda n, o: jnp.where(received, n, o), new_state, state)
-    if delayed_apply:
-      held = (new_state[0], *held[1:])
-    return new_updates, held
+    hold = lambda new, old: jax.tree.map(lambda n, o: jnp.where(received, n, o), new, old)
+    # Selects on state that the rest of the chain computes elementwise fuse
+    # into that computation. DeMo's momentum is held by scale_by_demo itself,
+    # and with delayed_apply its state moves on (the messages left out were
+    # the previous step's, this step's gradient is already in the momentum).
+    demo_new, demo_old = new_state[0], state[0]
+    if not delayed_apply:
+      demo_new = demo_new._replace(
+        count=hold(demo_new.count, demo_old.count),
+        contributors=hold(demo_new.contributors, demo_old.contributors),
+      )
+    return new_updates, (demo_new, *hold(new_state[1:], state[1:]))
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 

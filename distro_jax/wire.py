@@ -5,8 +5,6 @@ with the same function, so the figure reported here is the length of the
 message that enters the collective, to the byte.
 """
 
-from __future__ import annotations
-
 from typing import Any, NamedTuple
 
 import jax
@@ -51,8 +49,9 @@ class WireBytes(NamedTuple):
   """Bytes per worker per step, and what they are compared with.
 
   Attributes:
-    payload: the DisTrO message, the bytes one worker puts on the wire: a
-      1-byte validity flag, then indices and values.
+    payload: the DisTrO message, the bytes one worker puts on the wire:
+      indices bit-packed at ``ceil(log2(chunk size))`` bits, then values (or
+      sign bits); see :mod:`distro_jax.codec`.
     grad_bf16: the full gradient in bf16, the DisTrO report's baseline.
     grad_fp32: the full gradient in fp32.
     grad: the full gradient in the parameters' own dtypes.
@@ -102,9 +101,13 @@ def wire_bytes(
 
   Example:
     >>> import jax.numpy as jnp, distro_jax as dj
-    >>> b = dj.wire_bytes({"w": jnp.zeros((4096, 4096))}, num_workers=8)
-    >>> b.payload == 1 + 4096 * 32 * (2 + 4)  # the flag byte, then indices and values
+    >>> params = {"w": jnp.zeros((4096, 4096))}
+    >>> b = dj.wire_bytes(params, num_workers=8)
+    >>> b.payload == 4096 * 32 * (12 + 32) // 8  # 12-bit indices, then fp32 values
     True
+    >>> psyche = dj.wire_bytes(params, compression_topk=8, quantize_1bit=True)
+    >>> psyche.payload  # 13 bytes per 64x64 chunk: 8 x (12 + 1) bits
+    53248
   """
   layout = wire_layout(
     params,

@@ -18,8 +18,6 @@ shards, and a leaf that differs over several axes is laid out the same way,
 its axis 0 split over all of them in mesh order: ``P(("replica", "fsdp"))``.
 """
 
-from __future__ import annotations
-
 from collections.abc import Hashable
 from typing import Any
 

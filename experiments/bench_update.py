@@ -1,17 +1,27 @@
 r"""Benchmark: one DeMo update against one AdamW update plus gradient pmean.
 
-Both run on the same transformer-shaped params tree, on simulated CPU devices
-(or real accelerators when present), timed in the same process, and reported as
-medians and their ratio. It also prints the wire bytes for the defaults and
-for Psyche's top-k 8 with 1-bit values.
+Every method updates the same params tree from the same per-worker gradients,
+on simulated CPU devices (or real accelerators when present), inside one
+jitted ``shard_map`` step with params and state donated, as in training. The
+methods are timed in interleaved rounds, so a slow spell of a shared machine
+hits all of them, and each ratio is the median over rounds of the ratio of
+calls made moments apart.
 
-  python -m experiments.bench_update --workers=8 --d_model=384 --layers=4
+Beside the totals it times DeMo's parts on the same data, each as its own
+jitted step: ``transform`` (the momentum update with the chunked DCT of the
+gradient), ``top-k`` (selection and error feedback), ``aggregate`` (encode,
+all-gather, decode and mean over contributors) and ``decode`` (the inverse DCT
+of the aggregate). It also prints the wire bytes for the defaults and for
+Psyche's top-k 8 with 1-bit values.
+
+  python -m experiments.bench_update                  # 13.4M-param stacked tree
+  python -m experiments.bench_update --preset=small   # a model preset's params
 """
-
-from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +32,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
+from distro_jax import codec, dct, wire
 
-_WORKERS = flags.DEFINE_integer("workers", 8, "Data-parallel workers (simulated CPU devices).")
-_D_MODEL = flags.DEFINE_integer("d_model", 384, "Model width of the params tree.")
-_LAYERS = flags.DEFINE_integer("layers", 4, "Transformer blocks in the params tree.")
-_VOCAB = flags.DEFINE_integer("vocab", 8192, "Embedding rows.")
-_REPEATS = flags.DEFINE_integer("repeats", 11, "Timed rounds (one call of each update).")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
+SYNTHETIC = "stacked"
 
 
-def transformer_params(d_model: int, layers: int, vocab: int, dtype) -> dict:
+def transformer_params(d_model: int, layers: int, vocab: int, dtype: Any) -> dict:
   """Shapes of a Llama-style decoder: stacked attention and SwiGLU weights."""
   ff = 4 * d_model * 2 // 3 // 64 * 64 or 64
   shapes = {
@@ -52,68 +58,171 @@ def transformer_params(d_model: int, layers: int, vocab: int, dtype) -> dict:
   return {k: jnp.asarray(rng.normal(size=s) * 0.02, dtype) for k, s in shapes.items()}
 
 
-def main(argv):
-  del argv
-  workers = _WORKERS.value
-  # Simulated CPU devices; set before the first device query, no effect on GPUs.
-  jax.config.update("jax_num_cpu_devices", workers)
+def preset_params(name: str, dtype: Any) -> Any:
+  """Random params with the tree and shapes of the model preset ``name``."""
+  from experiments.model import abstract_params
+  from experiments.presets import get_preset
+
+  rng = np.random.default_rng(0)
+  abstract = abstract_params(get_preset(name))
+  return jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.02, dtype), abstract)
+
+
+def methods(learning_rate: float = 1e-3) -> dict[str, optax.GradientTransformation]:
+  """The updates compared: the all-reduce baseline, DeMo's defaults, Psyche's message."""
+  return {
+    "AdamW + grad pmean": optax.chain(dj.pmean_gradients("data"), optax.adamw(learning_rate)),
+    "dj.demo (defaults)": dj.demo(learning_rate),
+    "dj.demo (top-k 8, 1-bit)": dj.demo(learning_rate, compression_topk=8, quantize_1bit=True),
+  }
+
+
+def _worker_grads(params: Any, mesh: jax.sharding.Mesh, seed: int = 1) -> Any:
+  """A different gradient per worker: global arrays ``(W, *shape)`` split over "data"."""
+  rng = np.random.default_rng(seed)
+  workers = mesh.shape["data"]
+  return jax.tree.map(
+    lambda x: jax.device_put(
+      jnp.asarray(rng.normal(size=(workers, *x.shape)), x.dtype), NamedSharding(mesh, P("data"))
+    ),
+    params,
+  )
+
+
+def build_update(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh):
+  """A jitted update with params and state donated, and its first carry (compiled, warm)."""
+  specs = dj.worker_state_specs(tx, params, mesh)
+  state = dj.init_worker_state(tx, params, mesh)
+
+  def local(p, s, g):
+    g = jax.tree.map(lambda x: x[0], g)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(
+    jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)),
+    donate_argnums=(0, 1),
+  )
+  return step, (jax.tree.map(jnp.copy, params), state)
+
+
+def demo_parts(
+  params: Any, grads: Any, mesh: jax.sharding.Mesh, *, topk: int, quantize_1bit: bool
+) -> dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]:
+  """DeMo's update cut into its parts, each a jitted step with its inputs ready.
+
+  The parts call the library's own pieces on the data the full update would
+  hand them, so their times show where the full update's time goes (the full
+  update also fuses across the seams, so the parts need not add up to it).
+  """
+  leaves = jax.tree.leaves(params)
+  plans = wire.plan_tree(leaves, 64)
+  layout = wire.wire_layout(
+    leaves, compression_topk=topk, compression_chunk=64, quantize_1bit=quantize_1bit
+  )
+  g_leaves = jax.tree.leaves(grads)
+  data = P("data")
+
+  def per_worker(fn):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=data, out_specs=data))
+
+  def transform(args):
+    gs, ms = args
+    out = []
+    for g, m, plan in zip(gs, ms, plans):
+      coeffs = dct.forward_blocks(dct.to_blocks(g[0], plan), plan)
+      out.append((0.999 * dct.to_blocks(m[0], plan) + 1e-3 * coeffs)[None])
+    return out
+
+  def top_k(ms):
+    selections = codec.select_topk_many([m[0] for m in ms], [t.k for t in layout.tensors])
+    return [
+      (codec.zero_selected_blocks(m[0], idx)[None], idx[None], val[None])
+      for m, (idx, val) in zip(ms, selections)
+    ]
+
+  def aggregate(selections):
+    message = codec.encode_message(
+      [i[0] for _, i, _ in selections], [v[0] for _, _, v in selections], layout
+    )
+    gathered = jax.lax.all_gather(message, "data", to="invarying")
+    tensors, valid_W = codec.decode_message(gathered, layout)
+    means = codec.aggregate_blocks(tensors, [p.block_shape for p in plans], valid_W)
+    return [jax.lax.pcast(mean, "data", to="varying")[None] for mean, _ in means]
+
+  def decode(dense):
+    return [dct.from_blocks(dct.inverse_blocks(d[0], p), p)[None] for d, p in zip(dense, plans)]
+
+  momenta = [jnp.zeros_like(g) for g in g_leaves]
+  fns = {
+    "transform": per_worker(transform),
+    "top-k": per_worker(top_k),
+    "aggregate": per_worker(aggregate),
+    "decode": per_worker(decode),
+  }
+  m_blocks = fns["transform"]((g_leaves, momenta))
+  selections = fns["top-k"](m_blocks)
+  dense = fns["aggregate"](selections)
+  return {
+    "transform": (fns["transform"], ((g_leaves, momenta),)),
+    "top-k": (fns["top-k"], (m_blocks,)),
+    "aggregate": (fns["aggregate"], (selections,)),
+    "decode": (fns["decode"], (dense,)),
+  }
+
+
+def run(
+  *, workers: int, preset: str, d_model: int, layers: int, vocab: int, repeats: int, dtype: str
+) -> dict[str, Any]:
+  """Times every method and DeMo's parts; prints the table and returns the medians.
+
+  Returns:
+    ``{"ms": {name: median ms}, "ratio": {name: median ratio to AdamW}, "numel": int}``.
+  """
   devices = jax.devices()[:workers]
   if len(devices) < workers:
-    raise app.UsageError(f"--workers={workers} but only {len(devices)} devices are visible.")
+    raise ValueError(f"--workers={workers} but only {len(devices)} devices are visible.")
   mesh = jax.make_mesh((workers,), ("data",), devices=devices)
-  dtype = jnp.dtype(_DTYPE.value)
-  params = transformer_params(_D_MODEL.value, _LAYERS.value, _VOCAB.value, dtype)
-  numel = sum(x.size for x in params.values())
+  jdtype = jnp.dtype(dtype)
+  if preset == SYNTHETIC:
+    params = transformer_params(d_model, layers, vocab, jdtype)
+  else:
+    params = preset_params(preset, jdtype)
+  numel = sum(x.size for x in jax.tree.leaves(params))
   params = jax.device_put(params, NamedSharding(mesh, P()))
-  rng = np.random.default_rng(1)
-  grads = {
-    k: jax.device_put(
-      jnp.asarray(rng.normal(size=(workers, *x.shape)), dtype), NamedSharding(mesh, P("data"))
-    )
-    for k, x in params.items()
-  }
+  grads = _worker_grads(params, mesh)
 
-  def build(tx):
-    """A jitted update with params and state donated, as in a real train step."""
-    specs = dj.worker_state_specs(tx, params, mesh)
-    state = dj.init_worker_state(tx, params, mesh)
+  timed: dict[str, tuple[Callable[..., Any], Any, bool]] = {}
+  for name, tx in methods().items():
+    step, carry = build_update(tx, params, mesh)
+    carry = jax.block_until_ready(step(*carry, grads))  # compile and warm up
+    timed[name] = (step, carry, True)
+  for label, kw in [("defaults", (32, False)), ("top-k 8, 1-bit", (8, True))]:
+    parts = demo_parts(params, grads, mesh, topk=kw[0], quantize_1bit=kw[1])
+    for part, (fn, args) in parts.items():
+      jax.block_until_ready(fn(*args))
+      timed[f"  {part} ({label})"] = (fn, args, False)
 
-    def local(p, s, g):
-      g = jax.tree.map(lambda x: x[0], g)
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
-    step = jax.jit(
-      jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)),
-      donate_argnums=(0, 1),
-    )
-    carry = step(jax.tree.map(jnp.copy, params), state, grads)  # compile and warm up
-    jax.block_until_ready(carry)
-    return step, carry
-
-  methods = {
-    "AdamW + grad pmean": optax.chain(dj.pmean_gradients("data"), optax.adamw(1e-3)),
-    "dj.demo (defaults)": dj.demo(1e-3),
-    "dj.demo (top-k 8, 1-bit)": dj.demo(1e-3, compression_topk=8, quantize_1bit=True),
-  }
-  built = {name: build(tx) for name, tx in methods.items()}
-  times = {name: [] for name in methods}
-  # Rounds interleave the methods, so a slow spell of a shared machine hits
-  # all of them; each round's ratio compares calls made moments apart.
-  for _ in range(_REPEATS.value):
-    for name, (step, carry) in built.items():
+  times: dict[str, list[float]] = {name: [] for name in timed}
+  for _ in range(repeats):
+    for name, (fn, carry, is_step) in timed.items():
       t0 = time.perf_counter()
-      carry = step(*carry, grads)
-      jax.block_until_ready(carry)
+      out = jax.block_until_ready(fn(*carry, grads) if is_step else fn(*carry))
       times[name].append(time.perf_counter() - t0)
-      built[name] = (step, carry)
+      if is_step:
+        timed[name] = (fn, out, True)
 
   base = times["AdamW + grad pmean"]
-  print(f"devices: {workers} x {devices[0].platform}, params: {numel / 1e6:.2f}M ({dtype.name})")
-  print(f"{'update':<34}{'median ms':>12}{'x AdamW':>10}   (median of {_REPEATS.value} rounds)")
-  for name, ts in times.items():
-    ratio = statistics.median(t / b for t, b in zip(ts, base))
-    print(f"{name:<34}{statistics.median(ts) * 1e3:>12.1f}{ratio:>10.2f}")
+  ms = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+  ratio = {name: statistics.median(t / b for t, b in zip(ts, base)) for name, ts in times.items()}
+  label = preset if preset != SYNTHETIC else f"{SYNTHETIC} (d_model {d_model}, {layers} layers)"
+  print(
+    f"devices: {workers} x {devices[0].platform}, params: {numel / 1e6:.2f}M ({jdtype.name}), "
+    f"tree: {label}, {len(jax.tree.leaves(params))} tensors"
+  )
+  print(f"{'update':<34}{'median ms':>12}{'x AdamW':>10}   (medians of {repeats} rounds)")
+  for name in times:
+    print(f"{name:<34}{ms[name]:>12.1f}{ratio[name]:>10.2f}")
 
   print(f"\n{'wire (per worker per step)':<34}{'payload B':>12}{'vs bf16 grad':>14}{'vs ring':>10}")
   for name, kw in [
@@ -124,9 +233,45 @@ def main(argv):
     print(f"{name:<34}{b.payload:>12,}{b.ratio_vs_bf16:>13.0f}x{b.ratio_vs_ring:>9.0f}x")
   print(
     f"(bf16 gradient: {2 * numel:,} B; ring all-reduce moves 2(W-1)/W of the "
-    f"{dtype.name} gradient per worker: {b.ring_allreduce:,.0f} B)"
+    f"{jdtype.name} gradient per worker: {b.ring_allreduce:,.0f} B)"
   )
+  return {"ms": ms, "ratio": ratio, "numel": numel}
+
+
+def main() -> None:
+  """Defines the flags (only when run as a command, so the module imports anywhere) and runs."""
+  workers = flags.DEFINE_integer("workers", 8, "Data-parallel workers (simulated CPU devices).")
+  preset = flags.DEFINE_string(
+    "preset",
+    SYNTHETIC,
+    f"A model preset of experiments/presets.py, or '{SYNTHETIC}' for a Llama-style tree "
+    "with stacked layers shaped by --d_model, --layers and --vocab.",
+  )
+  d_model = flags.DEFINE_integer("d_model", 384, f"Model width of the '{SYNTHETIC}' tree.")
+  layers = flags.DEFINE_integer("layers", 4, f"Transformer blocks of the '{SYNTHETIC}' tree.")
+  vocab = flags.DEFINE_integer("vocab", 8192, f"Embedding rows of the '{SYNTHETIC}' tree.")
+  repeats = flags.DEFINE_integer("repeats", 11, "Timed rounds (one call of each update).")
+  dtype = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
+
+  def _main(argv: list[str]) -> None:
+    del argv
+    # Simulated CPU devices; set before the first device query, no effect on GPUs.
+    jax.config.update("jax_num_cpu_devices", workers.value)
+    try:
+      run(
+        workers=workers.value,
+        preset=preset.value,
+        d_model=d_model.value,
+        layers=layers.value,
+        vocab=vocab.value,
+        repeats=repeats.value,
+        dtype=dtype.value,
+      )
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
+
+  app.run(_main)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  main()

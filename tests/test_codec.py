@@ -24,6 +24,15 @@ def test_index_dtype_is_narrowest_that_fits(chunk_size, dtype):
   assert dj.index_dtype(chunk_size) == dtype
 
 
+@pytest.mark.parametrize(
+  "chunk_size, bits", [(1, 1), (2, 1), (7, 3), (64, 6), (300, 9), (1600, 11), (4096, 12)]
+)
+def test_indices_travel_at_ceil_log2_of_the_chunk_size(chunk_size, bits):
+  assert codec.index_bits(chunk_size) == bits
+  layout = dj.WireLayout((dj.TensorWire(5, 3, chunk_size, "float32"),), True)
+  assert layout.stream_bits == 5 * 3 * (bits + 1)
+
+
 def test_select_topk_keeps_largest_magnitudes_and_zero_selected_removes_them():
   y = jnp.asarray([[0.1, -5.0, 3.0, 0.2], [1.0, 1.0, -1.0, 0.0]])
   idx, val = dj.select_topk(y, 2)
@@ -39,8 +48,13 @@ def _layout(quantize_1bit, value_dtype="float32"):
   )
 
 
+def _distinct(rng, n, rows, k):
+  """Chunk-local indices as top-k makes them: distinct within each row."""
+  return jnp.asarray(np.stack([rng.choice(n, k, replace=False) for _ in range(rows)]))
+
+
 def _selection(rng):
-  idx = [jnp.asarray(rng.integers(0, 300, (3, 2))), jnp.asarray(rng.integers(0, 7, (2, 5)))]
+  idx = [_distinct(rng, 300, 3, 2), _distinct(rng, 7, 2, 5)]
   val = [
     jnp.asarray(rng.normal(size=(3, 2)), jnp.float32),
     jnp.asarray(rng.normal(size=(2, 5)), jnp.float32),
@@ -53,7 +67,8 @@ def test_message_round_trip_full_precision():
   layout = _layout(False)
   msg = dj.encode_message(idx, val, layout)
   assert msg.dtype == jnp.uint8 and msg.shape == (layout.num_bytes,)
-  assert layout.num_bytes == 1 + 3 * 2 * (2 + 4) + 2 * 5 * (1 + 4)  # flag byte first
+  # 9-bit and 3-bit indices in one 84-bit stream (11 bytes), then the fp32 values.
+  assert layout.num_bytes == 11 + 3 * 2 * 4 + 2 * 5 * 4
   tensors, valid = dj.decode_message(msg, layout)
   assert bool(valid)
   for (i, v), i0, v0 in zip(tensors, idx, val):
@@ -65,7 +80,7 @@ def test_message_round_trip_bf16_values():
   idx, val = _selection(np.random.default_rng(1))
   layout = _layout(False, "bfloat16")
   msg = dj.encode_message(idx, val, layout)
-  assert layout.num_bytes == 1 + 3 * 2 * (2 + 2) + 2 * 5 * (1 + 2)
+  assert layout.num_bytes == 11 + 3 * 2 * 2 + 2 * 5 * 2
   for (_, v), v0 in zip(dj.decode_message(msg, layout)[0], val):
     np.testing.assert_array_equal(v, v0.astype(jnp.bfloat16).astype(jnp.float32))
 
@@ -74,8 +89,8 @@ def test_one_bit_values_are_packed_signs():
   idx, val = _selection(np.random.default_rng(2))
   layout = _layout(True)
   msg = dj.encode_message(idx, val, layout)
-  # 16 sign bits pack into 2 bytes after the indices.
-  assert layout.num_bytes == 1 + 3 * 2 * 2 + 2 * 5 * 1 + 2 == msg.shape[0]
+  # 16 sign bits follow the 84 index bits in the same stream: 100 bits, 13 bytes.
+  assert layout.num_bytes == 13 == msg.shape[0]
   for (i, v), i0, v0 in zip(dj.decode_message(msg, layout)[0], idx, val):
     np.testing.assert_array_equal(i, i0)
     np.testing.assert_array_equal(v, np.where(np.asarray(v0) >= 0, 1.0, -1.0))
@@ -92,11 +107,36 @@ def test_decode_message_keeps_leading_worker_axis():
     msgs.append(dj.encode_message(idx, val, layout, valid=len(msgs) != 2))
   decoded, valid = dj.decode_message(jnp.stack(msgs), layout)
   np.testing.assert_array_equal(valid, [True, True, False, True])
+  assert not np.any(np.asarray(msgs[2]))  # a message left out goes out as zeros
   for t, (i_w, v_w) in enumerate(decoded):
     assert i_w.shape[0] == 4
-    for w in range(4):
+    for w in (0, 1, 3):
       np.testing.assert_array_equal(i_w[w], sels[w][0][t])
       np.testing.assert_array_equal(v_w[w], sels[w][1][t])
+
+
+def test_one_coefficient_per_chunk_carries_a_flag_byte():
+  # With k = 1 everywhere no chunk can name two positions, so validity needs a byte.
+  layout = dj.WireLayout((dj.TensorWire(4, 1, 64, "float32"),), True)
+  assert layout.header_bytes == 1 and layout.num_bytes == 1 + 4  # 4 x (6 + 1) bits
+  idx, val = jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1))
+  msgs = jnp.stack([dj.encode_message([idx], [val], layout, valid=v) for v in (True, False)])
+  (tensors, valid) = dj.decode_message(msgs, layout)
+  np.testing.assert_array_equal(valid, [True, False])
+  np.testing.assert_array_equal(tensors[0][0][0], idx)
+
+
+def test_psyche_message_is_13_bytes_per_64x64_chunk():
+  # Top-k 8 of 4096 with 1-bit values: 8 x (12 + 1) bits, down from 8 x (16 + 1).
+  rng = np.random.default_rng(8)
+  layout = dj.WireLayout((dj.TensorWire(10, 8, 4096, "float32"),), True)
+  assert layout.num_bytes == 10 * 13
+  idx = _distinct(rng, 4096, 10, 8)
+  val = jnp.asarray(rng.normal(size=(10, 8)), jnp.float32)
+  (((i, v),), valid) = dj.decode_message(dj.encode_message([idx], [val], layout), layout)
+  assert bool(valid)
+  np.testing.assert_array_equal(i, idx)
+  np.testing.assert_array_equal(v, np.where(np.asarray(val) >= 0, 1.0, -1.0))
 
 
 def test_aggregate_is_mean_over_contributors_only():

@@ -1,5 +1,7 @@
 """dj.demo composes with optax the way optax users expect."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,11 +36,15 @@ def test_chain_with_clipping_runs_outside_shard_map_with_axis_none():
 
 
 def test_eval_shape_of_init_allocates_nothing():
-  params = jax.eval_shape(lambda: {"w": jnp.zeros((4096, 4096)), "v": jnp.zeros((3, 5, 7))})
+  params = jax.eval_shape(
+    lambda: {"w": jnp.zeros((4096, 4096)), "v": jnp.zeros((3, 5, 7)), "s": jnp.zeros(())}
+  )
   state = jax.eval_shape(dj.demo(1e-3).init, params)
   demo_state = state[0]
+  # The momentum has its param's shape (a scalar's gets one axis, for the per-worker layout).
   assert demo_state.momentum["w"].shape == (4096, 4096)
-  assert demo_state.momentum["v"].shape == (3, 35)
+  assert demo_state.momentum["v"].shape == (3, 5, 7)
+  assert demo_state.momentum["s"].shape == (1,)
 
 
 def test_inject_hyperparams_over_numeric_hyperparameters():
@@ -159,3 +165,73 @@ def test_no_dct_ablation_sends_the_largest_raw_entries_of_each_chunk():
   # The DCT's selection decodes to a dense direction, which is the point of it.
   q_dct, _ = dj.scale_by_demo(1.0, axis_name=None, **kw).update(g, tx.init(params), params)
   assert np.count_nonzero(np.asarray(q_dct["w"])) > 200
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_a_param_sharded_by_columns_stays_sharded_under_plain_jit(axis_type):
+  # The case of issue 14: (64, 512) split in 8 column blocks of whole 64x64 chunks.
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  kind = AxisType.Explicit if axis_type == "explicit" else AxisType.Auto
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
+  sharding = NamedSharding(mesh, P(None, "x"))
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(64, 512)).astype(np.float32)
+  g = rng.normal(size=(64, 512)).astype(np.float32)
+  tx = dj.demo(1e-2, axis_name=None)
+  reference, _ = jax.jit(tx.update)({"w": g}, tx.init({"w": w}), {"w": w})
+  params = {"w": jax.device_put(w, sharding)}
+  grads = {"w": jax.device_put(g, sharding)}
+  with jax.set_mesh(mesh) if kind == AxisType.Explicit else contextlib.nullcontext():
+    state = jax.jit(tx.init)(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    measured = dj.collective_bytes(jax.jit(tx.update), grads, state, params)
+  assert updates["w"].sharding.spec == P(None, "x")
+  assert state[0].momentum["w"].sharding.spec == P(None, "x")
+  assert measured.by_kind["all-gather"] == 0 and measured.total <= 8  # the finite flag only
+  # Each device transformed its own chunks: the update is the unsharded one, to the bit.
+  np.testing.assert_array_equal(np.asarray(updates["w"]), np.asarray(reference["w"]))
+
+
+def test_a_sharding_that_cuts_chunks_is_gathered_for_the_transform_and_kept():
+  # (2, 8, 4) split 8 ways along an axis of one 8-long chunk: optax's sharding test shape.
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+  tx = dj.demo(1.0, axis_name=None)
+  with jax.set_mesh(mesh):
+    params = jnp.ones((2, 8, 4), jnp.float16, out_sharding=NamedSharding(mesh, P(None, "x")))
+    state0 = tx.init(params)
+    _, state1 = jax.jit(tx.update)(params, state0, params)
+  assert jax.tree.map(jax.typeof, state0) == jax.tree.map(jax.typeof, state1)
+
+
+def test_complex_params_are_refused_at_init_with_the_fix():
+  with pytest.raises(ValueError, match=r"\['z'\] is complex.*jnp.stack\(\[z.real, z.imag\]\)"):
+    dj.distro_adamw(1e-3, axis_name=None).init({"z": jnp.ones((4, 4), jnp.complex64)})
+
+
+def test_empty_trees_and_nothing_masked():
+  for tx in (dj.demo(1e-3, axis_name=None), dj.scale_by_demo(1e-3, axis_name=None)):
+    for empty in ({}, ()):
+      assert tx.update(empty, tx.init(empty), empty)[0] == empty
+    masked = optax.masked(tx, {"w": False})
+    params = {"w": jnp.ones((8, 8))}
+    updates, _ = masked.update(params, masked.init(params), params)
+    np.testing.assert_array_equal(updates["w"], params["w"])
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_one_worker_on_a_mesh_of_one_device(delayed):
+  # A single GPU: the data axis is bound but has size 1; the aggregate must
+  # still come out typed as identical on every worker.
+  params = _params()
+  step, p, state = build(dj.demo(1e-2, delayed_apply=delayed), params, mesh_of(1))
+  grads = {k: np.asarray(v)[None] for k, v in _grads(1, params).items()}
+  for _ in range(2):
+    p, state = step(p, state, place_grads(grads, mesh_of(1)))
+  # Two sign steps of lr, the first of which delayed_apply spends waiting.
+  moved = np.abs(np.asarray(p["w"]) - np.asarray(params["w"])).max()
+  assert moved == pytest.approx((1 if delayed else 2) * 1e-2, rel=1e-5)

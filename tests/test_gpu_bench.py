@@ -1,0 +1,39 @@
+"""The accelerator benchmark runs end to end, here on CPU at the smallest size."""
+
+from absl import flags
+
+from experiments import gpu_bench
+
+
+def test_gpu_bench_runs_on_cpu_at_a_tiny_size(capsys):
+  # One device, as on a single GPU: the data axis has size 1.
+  results = gpu_bench.run(["tiny"], workers=1, rounds=1, train_rounds=1, batch_size=2, seq_len=16)
+  tiny = results["tiny"]
+  assert tiny["params"] > 0
+  update, train = tiny["update"], tiny["train_step"]
+  assert update[gpu_bench.BASELINE]["x_adamw"] == 1.0
+  assert set(update) == {gpu_bench.BASELINE, "dj.demo (defaults)", "dj.demo (top-k 8, 1-bit)"}
+  assert all(row["ms"] > 0 for row in update.values())
+  assert set(train) == set(gpu_bench.TRAIN_METHODS)
+  assert all(0.0 <= row["optimizer_share"] < 1.0 for row in train.values())
+  printed = capsys.readouterr().out
+  assert "x AdamW" in printed and "of the step" in printed
+
+
+def test_importing_it_defines_no_flags():
+  assert "presets" not in flags.FLAGS and "train_rounds" not in flags.FLAGS
+
+
+def test_bench_update_takes_a_preset_and_times_the_parts(capsys):
+  from experiments import bench_update
+
+  assert "repeats" not in flags.FLAGS  # flags only when run as a command
+  out = bench_update.run(
+    workers=2, preset="tiny", d_model=0, layers=0, vocab=0, repeats=1, dtype="float32"
+  )
+  names = set(out["ms"])
+  assert {"AdamW + grad pmean", "dj.demo (defaults)", "dj.demo (top-k 8, 1-bit)"} <= names
+  for part in ("transform", "top-k", "aggregate", "decode"):
+    assert f"  {part} (defaults)" in names and f"  {part} (top-k 8, 1-bit)" in names
+  assert out["ratio"]["AdamW + grad pmean"] == 1.0
+  assert "tree: tiny" in capsys.readouterr().out
