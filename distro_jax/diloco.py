@@ -117,7 +117,7 @@ def diloco(
       count=jnp.zeros([], jnp.int32),
       local_params=jax.tree.map(jnp.asarray, params),
       inner_state=inner.init(params),
-      outer_momentum=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params),
+      outer_momentum=jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params),
     )
 
   def update_fn(updates, state, params=None):

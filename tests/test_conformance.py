@@ -181,11 +181,6 @@ def _is_spec(x):
 @pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def test_sharded_params_keep_their_sharding_under_jit(name, factory, axis_type):
-  if name == "diloco" and axis_type == AxisType.Explicit:
-    pytest.xfail(
-      "dj.diloco's outer momentum starts replicated (jnp.zeros, not zeros_like), so its "
-      "lax.cond branches disagree on an explicit mesh; a one-line fix in diloco.py"
-    )
   mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
   shardings = {k: NamedSharding(mesh, s) for k, s in _param_specs().items()}
   params = jax.device_put(_params(), shardings)

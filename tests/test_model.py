@@ -186,4 +186,4 @@ def test_describe_presets_prints_params_and_payload_without_allocating():
   row = next(line for line in table.splitlines() if line.startswith("report-1.2b"))
   cells = row.split()
   assert cells[1] == "1,204,881,408"
-  assert cells[-3] == "56,644,609"  # flag byte + payload at top-k 32, chunk 64, fp32 values
+  assert cells[-3] == "51,929,856"  # payload at top-k 32, chunk 64, fp32 values, 12-bit indices
