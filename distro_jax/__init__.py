@@ -41,6 +41,7 @@ from distro_jax.hlo_bytes import (
   collective_bytes_by_axes,
   parse_collective_bytes,
 )
+from distro_jax.lookahead import gradient_point, lookahead_update
 from distro_jax.sparseloco import (
   SparseLocoBytes,
   SparseLocoState,
@@ -84,11 +85,13 @@ __all__ = [
   "from_chunks",
   "fsdp_value_and_grad",
   "gather_params",
+  "gradient_point",
   "index_dtype",
   "init_worker_state",
   "inner_params",
   "local_shapes",
   "local_value_and_grad",
+  "lookahead_update",
   "parse_collective_bytes",
   "plan_chunks",
   "plan_fsdp",
