@@ -41,6 +41,13 @@ from distro_jax.hlo_bytes import (
   collective_bytes_by_axes,
   parse_collective_bytes,
 )
+from distro_jax.lookahead import gradient_point, lookahead_update
+from distro_jax.sparseloco import (
+  SparseLocoBytes,
+  SparseLocoState,
+  sparseloco,
+  sparseloco_bytes,
+)
 from distro_jax.transforms import DemoState, demo, distro, distro_adamw, scale_by_demo
 from distro_jax.wire import WireBytes, wire_bytes, wire_layout
 from distro_jax.worker_state import abstract_worker_state, init_worker_state, worker_state_specs
@@ -54,6 +61,8 @@ __all__ = [
   "DeviceBytes",
   "DilocoState",
   "FsdpPlan",
+  "SparseLocoBytes",
+  "SparseLocoState",
   "TensorWire",
   "WireBytes",
   "WireLayout",
@@ -76,17 +85,21 @@ __all__ = [
   "from_chunks",
   "fsdp_value_and_grad",
   "gather_params",
+  "gradient_point",
   "index_dtype",
   "init_worker_state",
   "inner_params",
   "local_shapes",
   "local_value_and_grad",
+  "lookahead_update",
   "parse_collective_bytes",
   "plan_chunks",
   "plan_fsdp",
   "pmean_gradients",
   "scale_by_demo",
   "select_topk",
+  "sparseloco",
+  "sparseloco_bytes",
   "to_chunks",
   "varies_over",
   "wire_bytes",

@@ -12,6 +12,8 @@ MODULES = [
   "distro_jax.exchange",
   "distro_jax.fsdp",
   "distro_jax.hlo_bytes",
+  "distro_jax.lookahead",
+  "distro_jax.sparseloco",
   "distro_jax.transforms",
   "distro_jax.wire",
   "distro_jax.worker_state",

@@ -1,0 +1,170 @@
+"""Where a worker takes its gradient: the overlapped exchange's lookahead, and local steps.
+
+With ``delayed_apply``, step t all-gathers the message compressed at step t-1
+and applies its aggregate, so the collective overlaps the forward and backward
+pass. Taken at the params as they are, though, step t's gradient misses the
+update that is still in flight, and a sign-momentum method run one step late
+oscillates (see DESIGN.md section 1a). Psyche's correction is a lookahead:
+take the gradient where the params will be once the update in flight lands,
+as the worker can guess it from what it holds, and move back before the
+update. :func:`gradient_point` computes that point from the optimizer state
+alone, so the all-gather still depends on nothing computed from this step's
+gradient.
+
+The guess is ``-lr_prev * (sign(IDCT(c)) + weight_decay * p)`` with the
+coefficients ``c = sent + residual_weight * residual``: ``sent`` is this
+worker's own message of the previous step, decoded from
+:attr:`~distro_jax.DemoState.pending` exactly as every receiver will decode it,
+and ``residual`` the momentum it kept (:attr:`~distro_jax.DemoState.momentum`,
+after error feedback). ``residual_weight=1`` is Psyche's choice, the whole
+momentum of the previous step before error feedback; ``0`` is the update the
+worker would apply if every worker had sent what it sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from distro_jax import codec, dct, wire
+from distro_jax.diloco import inner_params
+from distro_jax.transforms import DemoState
+
+__all__ = ["gradient_point", "lookahead_update"]
+
+
+def _delayed_demo_state(opt_state: Any) -> DemoState | None:
+  found = [
+    x
+    for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DemoState))
+    if isinstance(x, DemoState)
+  ]
+  if not found or found[0].pending is None:
+    return None
+  return found[0]
+
+
+def lookahead_update(
+  state: DemoState,
+  params: Any,
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  compression_topk: int = 32,
+  compression_chunk: int = 64,
+  quantize_1bit: bool = False,
+  use_dct: bool = True,
+  weight_decay: float = 0.0,
+  residual_weight: float = 1.0,
+  scale: float = 1.0,
+) -> Any:
+  """This worker's guess of the update in flight, from a ``delayed_apply`` :class:`DemoState`.
+
+  Args:
+    state: the :class:`~distro_jax.DemoState` of a ``delayed_apply=True``
+      :func:`distro_jax.demo`, as the train step receives it.
+    params: the params, as the train step holds them.
+    learning_rate: the ``learning_rate`` given to :func:`distro_jax.demo`.
+    compression_topk: as given to :func:`distro_jax.demo`.
+    compression_chunk: as given to :func:`distro_jax.demo`.
+    quantize_1bit: as given to :func:`distro_jax.demo`.
+    use_dct: as given to :func:`distro_jax.demo`.
+    weight_decay: as given to :func:`distro_jax.demo`.
+    residual_weight: how much of the momentum kept back joins the message
+      sent (1 is Psyche's guess).
+    scale: a factor on the whole guess.
+
+  Returns:
+    A tree like ``params``: zero before the first message (or after a message
+    marked invalid), else ``-scale * lr_prev * (sign(IDCT(c)) + wd * p)``.
+  """
+  if quantize_1bit and residual_weight:
+    raise ValueError(
+      "With quantize_1bit=True the pending message holds only signs, and DemoState.momentum "
+      "has had the sent values' magnitudes removed, so the momentum before error feedback "
+      "(residual_weight > 0) cannot be rebuilt from this state. Pass residual_weight=0 (the "
+      "worker's own message, as sent), or keep the momentum before error feedback in the "
+      "state (see this module's docstring)."
+    )
+  leaves, treedef = jax.tree.flatten(params)
+  layout = wire.wire_layout(
+    leaves,
+    compression_topk=compression_topk,
+    compression_chunk=compression_chunk,
+    quantize_1bit=quantize_1bit,
+  )
+  if state.pending.shape != (layout.num_bytes,):
+    raise ValueError(
+      f"The pending message holds {state.pending.shape[-1]} bytes, but these options give "
+      f"{layout.num_bytes}; pass gradient_point the compression options of the dj.demo "
+      "that made the state."
+    )
+  plans = wire.plan_tree(leaves, compression_chunk)
+  from_chunks = dct.decode if use_dct else dct.from_chunks
+  tensors, valid = codec.decode_message(state.pending, layout)
+  momenta = treedef.flatten_up_to(state.momentum)
+  # The update in flight is applied with the rate of the step that made it.
+  lr = learning_rate(jnp.maximum(state.count - 1, 0)) if callable(learning_rate) else learning_rate
+  step = jnp.where(valid, scale * jnp.asarray(lr, jnp.float32), 0.0)
+  out = []
+  for (idx, val), m, plan, x in zip(tensors, momenta, plans, leaves):
+    rows = jnp.arange(plan.rows)[:, None]
+    coeffs = residual_weight * m if residual_weight else jnp.zeros(plan.coeff_shape, jnp.float32)
+    coeffs = coeffs.at[rows, idx].add(val, unique_indices=True)
+    direction = jnp.sign(from_chunks(coeffs, plan)).astype(x.dtype)
+    if weight_decay:
+      direction = direction + weight_decay * x
+    out.append((-step * direction).astype(x.dtype))
+  return treedef.unflatten(out)
+
+
+def gradient_point(
+  opt_state: Any,
+  params: Any,
+  learning_rate: optax.ScalarOrSchedule = 0.0,
+  **lookahead: Any,
+) -> Any:
+  """The params at which this worker should take its gradient.
+
+  * A ``delayed_apply`` :func:`distro_jax.demo` state: the params moved by
+    :func:`lookahead_update` (the guess of the update in flight).
+  * A :func:`distro_jax.diloco` or :func:`distro_jax.sparseloco` state: the
+    worker's inner params (:func:`distro_jax.inner_params`).
+  * Anything else: ``params`` itself.
+
+  Compute the loss and gradient at this point, then pass the gradient to
+  ``tx.update(grads, opt_state, params)`` with the params themselves: the
+  lookahead is never applied, only looked from.
+
+  Args:
+    opt_state: this worker's optimizer state.
+    params: the params, as the train step holds them.
+    learning_rate: the ``learning_rate`` given to :func:`distro_jax.demo`.
+    **lookahead: the keyword options of :func:`lookahead_update` (the
+      compression options of the :func:`distro_jax.demo` that made the state).
+
+  Returns:
+    A tree like ``params``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, distro_jax as dj
+    >>> opts = dict(compression_topk=8)
+    >>> tx = dj.demo(1e-2, delayed_apply=True, axis_name=None, **opts)
+    >>> params = {"w": jnp.zeros((16, 16))}
+    >>> state = tx.init(params)
+    >>> for _ in range(2):
+    ...   at = dj.gradient_point(state, params, 1e-2, **opts)
+    ...   grads = {"w": at["w"] - 1.0}  # in training: the gradient of the loss at ``at``
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> moved = dj.gradient_point(state, params, 1e-2, **opts)["w"] - params["w"]
+    >>> bool(jnp.allclose(jnp.abs(moved), 1e-2))  # every entry, by the rate: a sign step
+    True
+  """
+  demo_state = _delayed_demo_state(opt_state)
+  if demo_state is None:
+    return inner_params(opt_state, params)
+  delta = lookahead_update(demo_state, params, learning_rate, **lookahead)
+  return optax.apply_updates(params, delta)

@@ -1,0 +1,136 @@
+"""dj.gradient_point: the lookahead of the overlapped exchange, and where local steps look from."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from sharded_step import mesh_of
+from test_delayed_apply import _gathers_fed_by
+
+import distro_jax as dj
+
+SHAPES = {"a": (64, 128), "b": (96,)}
+
+
+def _loss(params, x_BxD):
+  # Gradients depend on the params, so a wrong lookahead changes the trajectory.
+  h = jnp.tanh(x_BxD @ params["a"])
+  return jnp.mean((h - 0.5) ** 2) + jnp.mean(params["b"] ** 2 * x_BxD[:, :96].mean())
+
+
+def _runner(tx, params, mesh, opts, lookahead):
+  specs = dj.worker_state_specs(tx, params, mesh)
+
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P(), specs, P("data")),
+    out_specs=(P(), specs, P("data")),
+  )
+  def step(params, state, x):
+    # The point is per worker; the out spec stacks the workers' along axis 0.
+    at = dj.gradient_point(state, params, sched, **opts) if lookahead else params
+    at = dj.worker_local(at)
+    _, grads = dj.local_value_and_grad(_loss)(at, x)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, at
+
+  state = dj.init_worker_state(tx, params, mesh)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  return jax.jit(step), params, state
+
+
+def sched(count):
+  return 1e-2 * (1.0 + 0.1 * count)
+
+
+@pytest.mark.parametrize("quantize_1bit", [False, True], ids=["fp32", "1bit"])
+def test_when_workers_agree_the_lookahead_is_exact_and_delayed_is_plain(quantize_1bit):
+  # Every worker sees the same batch, so the aggregate in flight is exactly
+  # the worker's own message (a mean of equal values is that value): looking
+  # from it must reproduce the plain run, whose params the delayed run's
+  # gradient points are, step for step.
+  workers, steps = 4, 6
+  rng = np.random.default_rng(0)
+  init = {k: jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32) for k, s in SHAPES.items()}
+  x = np.tile(rng.normal(size=(1, 4, 64)).astype(np.float32), (workers, 1, 1)).reshape(-1, 64)
+  mesh = mesh_of(workers)
+  x = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("data")))
+  opts = dict(compression_topk=8, quantize_1bit=quantize_1bit, weight_decay=0.1)
+  make = functools.partial(dj.demo, sched, **opts)
+  look = dict(opts, residual_weight=0.0)
+
+  plain_step, p, s = _runner(make(), init, mesh, look, lookahead=False)
+  plain = []
+  for _ in range(steps):
+    plain.append(p)
+    p, s, _ = plain_step(p, s, x)
+  delayed_step, p, s = _runner(make(delayed_apply=True), init, mesh, look, lookahead=True)
+  for t in range(steps):
+    p, s, at = delayed_step(p, s, x)
+    for k, shape in SHAPES.items():
+      for w in range(workers):
+        seen = np.asarray(at[k]).reshape(workers, *shape)[w]
+        np.testing.assert_allclose(seen, np.asarray(plain[t][k]), atol=1e-7)
+  assert not np.allclose(np.asarray(plain[-1]["a"]), np.asarray(init["a"]))
+
+
+def test_psyche_guess_is_the_momentum_before_error_feedback():
+  params = {"w": jnp.zeros((16, 16))}
+  tx = dj.demo(0.1, compression_topk=4, compression_decay=0.9, delayed_apply=True, axis_name=None)
+  state = tx.init(params)
+  g = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(16, 16)), jnp.float32)}
+  # Before any message, the point is the params themselves.
+  np.testing.assert_array_equal(dj.gradient_point(state, params, 0.1, compression_topk=4)["w"], 0.0)
+  _, state = tx.update(g, state, params)
+  at = dj.gradient_point(state, params, 0.1, compression_topk=4)
+  # m = lr * g before error feedback; the guess is its sign in the param domain.
+  np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * np.sign(np.asarray(g["w"])), atol=1e-7)
+
+
+def test_the_all_gather_still_waits_on_no_gradient():
+  mesh = mesh_of(4)
+  params = {"w": jnp.ones((32, 64), jnp.float32) * 0.1}
+  tx = dj.demo(1e-3, delayed_apply=True)
+  specs = dj.worker_state_specs(tx, params, mesh)
+  state = dj.init_worker_state(tx, params, mesh)
+
+  @functools.partial(
+    jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)
+  )
+  def step(params, state, x):
+    at = dj.gradient_point(state, params, 1e-3)
+    _, grads = dj.local_value_and_grad(lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2))(at, x)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.ones((16, 32), jnp.float32), NamedSharding(mesh, P("data")))
+  closed = jax.make_jaxpr(step)(params, state, x)
+  assert _gathers_fed_by(closed.jaxpr, {closed.jaxpr.invars[-1]}) == [False]
+  # The one all-gather moves the message and nothing else.
+  measured = dj.collective_bytes(jax.jit(step), params, state, x)
+  assert [k for k, v in measured.by_kind.items() if v] == ["all-gather"]
+  assert measured.total == dj.wire_bytes(params).payload
+
+
+def test_other_optimizers_look_from_their_own_point():
+  params = {"w": jnp.ones((8, 8))}
+  assert dj.gradient_point(dj.demo(1e-3, axis_name=None).init(params), params, 1e-3) is params
+  assert dj.gradient_point(optax.adamw(1e-3).init(params), params) is params
+  tx = dj.diloco(optax.sgd(1.0), axis_name=None)
+  state = tx.init(params)
+  _, state = tx.update({"w": jnp.full((8, 8), 0.5)}, state, params)
+  np.testing.assert_array_equal(dj.gradient_point(state, params)["w"], 0.5)
+
+
+def test_options_that_do_not_match_the_state_are_refused():
+  params = {"w": jnp.ones((64, 64))}
+  state = dj.demo(1e-3, compression_topk=8, delayed_apply=True, axis_name=None).init(params)
+  with pytest.raises(ValueError, match="compression options of the dj.demo"):
+    dj.gradient_point(state, params, 1e-3, compression_topk=32)

@@ -1,0 +1,303 @@
+"""dj.sparseloco: against its float64 NumPy reference, on the wire, and in the HLO."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.extend import core as jex_core
+from sharded_step import build, mesh_of, per_device_copies, place_grads
+from sparseloco_reference import ReferenceSparseLoCo
+from sparseloco_reference import quantize as np_quantize
+
+import distro_jax as dj
+from distro_jax.sparseloco import dequantize, quantize
+
+# A 64x128 matrix (two 64x64 chunks of 4,096), a 96-vector (two chunks of 48),
+# a small matrix whose axes are shorter than the chunk target, and a 5-vector
+# (per-worker state cannot hold scalar leaves; see worker_state).
+SHAPES = {"a": (64, 128), "b": (96,), "c": (8, 24), "d": (5,)}
+
+
+def _grads(rng, local, workers):
+  # Gradients depend on each worker's inner params, so trajectories are coupled.
+  return [
+    {k: 0.5 * np.asarray(local[w][k]) + rng.normal(size=np.shape(local[w][k])) for k in SHAPES}
+    for w in range(workers)
+  ]
+
+
+@pytest.mark.parametrize(
+  "value_bits, use_dct, clip",
+  [(2, False, True), (2, True, False), (None, False, False), (None, True, True), (1, False, True)],
+  ids=["2bit-clip", "2bit-dct-noclip", "fp32-noclip", "fp32-dct-clip", "1bit-clip"],
+)
+def test_matches_numpy_reference_and_replicas_stay_identical(value_bits, use_dct, clip):
+  workers, steps, h, lr = 4, 6, 2, 0.05
+  rng = np.random.default_rng(0)
+  init = {k: (rng.normal(size=s) * 0.1).astype(np.float32) for k, s in SHAPES.items()}
+  options = dict(
+    sync_every=h,
+    outer_learning_rate=0.9,
+    error_decay=0.95,
+    compression_topk=16,
+    compression_chunk=64,
+    value_bits=value_bits,
+    use_dct=use_dct,
+    clip_to_median_norm=clip,
+  )
+  ref = ReferenceSparseLoCo(
+    init,
+    workers,
+    lr=lr,
+    sync_every=h,
+    outer_lr=0.9,
+    decay=0.95,
+    topk=16,
+    chunk=64,
+    bits=value_bits,
+    use_dct=use_dct,
+    clip=clip,
+  )
+  mesh = mesh_of(workers)
+  step, params, state = build(dj.sparseloco(optax.sgd(lr), **options), init, mesh)
+  start = {k: np.asarray(v) for k, v in init.items()}
+  for t in range(1, steps + 1):
+    grads = _grads(rng, ref.local, workers)
+    expected = ref.step(grads)
+    grads_W = {k: np.stack([g[k] for g in grads]).astype(np.float32) for k in SHAPES}
+    params, state = step(params, state, place_grads(grads_W, mesh))
+    for k in SHAPES:
+      copies = per_device_copies(params[k])
+      assert all(np.array_equal(c, copies[0]) for c in copies), f"replicas differ: {k}, step {t}"
+      np.testing.assert_allclose(copies[0], expected[k], atol=2e-5, err_msg=f"{k}, step {t}")
+    if t % h:
+      # Between synchronizations the shared params do not move.
+      continue
+    assert not np.array_equal(np.asarray(params["a"]), start["a"])
+    start = {k: np.asarray(v) for k, v in params.items()}
+  # The error feedback is per worker and carries what was not sent.
+  errors = np.asarray(state.error_feedback["a"]).reshape(workers, 2, 4096)
+  assert np.abs(errors).max() > 0
+  assert not np.array_equal(errors[0], errors[1])
+
+
+def test_quantizer_is_templars_two_bit_rule():
+  rng = np.random.default_rng(1)
+  v = rng.normal(size=(50, 16)).astype(np.float32)
+  codes, book = quantize(jnp.asarray(v), 2)
+  ref_codes, ref_book = np_quantize(v, 2)
+  np.testing.assert_array_equal(np.asarray(codes), ref_codes)
+  np.testing.assert_allclose(np.asarray(book), ref_book, rtol=1e-5)
+  # The bins sit at -2.25, -0.75 and +0.75 standard deviations around the mean.
+  c = v - v.mean()
+  sigma = np.sqrt(np.sum(c**2) / (v.size - 1))
+  np.testing.assert_array_equal(
+    np.asarray(codes), np.searchsorted(np.array([-2.25, -0.75, 0.75]) * sigma, c, side="right")
+  )
+  # Each codebook entry is the mean of the values that fell in its bin.
+  for j in range(4):
+    np.testing.assert_allclose(book[j], v[np.asarray(codes) == j].mean(), rtol=1e-5)
+  # Equal values (zero spread) all land in one bin and come back exactly.
+  codes, book = quantize(jnp.full((3, 4), 0.25), 2)
+  np.testing.assert_array_equal(np.asarray(dequantize(codes, book)), 0.25)
+
+
+def _step_parts(params, options):
+  mesh = mesh_of(8)
+  tx = dj.sparseloco(optax.adamw(1e-3), **options)
+  step, params, state = build(tx, params, mesh)
+  grads = place_grads(jax.tree.map(lambda p: jnp.zeros((8, *p.shape), p.dtype), params), mesh)
+  return step, params, state, grads
+
+
+@pytest.mark.parametrize("value_bits", [2, 1, None])
+def test_the_hlo_all_gathers_exactly_the_payload_once(value_bits):
+  params = {"w": jnp.zeros((128, 192), jnp.bfloat16), "b": jnp.zeros((40,), jnp.float32)}
+  options = dict(sync_every=30, value_bits=value_bits)
+  step, params, state, grads = _step_parts(params, options)
+  measured = dj.collective_bytes(step, params, state, grads)
+  computed = dj.sparseloco_bytes(params, sync_every=30, value_bits=value_bits)
+  assert [k for k, v in measured.by_kind.items() if v] == ["all-gather"]
+  assert len(measured.ops) == 1
+  assert measured.total == computed.payload
+  # The message, counted by hand: 2x3 chunks of 64x64 and one of 40 entries.
+  idx = (6 * 64 * 12 + 7) // 8 + (40 * 6 + 7) // 8
+  values = {
+    2: (6 * 64 * 2 + 7) // 8 + 16 + (40 * 2 + 7) // 8 + 16,
+    1: (6 * 64 + 7) // 8 + 8 + (40 + 7) // 8 + 8,
+    None: 6 * 64 * 2 + 40 * 4,
+  }[value_bits]
+  assert computed.payload == idx + values
+  assert computed.per_step == computed.payload / 30
+
+
+def _conditional_branches(hlo: str) -> list[list[str]]:
+  return [
+    [b.strip().lstrip("%") for b in m.group(1).split(",")]
+    for m in re.finditer(r"conditional\(.*branch_computations=\{([^}]*)\}", hlo)
+  ]
+
+
+def _computation_of(hlo: str, opcode: str) -> list[str]:
+  found, current = [], None
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if head and not line.startswith(" "):
+      current = head.group(1)
+    elif re.search(rf"\s{opcode}(-start)?\(", line):
+      found.append(current)
+  return found
+
+
+def _callees(hlo: str) -> dict[str, set[str]]:
+  calls, current = {}, None
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if head and not line.startswith(" "):
+      current = head.group(1)
+      calls[current] = set()
+    elif current:
+      for attr in re.findall(
+        r"(?:to_apply|calls|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?", line
+      ):
+        calls[current] |= {c.strip().lstrip("%") for c in attr.split(",") if c.strip()}
+  return calls
+
+
+def _reaches(calls, start, target):
+  seen, todo = set(), [start]
+  while todo:
+    c = todo.pop()
+    if c == target:
+      return True
+    if c not in seen:
+      seen.add(c)
+      todo += sorted(calls.get(c, ()))
+  return False
+
+
+def test_the_all_gather_runs_only_in_the_synchronizing_branch():
+  params = {"w": jnp.zeros((64, 64), jnp.float32)}
+  step, params, state, grads = _step_parts(params, dict(sync_every=5))
+  hlo = step.lower(params, state, grads).compile().as_text()
+  (home,) = _computation_of(hlo, "all-gather")
+  calls = _callees(hlo)
+  branches = _conditional_branches(hlo)
+  # lax.cond's branch 0 is the false branch (keep going), branch 1 the sync.
+  assert any(_reaches(calls, b[1], home) and not _reaches(calls, b[0], home) for b in branches)
+  # And in the jaxpr: exactly one all_gather, inside the true branch of a cond.
+  closed = jax.make_jaxpr(step)(params, state, grads)
+
+  def gathers(jaxpr, path):
+    out = []
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name.startswith("all_gather"):
+        out.append(path)
+      if eqn.primitive.name == "cond":
+        for i, br in enumerate(eqn.params["branches"]):
+          out += gathers(br.jaxpr, (*path, f"cond[{i}]"))
+      else:
+        for sub in eqn.params.values():
+          inner = sub.jaxpr if isinstance(sub, jex_core.ClosedJaxpr) else sub
+          if isinstance(inner, jex_core.Jaxpr):
+            out += gathers(inner, path)
+    return out
+
+  found = gathers(closed.jaxpr, ())
+  assert len(found) == 1 and found[0][-1] == "cond[1]", found
+
+
+def test_inner_params_is_where_the_gradient_is_taken():
+  params = {"w": jnp.ones((4, 4))}
+  tx = dj.sparseloco(optax.sgd(1.0), sync_every=3, axis_name=None)
+  state = tx.init(params)
+  _, state = tx.update({"w": jnp.full((4, 4), 0.1)}, state, params)
+  np.testing.assert_allclose(dj.inner_params(state, params)["w"], 0.9)
+  for _ in range(2):
+    updates, state = tx.update({"w": jnp.full((4, 4), 0.1)}, state, params)
+  # After the sync, every worker restarts from the new shared params.
+  new = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(dj.inner_params(state, params)["w"], new["w"])
+
+
+def test_state_persists_across_rounds_and_error_feedback_keeps_the_rest():
+  params = {"w": jnp.zeros((8, 8))}
+  tx = dj.sparseloco(
+    optax.adam(0.1),
+    sync_every=1,
+    compression_topk=1,
+    value_bits=None,
+    error_decay=1.0,
+    clip_to_median_norm=False,
+    axis_name=None,
+  )
+  state = tx.init(params)
+  g = {"w": jnp.arange(64.0).reshape(8, 8) - 31.5}
+  updates, state = tx.update(g, state, params)
+  # One entry of the single 8x8 chunk was sent; the other 63 wait in the buffer.
+  assert int((updates["w"] != 0).sum()) == 1
+  assert int((state.error_feedback["w"] != 0).sum()) == 63
+  assert int(state.inner_state[0].count) == 1
+  _, state = tx.update(g, state, params)
+  assert int(state.inner_state[0].count) == 2
+
+
+def test_init_is_shape_only():
+  tx = dj.sparseloco(optax.adamw(1e-3), use_dct=True)
+  shapes = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((128, 96), jnp.bfloat16)})
+  assert shapes.local_params["w"].dtype == jnp.bfloat16
+  assert shapes.error_feedback["w"].shape == (2 * 2, 64 * 48)
+  assert shapes.error_feedback["w"].dtype == jnp.float32
+
+
+def test_numeric_options_work_under_inject_hyperparams():
+  tx = optax.inject_hyperparams(dj.sparseloco, static_args=("sync_every",))(
+    optax.sgd(0.5), outer_learning_rate=0.5, error_decay=0.9, sync_every=1, axis_name=None
+  )
+  params = {"w": jnp.ones((4, 8))}
+  state = tx.init(params)
+  assert set(state.hyperparams) >= {"outer_learning_rate", "error_decay"}
+  updates, state = jax.jit(tx.update)({"w": jnp.ones((4, 8))}, state, params)
+  assert jnp.all(jnp.isfinite(updates["w"]))
+  assert float(jnp.abs(updates["w"]).max()) > 0
+
+
+def test_production_payload_is_about_2200x_below_a_bf16_gradient():
+  b = dj.sparseloco_bytes({"w": jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)})
+  assert b.payload == 4096 * 64 * 14 // 8 + 16
+  assert 2150 < b.ratio_vs_bf16 < 2250
+
+
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
+    (dict(sync_every=0), ValueError, "sync_every must be a positive int"),
+    (dict(sync_every=2.5), ValueError, "sync_every must be a positive int"),
+    (dict(compression_topk=-1), ValueError, "compression_topk must be a positive int"),
+    (dict(compression_chunk=True), ValueError, "compression_chunk must be a positive int"),
+    (dict(value_bits=3), ValueError, "value_bits must be 1, 2 or None"),
+    (dict(value_bits=0), ValueError, "value_bits must be 1, 2 or None"),
+    (dict(error_decay=1.5), ValueError, "error_decay must be in"),
+  ],
+)
+def test_bad_options_are_refused_with_the_fix(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    dj.sparseloco(optax.sgd(1.0), **kwargs)
+
+
+def test_inner_must_be_an_optax_transformation():
+  with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation"):
+    dj.sparseloco(1e-3)
+
+
+def test_update_needs_the_params_and_a_bound_axis():
+  params = {"w": jnp.ones((4, 4))}
+  tx = dj.sparseloco(optax.sgd(1.0), axis_name=None)
+  with pytest.raises(ValueError, match="needs the outer params"):
+    tx.update(params, tx.init(params))
+  tx = dj.sparseloco(optax.sgd(1.0))
+  with pytest.raises(ValueError, match="is not bound here"):
+    tx.update(params, tx.init(params), params)
