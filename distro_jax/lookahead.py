@@ -11,14 +11,14 @@ update. :func:`gradient_point` computes that point from the optimizer state
 alone, so the all-gather still depends on nothing computed from this step's
 gradient.
 
-The guess is ``-lr_prev * (sign(IDCT(c)) + weight_decay * p)`` with the
-coefficients ``c = sent + residual_weight * residual``: ``sent`` is this
-worker's own message of the previous step, decoded from
-:attr:`~distro_jax.DemoState.pending` exactly as every receiver will decode it,
-and ``residual`` the momentum it kept (:attr:`~distro_jax.DemoState.momentum`,
-after error feedback). ``residual_weight=1`` is Psyche's choice, the whole
-momentum of the previous step before error feedback; ``0`` is the update the
-worker would apply if every worker had sent what it sent.
+The guess is ``-lr_prev * (sign(IDCT(c)) + weight_decay * p)``. With
+``guess="momentum"`` (the default, Psyche's), ``c`` is the worker's momentum
+of the previous step before error feedback, which a ``delayed_apply``
+:class:`~distro_jax.DemoState` keeps (its next update removes what the pending
+message sends), so the guess is the same for fp32 and 1-bit values. With
+``guess="message"``, ``c`` is the worker's own pending message, decoded as
+every receiver decodes it: the update that would land if every worker had
+sent what this one sent, exact when the workers agree.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def _delayed_demo_state(opt_state: Any) -> DemoState | None:
   return found[0]
 
 
+_GUESSES = ("momentum", "message")
+
+
 def lookahead_update(
   state: DemoState,
   params: Any,
@@ -57,7 +60,7 @@ def lookahead_update(
   quantize_1bit: bool = False,
   use_dct: bool = True,
   weight_decay: float = 0.0,
-  residual_weight: float = 1.0,
+  guess: str = "momentum",
   scale: float = 1.0,
 ) -> Any:
   """This worker's guess of the update in flight, from a ``delayed_apply`` :class:`DemoState`.
@@ -72,22 +75,16 @@ def lookahead_update(
     quantize_1bit: as given to :func:`distro_jax.demo`.
     use_dct: as given to :func:`distro_jax.demo`.
     weight_decay: as given to :func:`distro_jax.demo`.
-    residual_weight: how much of the momentum kept back joins the message
-      sent (1 is Psyche's guess).
+    guess: ``"momentum"`` (Psyche's: the momentum before error feedback) or
+      ``"message"`` (this worker's own message, as sent).
     scale: a factor on the whole guess.
 
   Returns:
     A tree like ``params``: zero before the first message (or after a message
     marked invalid), else ``-scale * lr_prev * (sign(IDCT(c)) + wd * p)``.
   """
-  if quantize_1bit and residual_weight:
-    raise ValueError(
-      "With quantize_1bit=True the pending message holds only signs, and DemoState.momentum "
-      "has had the sent values' magnitudes removed, so the momentum before error feedback "
-      "(residual_weight > 0) cannot be rebuilt from this state. Pass residual_weight=0 (the "
-      "worker's own message, as sent), or keep the momentum before error feedback in the "
-      "state (see this module's docstring)."
-    )
+  if guess not in _GUESSES:
+    raise ValueError(f"guess must be one of {_GUESSES}, got {guess!r}.")
   leaves, treedef = jax.tree.flatten(params)
   layout = wire.wire_layout(
     leaves,
@@ -110,9 +107,11 @@ def lookahead_update(
   step = jnp.where(valid, scale * jnp.asarray(lr, jnp.float32), 0.0)
   out = []
   for (idx, val), m, plan, x in zip(tensors, momenta, plans, leaves):
-    rows = jnp.arange(plan.rows)[:, None]
-    coeffs = residual_weight * m if residual_weight else jnp.zeros(plan.coeff_shape, jnp.float32)
-    coeffs = coeffs.at[rows, idx].add(val, unique_indices=True)
+    if guess == "momentum":
+      coeffs = dct.to_chunks(m, plan)
+    else:
+      rows = jnp.arange(plan.rows)[:, None]
+      coeffs = jnp.zeros(plan.coeff_shape, jnp.float32).at[rows, idx].add(val, unique_indices=True)
     direction = jnp.sign(from_chunks(coeffs, plan)).astype(x.dtype)
     if weight_decay:
       direction = direction + weight_decay * x

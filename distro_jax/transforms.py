@@ -39,6 +39,10 @@ class DemoState(NamedTuple):
       place it, and a sharding that keeps chunks whole keeps it local. The DCT
       is orthonormal, so this is the reference's buffer ``m`` in another basis,
       and error feedback is exactly "zero the coefficients that were sent".
+      With ``delayed_apply`` it is kept *before* the error feedback of the
+      pending message (the next update removes the coefficients that message
+      sends), so it is the buffer Psyche's lookahead reads
+      (:func:`distro_jax.gradient_point`).
       A worker whose values were not finite restarts from zero; without
       ``delayed_apply``, a step in which every worker's message was left out
       leaves every momentum as it was.
@@ -176,6 +180,28 @@ def _check_momentum(updates: Any, momenta: list[Any], plans: list[dct.ChunkPlan]
         "per chunk; build it again with tx.init(params) (or dj.init_worker_state), or "
         "convert an old momentum m with dj.from_chunks(m, dj.plan_chunks(shape, chunk))."
       )
+
+
+def _feed_back_pending(
+  momentum_blocks: list[jax.Array], pending: jax.Array | None, layout: codec.WireLayout
+) -> list[jax.Array]:
+  """Error feedback of the message in flight: what it sends leaves the momentum.
+
+  With ``delayed_apply`` the state keeps the momentum as it was before the
+  message was cut from it, and this step removes the sent coefficients, read
+  back from the worker's own pending message. A message marked invalid (the
+  first step, a worker that failed) sent nothing, so nothing is removed.
+  """
+  if pending is None or pending.shape != (layout.num_bytes,):
+    return momentum_blocks  # update_fn refuses this state with a clear message
+  tensors, valid = codec.decode_message(pending, layout)
+  out = []
+  for m, (idx, _) in zip(momentum_blocks, tensors):
+    idx = idx.reshape(*m.shape[:-3], m.shape[-2], idx.shape[-1])
+    # Zero where the message was valid, else write back what is there.
+    values = jnp.where(valid, 0.0, codec.gather_blocks(m, idx))
+    out.append(codec.scatter_blocks(m, idx, values))
+  return out
 
 
 def _replace_rarely(pred: jax.Array, tree: Any, replacement: Callable[[], Any]) -> Any:
@@ -318,11 +344,14 @@ def scale_by_demo(
 
     # Everything param-sized stays in each tensor's block view, where both DCT
     # stages, top-k's first stage and the scatters read the data in place.
+    momentum_blocks = [dct.to_blocks(m, plan) for m, plan in zip(momenta, plans)]
+    if delayed_apply:
+      momentum_blocks = _feed_back_pending(momentum_blocks, state.pending, layout)
     blocks = []
-    for g, m, plan in zip(grads, momenta, plans):
+    for g, m, plan in zip(grads, momentum_blocks, plans):
       g = dct.to_blocks(g, plan)
       coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
-      blocks.append(compression_decay * dct.to_blocks(m, plan) + lr * coeffs)
+      blocks.append(compression_decay * m + lr * coeffs)
     selections = codec.select_topk_many(blocks, [t.k for t in layout.tensors])
     sel_idx = [idx for idx, _ in selections]
     sel_val = [val for _, val in selections]
@@ -403,10 +432,12 @@ def scale_by_demo(
       # Equal on every device of a site already; this only types it so.
       contributors = jax.lax.pmax(contributors, tuple(site_axes))
     if delayed_apply:
-      # The message in flight is not this step's, so a worker that failed
-      # restarts from zero whatever the others sent.
-      reset = lambda: jax.tree.map(jnp.zeros_like, kept)
-      kept = _replace_rarely(jnp.logical_not(finite), kept, reset)
+      # The momentum is kept before error feedback (the next step removes what
+      # this message sends), so the lookahead reads Psyche's guess from the
+      # state. The message in flight is not this step's, so a worker that
+      # failed restarts from zero whatever the others sent.
+      reset = lambda: jax.tree.map(jnp.zeros_like, blocks)
+      kept = _replace_rarely(jnp.logical_not(finite), blocks, reset)
     else:
       # A worker that failed restarts from zero; a step in which every worker
       # failed changes nothing, so each keeps the momentum it came with. The

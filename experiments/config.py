@@ -93,6 +93,12 @@ class TrainConfig:
     "Apply the previous step's aggregate, so the exchange can overlap the next "
     "forward and backward pass (overlapped DisTrO).",
   )
+  lookahead: bool = _field(
+    True,
+    "With --delayed_apply, take each gradient where the params will be once the "
+    "update in flight lands, as the worker guesses it (Psyche's lookahead); "
+    "--nolookahead is the bare delayed exchange.",
+  )
   warmup_steps: int | None = _field(
     None, "Linear warmup steps before the cosine (default: recipe)."
   )

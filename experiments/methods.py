@@ -146,6 +146,9 @@ class Method:
     final_exchange: the last step of a run exchanges too, whatever
       ``exchange_every`` says (DiLoCo's final outer step), so a last partial
       round is not thrown away.
+    gradient_point: ``gradient_point(cfg)``, a function ``(opt_state,
+      params) -> params`` giving where each worker takes its gradient
+      (default ``dj.inner_params``: DiLoCo's local params, else the params).
     check: ``check(cfg)``, the method's own refusals of a config whose
       recipe is filled in, raising ``ConfigError`` naming the flag and the
       fix; ``config.validate`` calls it, so no other module branches on a
@@ -170,6 +173,7 @@ class Method:
   )
   final_exchange: bool = False
   check: Callable[[TrainConfig], None] = lambda cfg: None
+  gradient_point: Callable[[TrainConfig], Callable[[Any, Any], Any]] = lambda cfg: dj.inner_params
 
   def recipe_for(self, preset: str) -> Recipe:
     """The defaults for this method on ``preset``."""
@@ -326,6 +330,21 @@ def _build_demo(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
   return optax.chain(_clip(cfg, axes), tx)
 
 
+def _demo_gradient_point(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
+  """With ``--delayed_apply`` (and ``--lookahead``), Psyche's lookahead; else the params."""
+  if not (cfg.delayed_apply and cfg.lookahead):
+    return dj.inner_params
+  return functools.partial(
+    dj.gradient_point,
+    learning_rate=lr_schedule(cfg),
+    compression_topk=cfg.compression_topk,
+    compression_chunk=cfg.compression_chunk,
+    quantize_1bit=cfg.quantize_1bit,
+    use_dct=cfg.use_dct,
+    weight_decay=cfg.weight_decay,
+  )
+
+
 def _build_distro_adamw(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
   tx = dj.distro_adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay, **_compression(cfg, axes))
   return optax.chain(_clip(cfg, axes), tx)
@@ -423,6 +442,7 @@ register(
     excludes_nonfinite=True,
     tuning={"learning_rate": (2e-3, 4e-3), "compression_decay": (0.95, 0.98)},
     check=_check_compression,
+    gradient_point=_demo_gradient_point,
   )
 )
 register(

@@ -27,7 +27,11 @@ from distro_jax.exchange import varying_axes
 from experiments import model as model_lib
 from experiments.launch import FSDP, MESH_AXES, REPLICA
 
+# Where a worker takes its gradient, from its optimizer state and the params.
+GradientPoint = Callable[[Any, Any], Any]
+
 __all__ = [
+  "GradientPoint",
   "eval_step",
   "gradient_step",
   "mean_finite_loss",
@@ -58,13 +62,14 @@ def _loss(params, graphdef, inputs_BxL, targets_BxL):
   return model_lib.next_token_loss(logits_BxLxV, targets_BxL)
 
 
-def _value_and_grad(params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs):
+def _value_and_grad(params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs, point):
   """This device's loss and its site's gradient, taken where the optimizer says.
 
-  DiLoCo workers take their gradient at their own inner params
-  (``dj.inner_params``); every other optimizer at the shared params.
+  ``point(opt_state, params)`` is the method's gradient point
+  (``Method.gradient_point``): DiLoCo's inner params, the overlapped DeMo's
+  lookahead, or the shared params themselves.
   """
-  at = dj.inner_params(opt_state, params)
+  at = point(opt_state, params)
   grad_fn = dj.fsdp_value_and_grad(_loss, param_specs, replica_axis=REPLICA, fsdp_axis=FSDP)
   return grad_fn(at, graphdef, inputs_BxL, targets_BxL)
 
@@ -99,6 +104,7 @@ def train_step(
   graphdef: nnx.GraphDef,
   tx: optax.GradientTransformation,
   param_specs: Any,
+  point: GradientPoint = dj.inner_params,
   fault: tuple[int, int] | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
   """One device's step: its loss and gradient, then the optimizer's exchange.
@@ -112,6 +118,7 @@ def train_step(
     graphdef: the model's static structure.
     tx: the optimizer, exchanging over ``"replica"``.
     param_specs: the params' ``PartitionSpec`` tree over ``"fsdp"``.
+    point: ``point(opt_state, params)``, where the gradient is taken.
     fault: ``(step, worker)`` whose gradient becomes NaN, or None.
 
   Returns:
@@ -119,7 +126,9 @@ def train_step(
     device losses; ``metrics["excluded"]`` counts messages the optimizer
     left out this step (0 for one that leaves none out).
   """
-  loss, grads = _value_and_grad(params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs)
+  loss, grads = _value_and_grad(
+    params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs, point
+  )
   if fault is not None:
     grads = _inject_fault(grads, step, fault)
   updates, opt_state = tx.update(grads, opt_state, params)
@@ -152,6 +161,7 @@ def gradient_step(
   *,
   graphdef: nnx.GraphDef,
   param_specs: Any,
+  point: GradientPoint = dj.inner_params,
 ) -> jax.Array:
   """The train step without the optimizer: loss and gradient, no exchange.
 
@@ -159,7 +169,9 @@ def gradient_step(
   gradient is computed in full. Timing it against :func:`train_step` gives
   the optimizer's share of the step (exchange and update together).
   """
-  _, grads = _value_and_grad(params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs)
+  _, grads = _value_and_grad(
+    params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs, point
+  )
   return optax.tree_utils.tree_sum(jax.tree.map(lambda g: jnp.sum(jnp.square(g)), grads))[None]
 
 

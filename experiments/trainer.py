@@ -129,6 +129,7 @@ def build(cfg: TrainConfig) -> Program:
   fault = (cfg.inject_nan_step, cfg.inject_nan_worker) if cfg.inject_nan_step else None
   rows = steps.rows_spec(cfg.fsdp)
   common = {"graphdef": graphdef, "param_specs": specs}
+  point = method.gradient_point(cfg)
   return Program(
     cfg=cfg,
     method=method,
@@ -145,12 +146,13 @@ def build(cfg: TrainConfig) -> Program:
       (specs, state_specs, P()),
       donate=(0, 1),
       tx=tx,
+      point=point,
       fault=fault,
       **common,
     ),
     eval_step=steps.shard_step(steps.eval_step, mesh, (specs, rows, rows), P(), **common),
     gradient_step=steps.shard_step(
-      steps.gradient_step, mesh, (specs, state_specs, rows, rows), rows, **common
+      steps.gradient_step, mesh, (specs, state_specs, rows, rows), rows, point=point, **common
     ),
     mismatches=steps.shard_step(steps.replica_mismatches, mesh, (specs,), P(), param_specs=specs),
     rows=rows,

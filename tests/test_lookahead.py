@@ -1,5 +1,6 @@
 """dj.gradient_point: the lookahead of the overlapped exchange, and where local steps look from."""
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,7 @@ from sharded_step import mesh_of
 from test_delayed_apply import _gathers_fed_by
 
 import distro_jax as dj
+from distro_jax import dct, wire
 
 SHAPES = {"a": (64, 128), "b": (96,)}
 
@@ -63,7 +65,7 @@ def test_when_workers_agree_the_lookahead_is_exact_and_delayed_is_plain(quantize
   x = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("data")))
   opts = dict(compression_topk=8, quantize_1bit=quantize_1bit, weight_decay=0.1)
   make = functools.partial(dj.demo, sched, **opts)
-  look = dict(opts, residual_weight=0.0)
+  look = dict(opts, guess="message")
 
   plain_step, p, s = _runner(make(), init, mesh, look, lookahead=False)
   plain = []
@@ -80,17 +82,31 @@ def test_when_workers_agree_the_lookahead_is_exact_and_delayed_is_plain(quantize
   assert not np.allclose(np.asarray(plain[-1]["a"]), np.asarray(init["a"]))
 
 
-def test_psyche_guess_is_the_momentum_before_error_feedback():
+@pytest.mark.parametrize("quantize_1bit", [False, True], ids=["fp32", "1bit"])
+def test_psyche_guess_is_the_momentum_before_error_feedback(quantize_1bit):
+  opts = dict(compression_topk=4, quantize_1bit=quantize_1bit)
   params = {"w": jnp.zeros((16, 16))}
-  tx = dj.demo(0.1, compression_topk=4, compression_decay=0.9, delayed_apply=True, axis_name=None)
+  tx = dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **opts)
   state = tx.init(params)
-  g = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(16, 16)), jnp.float32)}
+  rng = np.random.default_rng(1)
+  g1, g2 = ({"w": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32)} for _ in range(2))
   # Before any message, the point is the params themselves.
-  np.testing.assert_array_equal(dj.gradient_point(state, params, 0.1, compression_topk=4)["w"], 0.0)
-  _, state = tx.update(g, state, params)
-  at = dj.gradient_point(state, params, 0.1, compression_topk=4)
+  np.testing.assert_array_equal(dj.gradient_point(state, params, 0.1, **opts)["w"], 0.0)
+  _, state = tx.update(g1, state, params)
+  at = dj.gradient_point(state, params, 0.1, **opts)
   # m = lr * g before error feedback; the guess is its sign in the param domain.
-  np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * np.sign(np.asarray(g["w"])), atol=1e-7)
+  np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * np.sign(np.asarray(g1["w"])), atol=1e-7)
+  # One step on: the first message's coefficients left the momentum before the
+  # decay, whatever width its values travelled at.
+  _, state = tx.update(g2, state, params)
+  plan = wire.plan_tree([params["w"]], 64)[0]
+  m1 = np.array(dct.encode(0.1 * g1["w"], plan))
+  sent = np.argsort(-np.abs(m1), axis=-1, kind="stable")[:, :4]
+  np.put_along_axis(m1, sent, 0.0, axis=-1)
+  expected = 0.9 * m1 + np.asarray(dct.encode(0.1 * g2["w"], plan))
+  (demo_state,) = [s for s in state if isinstance(s, dj.DemoState)]
+  got = np.asarray(dct.to_chunks(demo_state.momentum["w"], plan))
+  np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
 def test_the_all_gather_still_waits_on_no_gradient():
@@ -134,3 +150,35 @@ def test_options_that_do_not_match_the_state_are_refused():
   state = dj.demo(1e-3, compression_topk=8, delayed_apply=True, axis_name=None).init(params)
   with pytest.raises(ValueError, match="compression options of the dj.demo"):
     dj.gradient_point(state, params, 1e-3, compression_topk=32)
+
+
+@pytest.mark.parametrize("quantize_1bit", [False, True], ids=["fp32", "1bit"])
+def test_the_trainers_overlapped_step_looks_ahead_and_gathers_before_the_gradient(quantize_1bit):
+  from experiments import config, methods, trainer
+
+  cfg = config.resolve(
+    config.TrainConfig(
+      preset="tiny",
+      workers=4,
+      batch_size=8,
+      seq_len=32,
+      compression_topk=8,
+      quantize_1bit=quantize_1bit,
+      delayed_apply=True,
+    )
+  )
+  point = methods.get("demo").gradient_point(cfg)
+  assert point.func is dj.gradient_point
+  assert point.keywords["quantize_1bit"] is quantize_1bit
+  bare = config.resolve(dataclasses.replace(cfg, lookahead=False))
+  assert methods.get("demo").gradient_point(bare) is dj.inner_params
+  program = trainer.build(cfg)
+  params = program.placed(program.abstract, program.fsdp_plan.specs)
+  state = dj.abstract_worker_state(
+    program.tx, program.abstract, program.mesh, "replica", param_specs=program.fsdp_plan.specs
+  )
+  rows = jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=program.sharding(program.rows))
+  closed = jax.make_jaxpr(program.train_step)(params, state, jnp.int32(1), rows, rows)
+  fed = _gathers_fed_by(closed.jaxpr, set(closed.jaxpr.invars[-2:]))
+  # The message all-gather (and any other) starts before the batch is read.
+  assert fed and not any(fed)
