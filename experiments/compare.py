@@ -38,7 +38,7 @@ from experiments.records import Summary, read_metrics
 
 __all__ = ["DEFAULT_METHODS", "method_overrides", "run_comparison", "markdown_table"]
 
-DEFAULT_METHODS = ("adamw", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco")
+DEFAULT_METHODS = ("adamw", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco", "sparseloco")
 
 
 def method_overrides(name: str) -> dict[str, Any]:

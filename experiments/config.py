@@ -88,6 +88,18 @@ class TrainConfig:
   diloco_sync_every: int = _field(50, "DiLoCo: inner steps between synchronizations (H).")
   diloco_outer_lr: float = _field(0.7, "DiLoCo: outer Nesterov learning rate.")
   diloco_outer_momentum: float = _field(0.9, "DiLoCo: outer Nesterov momentum.")
+  sparseloco_sync_every: int = _field(
+    30, "SparseLoCo: inner steps between synchronizations (H; the paper's 30)."
+  )
+  sparseloco_topk: int = _field(64, "SparseLoCo: entries kept per 64x64 chunk (the paper's 64).")
+  sparseloco_value_bits: int = _field(
+    2, "SparseLoCo: bits per value sent, 1 or 2 (the paper's 2), or 0 for float values."
+  )
+  sparseloco_error_decay: float = _field(0.95, "SparseLoCo: error-feedback decay (0.95).")
+  sparseloco_outer_lr: float = _field(1.0, "SparseLoCo: outer learning rate (1.0).")
+  sparseloco_clip: bool = _field(
+    True, "SparseLoCo: clip each worker's contribution to the median norm."
+  )
   delayed_apply: bool = _field(
     False,
     "Apply the previous step's aggregate, so the exchange can overlap the next "
@@ -332,6 +344,9 @@ _INT_FLOORS: dict[str, tuple[int, str]] = {
   "compression_topk": (1, "use --compression_topk=1 or more (the reference sends 32)"),
   "compression_chunk": (1, "use --compression_chunk=1 or more (the reference uses 64)"),
   "diloco_sync_every": (1, "use --diloco_sync_every=1 or more (DiLoCo's paper uses 500)"),
+  "sparseloco_sync_every": (1, "use --sparseloco_sync_every=1 or more (the paper uses 30)"),
+  "sparseloco_topk": (1, "use --sparseloco_topk=1 or more (the paper sends 64 of 4096)"),
+  "sparseloco_value_bits": (0, "use 2 (the paper's), 1, or 0 for float values"),
   "warmup_steps": (0, "use --warmup_steps=0 for no warmup"),
   "seed": (0, "use a seed in [0, 2**32)"),
   "eval_every": (0, "use --eval_every=0 to validate only after the last step"),
@@ -352,6 +367,8 @@ _FLOAT_RANGES: dict[str, tuple[float, bool, float, str]] = {
   "weight_decay": (0.0, True, math.inf, "use --weight_decay=0 for none, or e.g. 0.1"),
   "diloco_outer_lr": (0.0, False, math.inf, "DiLoCo's paper uses 0.7"),
   "diloco_outer_momentum": (0.0, True, 1.0, "DiLoCo's paper uses 0.9; 0 is plain averaging"),
+  "sparseloco_error_decay": (0.0, True, 1.0, "the paper uses 0.95; 0 keeps no error"),
+  "sparseloco_outer_lr": (0.0, False, math.inf, "the paper uses 1.0"),
 }
 
 

@@ -46,7 +46,7 @@ from experiments.records import StepRecord, Summary, read_metrics
 
 __all__ = ["DEFAULT_METHODS", "Point", "best_points", "grid_points", "run_frontier"]
 
-DEFAULT_METHODS = ("adamw", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco")
+DEFAULT_METHODS = ("adamw", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco", "sparseloco")
 
 
 @dataclasses.dataclass(frozen=True)

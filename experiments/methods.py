@@ -389,6 +389,49 @@ def _check_diloco(cfg: TrainConfig) -> None:
     )
 
 
+def _sparseloco_bits(cfg: TrainConfig) -> int | None:
+  return cfg.sparseloco_value_bits or None
+
+
+def _build_sparseloco(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
+  return dj.sparseloco(
+    _clipped_adamw(cfg, axes),
+    sync_every=cfg.sparseloco_sync_every,
+    outer_learning_rate=cfg.sparseloco_outer_lr,
+    error_decay=cfg.sparseloco_error_decay,
+    compression_topk=cfg.sparseloco_topk,
+    value_bits=_sparseloco_bits(cfg),
+    clip_to_median_norm=cfg.sparseloco_clip,
+    axis_name=axes.replica,
+  )
+
+
+def _sparseloco_message(cfg: TrainConfig, params: Any) -> int:
+  return dj.sparseloco_bytes(
+    params,
+    sync_every=cfg.sparseloco_sync_every,
+    compression_topk=cfg.sparseloco_topk,
+    value_bits=_sparseloco_bits(cfg),
+  ).payload
+
+
+def _check_sparseloco(cfg: TrainConfig) -> None:
+  from experiments.config import ConfigError
+
+  if cfg.sparseloco_value_bits > 2:
+    raise ConfigError(
+      f"--sparseloco_value_bits={cfg.sparseloco_value_bits}: SparseLoCo's quantizer has 1 or 2 "
+      "bits (or 0 for float values); use --sparseloco_value_bits=2, the paper's."
+    )
+  if cfg.steps < cfg.sparseloco_sync_every:
+    raise ConfigError(
+      f"--steps={cfg.steps} is shorter than --sparseloco_sync_every="
+      f"{cfg.sparseloco_sync_every}, so no synchronization would run; use "
+      f"--sparseloco_sync_every<={cfg.steps} (e.g. the method sparseloco-h"
+      f"{max(cfg.steps // 4, 1)}), or more --steps."
+    )
+
+
 @functools.cache
 def largest_chunk(preset: str, compression_chunk: int) -> int:
   """Coefficients in the largest DCT chunk of ``preset``'s params at ``compression_chunk``."""
@@ -487,6 +530,28 @@ register(
     tuning={"learning_rate": (1.5e-3, 3e-3), "diloco_outer_lr": (0.7, 1.0)},
     final_exchange=True,
     check=_check_diloco,
+  )
+)
+
+register(
+  Method(
+    name="sparseloco",
+    description="SparseLoCo: H local AdamW steps, then a top-k, 2-bit, error-fed outer step",
+    build=_build_sparseloco,
+    message_bytes=_sparseloco_message,
+    collective=ALL_GATHER,
+    recipe=Recipe(learning_rate=3e-3, warmup_steps=30),
+    preset_recipes={"report-1.2b": _REPORT_RECIPE},
+    options=(
+      Option(r"h(\d+)", "sparseloco_sync_every", _int, "hH"),
+      Option(r"k(\d+)", "sparseloco_topk", _int, "kK"),
+      Option(r"([012])bit", "sparseloco_value_bits", _int, "Nbit"),
+      Option(r"noclip", "sparseloco_clip", lambda m: False, "noclip"),
+    ),
+    exchange_every=lambda cfg: cfg.sparseloco_sync_every,
+    supports_fsdp=False,
+    tuning={"learning_rate": (1.5e-3, 3e-3), "sparseloco_outer_lr": (0.7, 1.0)},
+    check=_check_sparseloco,
   )
 )
 
