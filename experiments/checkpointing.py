@@ -78,7 +78,9 @@ class Checkpointer:
     """Restores the newest readable checkpoint.
 
     Args:
-      abstract_state: ``jax.ShapeDtypeStruct`` tree with shardings, the target.
+      abstract_state: ``jax.ShapeDtypeStruct`` tree with shardings, the target;
+        or a function of the step that returns it, for a target that depends
+        on what that checkpoint holds (an elastic resume's worker count).
       data_iterator: the grain iterator, set in place to the saved position.
 
     Returns:
@@ -111,10 +113,11 @@ class Checkpointer:
           f"different run ({detail}). Resume with the same flags, or use a new --out_dir."
         )
       try:
+        target = abstract_state(step) if callable(abstract_state) else abstract_state
         restored = self._manager.restore(
           step,
           args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
+            state=ocp.args.StandardRestore(target),
             data=iterator_checkpoint_args(data_iterator, restore=True),
           ),
         )

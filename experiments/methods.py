@@ -137,6 +137,8 @@ class Method:
     excludes_nonfinite: leaves a worker with a non-finite message out of the
       aggregate, and reports how many it left out.
     supports_skip_nonfinite: ``--skip_nonfinite`` applies to it.
+    supports_cold_start: a joining worker's message can be marked invalid
+      (``--cold_start_steps``, an elastic resume onto more workers).
   """
 
   name: str
@@ -152,6 +154,7 @@ class Method:
   supports_delayed_apply: bool = False
   excludes_nonfinite: bool = False
   supports_skip_nonfinite: bool = False
+  supports_cold_start: bool = False
 
   def recipe_for(self, preset: str) -> Recipe:
     """The defaults for this method on ``preset``."""
@@ -354,6 +357,7 @@ register(
     options=_COMPRESSION_OPTIONS,
     supports_delayed_apply=True,
     excludes_nonfinite=True,
+    supports_cold_start=True,
   )
 )
 register(
@@ -368,6 +372,7 @@ register(
     options=_COMPRESSION_OPTIONS,
     supports_delayed_apply=True,
     excludes_nonfinite=True,
+    supports_cold_start=True,
   )
 )
 register(

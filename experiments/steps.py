@@ -100,6 +100,7 @@ def train_step(
   tx: optax.GradientTransformation,
   param_specs: Any,
   fault: tuple[int, int] | None = None,
+  cold_until: tuple[int, ...] | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
   """One device's step: its loss and gradient, then the optimizer's exchange.
 
@@ -113,6 +114,9 @@ def train_step(
     tx: the optimizer, exchanging over ``"replica"``.
     param_specs: the params' ``PartitionSpec`` tree over ``"fsdp"``.
     fault: ``(step, worker)`` whose gradient becomes NaN, or None.
+    cold_until: per worker, the last step its DisTrO message is marked
+      invalid (a worker that joined an elastic resume, in its cold start), or
+      None. Passed to the optimizer as ``contribute``.
 
   Returns:
     ``(params, opt_state, metrics)``. ``metrics["loss"]`` averages the finite
@@ -122,7 +126,11 @@ def train_step(
   loss, grads = _value_and_grad(params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs)
   if fault is not None:
     grads = _inject_fault(grads, step, fault)
-  updates, opt_state = tx.update(grads, opt_state, params)
+  extra = {}
+  if cold_until is not None:
+    until = jnp.asarray(cold_until, jnp.int32)[jax.lax.axis_index(REPLICA)]
+    extra["contribute"] = step > until
+  updates, opt_state = tx.update(grads, opt_state, params, **extra)
   params = optax.apply_updates(params, updates)
   # Optimizers with no DemoState count every worker as contributing.
   workers = jax.lax.axis_size(REPLICA)

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
-from experiments import config, measure, methods, presets, reporting, steps
+from experiments import config, elastic, measure, methods, presets, reporting, steps
 from experiments import data as data_lib
 from experiments import model as model_lib
 from experiments.checkpointing import Checkpointer, CheckpointError
@@ -114,8 +114,12 @@ class Program:
     return {"params": self.placed(self.abstract, self.fsdp_plan.specs), "opt_state": opt_state}
 
 
-def build(cfg: TrainConfig) -> Program:
-  """The mesh, model, optimizer and jitted steps for ``cfg`` (resolved)."""
+def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Program:
+  """The mesh, model, optimizer and jitted steps for ``cfg`` (resolved).
+
+  ``cold_until`` (an elastic resume's joiners in their cold start) is what
+  :func:`experiments.steps.train_step` takes.
+  """
   method = methods.get(cfg.optimizer)
   model_cfg = presets.get_preset(cfg.preset)
   mesh = make_mesh(cfg.workers, cfg.fsdp)
@@ -146,6 +150,7 @@ def build(cfg: TrainConfig) -> Program:
       donate=(0, 1),
       tx=tx,
       fault=fault,
+      cold_until=cold_until,
       **common,
     ),
     eval_step=steps.shard_step(steps.eval_step, mesh, (specs, rows, rows), P(), **common),
@@ -291,12 +296,18 @@ def _describe(program: Program, payload: methods.Payload, hlo: measure.HloBytes)
 
 
 def _start(program: Program, batches: _Batches, checkpointer: Checkpointer | None):
-  """``(start_step, params, opt_state)``: restored from the checkpoint, or fresh."""
+  """``(start_step, params, opt_state, resize)``: restored from the checkpoint, or fresh.
+
+  A checkpoint saved on another worker count is restored and resized
+  (``experiments.elastic``); ``resize`` says what changed (None: a fresh run).
+  """
   if program.cfg.resume:
-    step, restored = checkpointer.restore_latest(program.abstract_state(), batches.train)
-    return step, restored["params"], restored["opt_state"]
+    restore = elastic.Restore(program, checkpointer.directory)
+    step, restored = checkpointer.restore_latest(restore.target, batches.train)
+    params = restored["params"]
+    return step, params, restore.finish(params, restored["opt_state"]), restore.resize
   params = program.init_params()
-  return 0, params, program.init_opt_state(params)
+  return 0, params, program.init_opt_state(params), None
 
 
 def run(cfg: TrainConfig) -> Summary:
@@ -313,6 +324,7 @@ def run(cfg: TrainConfig) -> Summary:
       f"--seq_len={cfg.seq_len} is longer than preset {cfg.preset!r} supports "
       f"({model_cfg.max_seq_len}); use --seq_len<={model_cfg.max_seq_len}."
     )
+  elastic.check(cfg, methods.get(cfg.optimizer))
   program = build(cfg)
   batches = _Batches(cfg, program)
   ckpt_dir = _check_out_dir(cfg)
@@ -321,7 +333,9 @@ def run(cfg: TrainConfig) -> Summary:
     checkpointer = Checkpointer(
       ckpt_dir, save_every=cfg.checkpoint_every, fingerprint=config.fingerprint(cfg)
     )
-  start_step, params, opt_state = _start(program, batches, checkpointer)
+  start_step, params, opt_state, resize = _start(program, batches, checkpointer)
+  if resize and (cold := resize.cold_until(cfg.cold_start_steps)):
+    program = build(cfg, cold_until=cold)
   step_arg = jax.ShapeDtypeStruct((), jnp.int32, sharding=program.sharding())
   compiled = program.train_step.lower(
     params, opt_state, step_arg, batches.abstract, batches.abstract
@@ -333,6 +347,9 @@ def run(cfg: TrainConfig) -> Summary:
   payload = program.method.payload(cfg, local)
   log = _Log(cfg, program.method, payload, start_step)
   log.progress.message(_describe(program, payload, hlo))
+  if resize and resize.changed:
+    log.writer.write_event(resize.event(cfg))
+    log.progress.message(resize.describe(cfg))
   if program.fsdp_plan.whole:
     log.progress.message(
       f"{len(program.fsdp_plan.whole)} params stay whole on every device of a site (each "
