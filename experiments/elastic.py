@@ -131,7 +131,8 @@ class Resize:
     if self.processes_before != self.processes_after:
       line += f", {self.processes_before} -> {self.processes_after} processes"
     if self.left:
-      line += f"; workers {self.left} left, their unsent momentum {cfg.leaving}ed"
+      fate = {"fold": "folded into the others", "drop": "dropped"}[cfg.leaving]
+      line += f"; workers {self.left} left, their unsent momentum {fate}"
     if self.joined:
       line += f"; workers {self.joined} joined from zero momentum"
       if cfg.cold_start_steps:
