@@ -291,7 +291,10 @@ def make_train_iterator(
   read_options = grain.ReadOptions(
     num_threads=read_threads, prefetch_buffer_size=4 * read_threads if read_threads else 0
   )
-  return iter(ds.to_iter_dataset(read_options))
+  it = iter(ds.to_iter_dataset(read_options))
+  # How the batch is split; checkpoints record it next to the position (``split.json``).
+  it.split = {"workers": num_workers, "processes": process_count}
+  return it
 
 
 def make_eval_batches(
@@ -356,6 +359,8 @@ class _IteratorHandler(grain.checkpoint.CheckpointHandler):
     (directory / f"process_{index}-of-{count}.json").write_text(
       json.dumps(args.item.get_state(), indent=4)
     )
+    if index == 0 and hasattr(args.item, "split"):
+      (directory / _SPLIT).write_text(json.dumps(args.item.split))
 
   def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
     args = args or _IteratorRestore(item)
@@ -381,10 +386,25 @@ def _saved(directory: Any) -> list[Any]:
   return sorted(directory.glob("process_*-of-*.json"))
 
 
-def saved_process_count(directory: str | os.PathLike[str]) -> int | None:
-  """How many processes saved the data positions in ``directory`` (a checkpoint's ``data``)."""
-  counts = {int(p.stem.rsplit("-of-", 1)[1]) for p in _saved(epath.Path(directory))}
-  return counts.pop() if len(counts) == 1 else None
+_SPLIT = "split.json"
+
+
+def saved_split(directory: str | os.PathLike[str]) -> dict[str, int]:
+  """How the saving run split its batches, from a checkpoint's ``data`` item.
+
+  Returns:
+    ``{"processes": P}`` from the position files' names, and ``"workers"``
+    (devices over all processes) where the checkpoint recorded it; empty for
+    a directory without position files.
+  """
+  directory = epath.Path(directory)
+  out = {}
+  counts = {int(p.stem.rsplit("-of-", 1)[1]) for p in _saved(directory)}
+  if len(counts) == 1:
+    out["processes"] = counts.pop()
+  if (directory / _SPLIT).exists():
+    out["workers"] = int(json.loads((directory / _SPLIT).read_text())["workers"])
+  return out
 
 
 def _process(args: Any) -> tuple[int, int]:

@@ -69,7 +69,7 @@ def check(cfg: TrainConfig, method: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Resize:
-  """What an elastic resume changes; ``workers_before`` is None for an all-shared state.
+  """What an elastic resume changes.
 
   Attributes:
     step: the checkpoint's step.
@@ -80,28 +80,27 @@ class Resize:
   """
 
   step: int
-  workers_before: int | None
+  workers_before: int
   workers_after: int
   processes_before: int
   processes_after: int
 
   @property
   def changed(self) -> bool:
-    before = self.workers_after if self.workers_before is None else self.workers_before
-    return before != self.workers_after or self.processes_before != self.processes_after
-
-  @property
-  def stay(self) -> int:
-    before = self.workers_after if self.workers_before is None else self.workers_before
-    return min(before, self.workers_after)
+    return (self.workers_before, self.processes_before) != (
+      self.workers_after,
+      self.processes_after,
+    )
 
   @property
   def left(self) -> list[int]:
-    return list(range(self.stay, self.workers_before or 0))
+    """Old workers that left: the last ones (``dj.resize_worker_state``'s default ``keep``)."""
+    return list(range(self.workers_after, self.workers_before))
 
   @property
   def joined(self) -> list[int]:
-    return list(range(self.stay, self.workers_after)) if self.workers_before else []
+    """New workers that joined, at the end."""
+    return list(range(self.workers_before, self.workers_after))
 
   def cold_until(self, cold_start_steps: int) -> tuple[int, ...] | None:
     """Per new worker, the last step its message is marked invalid (0: none); None if no one."""
@@ -114,7 +113,7 @@ class Resize:
     return ResizeEvent(
       step=self.step,
       wall_time=time.time(),
-      workers_before=self.workers_before or self.workers_after,
+      workers_before=self.workers_before,
       workers_after=self.workers_after,
       processes_before=self.processes_before,
       processes_after=self.processes_after,
@@ -126,8 +125,8 @@ class Resize:
 
   def describe(self, cfg: TrainConfig) -> str:
     """One line for the progress output."""
-    before = self.workers_before or self.workers_after
-    line = f"elastic resume at step {self.step}: {before} -> {self.workers_after} workers"
+    line = f"elastic resume at step {self.step}: {self.workers_before} -> {self.workers_after} "
+    line += "workers"
     if self.processes_before != self.processes_after:
       line += f", {self.processes_before} -> {self.processes_after} processes"
     if self.left:
@@ -170,6 +169,7 @@ class Restore:
   def __init__(self, program: Any, directory: str):
     self.program, self.directory = program, directory
     self.resize: Resize | None = None
+    self.per_worker = False
 
   def target(self, step: int) -> Any:
     """The restore target for ``step``: as saved if the worker count is the same, else resizable."""
@@ -186,9 +186,16 @@ class Restore:
     before = dj.worker_count(
       program.tx, treedef.unflatten(saved), program.abstract, program.mesh, REPLICA, **spec
     )
-    processes = data_lib.saved_process_count(os.path.join(step_dir, "data"))
+    split = data_lib.saved_split(os.path.join(step_dir, "data"))
+    # A state with nothing per worker (AdamW's) fits any count: the data item says which ran.
+    recorded = split["workers"] // cfg.fsdp if "workers" in split else cfg.replicas
+    self.per_worker = before is not None
     self.resize = Resize(
-      step, before, cfg.replicas, processes or jax.process_count(), jax.process_count()
+      step,
+      recorded if before is None else before,
+      cfg.replicas,
+      split.get("processes", jax.process_count()),
+      jax.process_count(),
     )
     if before is None or before == cfg.replicas:
       return abstract
@@ -200,7 +207,7 @@ class Restore:
   def finish(self, params: Any, opt_state: Any) -> Any:
     """The restored optimizer state for the new worker count (as it was if that is unchanged)."""
     resize = self.resize
-    if resize is None or resize.workers_before in (None, resize.workers_after):
+    if resize is None or not self.per_worker or resize.workers_before == resize.workers_after:
       return opt_state
     return dj.resize_worker_state(
       self.program.tx,

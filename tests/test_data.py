@@ -364,7 +364,7 @@ def test_resume_on_another_process_count_neither_repeats_nor_skips(tmp_path, bef
   for p, it in enumerate(its):
     args = data.iterator_checkpoint_args(it, process_index=p, process_count=before)
     data._IteratorHandler().save(_epath(step_dir), args=args)
-  assert data.saved_process_count(step_dir) == before
+  assert data.saved_split(step_dir) == {"processes": before, "workers": 12}
   resumed = [
     data.make_train_iterator(tokens, process_index=p, process_count=after, **kw)
     for p in range(after)

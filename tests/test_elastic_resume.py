@@ -42,8 +42,6 @@ def test_resize_says_who_left_and_who_joined():
   assert grow.cold_until(0) is None
   assert not elastic.Resize(10, 4, 4, 1, 1).changed
   assert elastic.Resize(10, 4, 4, 2, 1).changed  # same workers on fewer processes
-  shared = elastic.Resize(10, None, 4, 1, 1)  # AdamW: nothing per worker
-  assert not shared.changed and shared.joined == []
   cfg = config.TrainConfig(leaving="drop")
   event = shrink.event(cfg)
   assert (event.workers_before, event.workers_after, event.left, event.leaving) == (
