@@ -21,9 +21,17 @@ its W blocks and reassembles W' of them:
 - a worker that leaves takes its block with it, except for its unsent
   residual: the leaves named in ``residual_fields`` (DeMo's ``momentum``,
   SparseLoCo's ``error_feedback``), whose content has not reached any other
-  worker yet. With ``leaving="fold"`` (the default) the leavers' residual is
-  summed and split evenly over the workers that stay, so the total over the
-  workers is preserved; with ``leaving="drop"`` it is lost.
+  worker yet. With ``leaving="fold"`` (the default) it is folded into the
+  workers that stay so that their mean residual is the mean over all W workers
+  before: each stayer keeps its own deviation from the mean, and the mean
+  carries every old worker's residual at the weight it had. With
+  ``leaving="drop"`` it is lost, and the mean is the stayers' own.
+
+Why the mean and not the sum: the workers' residuals are W estimates of one
+quantity (what the whole batch's momentum has not yet sent), and the
+exchange averages them. Splitting the leavers' sum over the stayers would
+inflate that average by W / W' (twice for 8 -> 4 workers); docs/elastic.md has
+the measurements.
 
 A state saved by W workers generally cannot be restored sharded over W'
 devices (``W * d0`` need not divide by W'), so :func:`abstract_state_of_workers`
@@ -286,9 +294,11 @@ def resize_worker_state(
   the rest join with ``tx.init`` of the shared ``params`` (zero momentum; for
   DiLoCo and SparseLoCo, inner params equal to ``params``). Old workers not in
   ``keep`` leave: their residual (leaves under a field named in
-  ``residual_fields``) is split evenly over the workers that stay
-  (``leaving="fold"``) or dropped (``"drop"``), and the rest of their state is
-  dropped. Shared leaves carry over unchanged. See :mod:`distro_jax.elastic`.
+  ``residual_fields``) is folded into the workers that stay
+  (``leaving="fold"``: each stayer ``s`` becomes ``r_s - mean(stayers) +
+  mean(all W)``, so the mean is preserved) or dropped (``"drop"``), and the
+  rest of their state is dropped. Shared leaves carry over unchanged. See
+  :mod:`distro_jax.elastic`.
 
   Args:
     tx: the optimizer, built for the new mesh (the same settings as the old).
@@ -324,11 +334,11 @@ def resize_worker_state(
     >>> one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     >>> tx1 = dj.demo(0.1, compression_topk=1)
     >>> folded = dj.resize_worker_state(tx1, state, params, one)  # worker 1 leaves
-    >>> float(folded[0].momentum["w"][0, 0])  # 1 + 3: its residual stayed
-    4.0
+    >>> float(folded[0].momentum["w"][0, 0])  # the mean of 1 and 3: its residual stayed
+    2.0
     >>> grown = dj.resize_worker_state(tx, folded, params, two)  # a worker joins
     >>> np.asarray(grown[0].momentum["w"][:, 0]).tolist()  # the new one from zero
-    [4.0, 0.0]
+    [2.0, 0.0]
   """
   if leaving not in LEAVING:
     raise ValueError(f"leaving={leaving!r}; use one of {LEAVING}.")
@@ -363,9 +373,10 @@ def resize_worker_state(
       o_w, f_w = leaf.split(o, before), leaf.split(f, after)
       kept = o_w[np.asarray(keep, np.int32)]
       if leaf.residual and leaving == "fold" and left:
-        # Summed in worker order, so the fold is the same on every process.
-        share = jnp.sum(o_w[np.asarray(left, np.int32)], axis=0) / len(keep)
-        kept = kept + share.astype(kept.dtype)
+        # Every process runs this same program on the same replicated inputs,
+        # so the fold is bit-identical everywhere.
+        shift = jnp.mean(o_w, axis=0) - jnp.mean(kept, axis=0)
+        kept = kept + shift.astype(kept.dtype)
       out.append(leaf.join(jnp.concatenate([kept, f_w[len(keep) :]]), after))
     return out
 
