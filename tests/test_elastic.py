@@ -8,6 +8,8 @@ joiners start from ``tx.init`` of the shared params, shared leaves are as
 they were.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +24,15 @@ import distro_jax as dj
 PARAMS = {"w": jnp.zeros((16, 8), jnp.float32), "b": jnp.zeros((8,), jnp.float32)}
 
 
+# One instance each, so that states trained with them are shared between tests (compiling is
+# most of these tests' time).
+DEMO = dj.demo(0.1, compression_topk=2, compression_chunk=8)
+DILOCO = dj.diloco(optax.adam(0.1), sync_every=5)
+
+
+@functools.cache
 def _trained(tx, workers, steps=3, seed=0):
-  """``(params, state)`` after ``steps`` steps of random per-worker gradients."""
+  """``(params, state)`` after ``steps`` steps of random per-worker gradients (cached)."""
   mesh = mesh_of(workers)
   step, params, state = build(tx, PARAMS, mesh)
   rng = np.random.default_rng(seed)
@@ -51,7 +60,7 @@ def _assert_same_tree(a, b):
 
 @pytest.mark.parametrize("leaving", ["fold", "drop"])
 def test_demo_shrink_8_to_6_folds_or_drops_the_leavers_momentum(leaving):
-  tx = dj.demo(0.1, compression_topk=2, compression_chunk=8)
+  tx = DEMO
   params, state = _trained(tx, 8)
   new, _ = _resize(tx, state, params, 6, leaving=leaving)
   old_demo, new_demo = state[0], new[0]
@@ -70,7 +79,7 @@ def test_demo_shrink_8_to_6_folds_or_drops_the_leavers_momentum(leaving):
 
 
 def test_demo_grow_6_to_8_joiners_start_from_zero_momentum():
-  tx = dj.demo(0.1, compression_topk=2, compression_chunk=8)
+  tx = DEMO
   params, state = _trained(tx, 6)
   new, _ = _resize(tx, state, params, 8)
   before = _blocks(state[0].momentum["w"], 6)
@@ -81,7 +90,7 @@ def test_demo_grow_6_to_8_joiners_start_from_zero_momentum():
 
 
 def test_keep_chooses_which_workers_stay_and_their_new_order():
-  tx = dj.demo(0.1, compression_topk=2, compression_chunk=8)
+  tx = DEMO
   params, state = _trained(tx, 4)
   new, _ = _resize(tx, state, params, 3, keep=[3, 0], leaving="fold")
   before = _blocks(state[0].momentum["w"], 4)
@@ -93,7 +102,7 @@ def test_keep_chooses_which_workers_stay_and_their_new_order():
 
 
 def test_same_count_is_the_identity():
-  tx = dj.demo(0.1, compression_topk=2, compression_chunk=8)
+  tx = DEMO
   params, state = _trained(tx, 4)
   new, _ = _resize(tx, state, params, 4)
   _assert_same_tree(new, state)
@@ -128,7 +137,7 @@ def test_delayed_apply_pending_message_stays_with_its_worker_and_joiners_send_no
 
 
 def test_diloco_joiners_start_from_the_shared_params_with_fresh_inner_state():
-  tx = dj.diloco(optax.adam(0.1), sync_every=5)
+  tx = DILOCO
   params, state = _trained(tx, 4, steps=3)  # mid-round: inner params differ from the outer
   new, placed = _resize(tx, state, params, 6, leaving="fold")
   old_local, new_local = state.local_params["w"], new.local_params["w"]
@@ -145,7 +154,7 @@ def test_diloco_joiners_start_from_the_shared_params_with_fresh_inner_state():
 
 
 def test_diloco_leaver_inner_params_are_dropped_not_folded():
-  tx = dj.diloco(optax.adam(0.1), sync_every=5)
+  tx = DILOCO
   params, state = _trained(tx, 4, steps=3)
   new, _ = _resize(tx, state, params, 2, leaving="fold")
   np.testing.assert_array_equal(
@@ -214,7 +223,7 @@ def test_all_reduce_optimizer_state_is_shared_and_fits_any_count():
 
 
 def test_worker_count_and_restore_target_from_shapes():
-  tx = dj.demo(0.1, compression_topk=2, compression_chunk=8)
+  tx = DEMO
   params, state = _trained(tx, 8)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
   assert dj.worker_count(tx, shapes, params, mesh_of(6)) == 8
@@ -225,8 +234,8 @@ def test_worker_count_and_restore_target_from_shapes():
 
 
 def test_refuses_bad_arguments_with_what_to_do():
-  tx = dj.demo(0.1, compression_topk=2, compression_chunk=8)
-  params, state = _trained(tx, 4, steps=1)
+  tx = DEMO
+  params, state = _trained(tx, 4)
   with pytest.raises(ValueError, match="distinct workers"):
     _resize(tx, state, params, 4, keep=[0, 0])
   with pytest.raises(ValueError, match="room for 2"):
