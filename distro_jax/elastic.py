@@ -18,20 +18,21 @@ its W blocks and reassembles W' of them:
 - a worker that joins gets ``tx.init`` of the shared params: zero momentum and
   error feedback, DiLoCo and SparseLoCo inner params equal to the shared
   params, a fresh inner optimizer state;
-- a worker that leaves takes its block with it, except for its unsent
-  residual: the leaves named in ``residual_fields`` (DeMo's ``momentum``,
-  SparseLoCo's ``error_feedback``), whose content has not reached any other
-  worker yet. With ``leaving="fold"`` (the default) it is folded into the
-  workers that stay so that their mean residual is the mean over all W workers
-  before: each stayer keeps its own deviation from the mean, and the mean
-  carries every old worker's residual at the weight it had. With
-  ``leaving="drop"`` it is lost, and the mean is the stayers' own.
+- a worker that leaves takes its block with it (``leaving="drop"``, the
+  default, as Psyche's trainers do), or leaves its unsent residual behind
+  (``leaving="fold"``): the leaves named in ``residual_fields`` (DeMo's
+  ``momentum``, SparseLoCo's ``error_feedback``), whose content has not
+  reached any other worker yet, are folded into the workers that stay so that
+  their mean residual is the mean over all W workers before: each stayer keeps
+  its own deviation from the mean, and the mean carries every old worker's
+  residual at the weight it had.
 
 Why the mean and not the sum: the workers' residuals are W estimates of one
 quantity (what the whole batch's momentum has not yet sent), and the
 exchange averages them. Splitting the leavers' sum over the stayers would
-inflate that average by W / W' (twice for 8 -> 4 workers); docs/elastic.md has
-the measurements.
+inflate that average by W / W' (twice for 8 -> 4 workers). Why dropping is
+the default: in DeMo runs the fold trained no better (docs/elastic.md has the
+measurements: about even on average, 0.7% worse when half the workers left).
 
 A state saved by W workers generally cannot be restored sharded over W'
 devices (``W * d0`` need not divide by W'), so :func:`abstract_state_of_workers`
@@ -68,7 +69,7 @@ __all__ = [
 # error-feedback buffer; SparseLoCo's is ``error_feedback``.
 RESIDUAL_FIELDS = ("momentum", "error_feedback")
 # What happens to a leaving worker's residual.
-LEAVING = ("fold", "drop")
+LEAVING = ("drop", "fold")
 
 
 def _is_spec(x: Any) -> bool:
@@ -284,7 +285,7 @@ def resize_worker_state(
   axis_name: Hashable = "data",
   *,
   keep: Sequence[int] | None = None,
-  leaving: str = "fold",
+  leaving: str = "drop",
   param_specs: Any = None,
   residual_fields: Sequence[str] = RESIDUAL_FIELDS,
 ) -> Any:
@@ -294,10 +295,10 @@ def resize_worker_state(
   the rest join with ``tx.init`` of the shared ``params`` (zero momentum; for
   DiLoCo and SparseLoCo, inner params equal to ``params``). Old workers not in
   ``keep`` leave: their residual (leaves under a field named in
-  ``residual_fields``) is folded into the workers that stay
+  ``residual_fields``) is dropped with the rest of their state
+  (``leaving="drop"``) or folded into the workers that stay
   (``leaving="fold"``: each stayer ``s`` becomes ``r_s - mean(stayers) +
-  mean(all W)``, so the mean is preserved) or dropped (``"drop"``), and the
-  rest of their state is dropped. Shared leaves carry over unchanged. See
+  mean(all W)``, so the mean is preserved). Shared leaves carry over unchanged. See
   :mod:`distro_jax.elastic`.
 
   Args:
@@ -309,7 +310,7 @@ def resize_worker_state(
     axis_name: the data-parallel axis.
     keep: the old workers that stay, in their new order; default the first
       ``min(W, W')``.
-    leaving: ``"fold"`` or ``"drop"``, for a leaving worker's residual.
+    leaving: ``"drop"`` or ``"fold"``, for a leaving worker's residual.
     param_specs: the params' ``PartitionSpec`` tree when they are sharded
       (FSDP); default: replicated.
     residual_fields: the state fields that hold unsent residual.
@@ -333,7 +334,7 @@ def resize_worker_state(
     >>> state = (demo_state, *state[1:])
     >>> one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     >>> tx1 = dj.demo(0.1, compression_topk=1)
-    >>> folded = dj.resize_worker_state(tx1, state, params, one)  # worker 1 leaves
+    >>> folded = dj.resize_worker_state(tx1, state, params, one, leaving="fold")  # 1 leaves
     >>> float(folded[0].momentum["w"].max())  # the mean of 1 and 3: its residual stayed
     2.0
     >>> grown = dj.resize_worker_state(tx, folded, params, two)  # a worker joins

@@ -124,9 +124,10 @@ class TrainConfig:
     "optimizer's share of a step.",
   )
   leaving: str = _field(
-    "fold",
-    "Elastic resume on fewer workers: 'fold' splits the unsent momentum (error feedback) "
-    "of the workers that leave over those that stay; 'drop' discards it.",
+    "drop",
+    "Elastic resume on fewer workers: 'drop' discards the unsent momentum (error "
+    "feedback) of the workers that leave; 'fold' folds it into those that stay, keeping "
+    "the mean over all workers.",
   )
   cold_start_steps: int = _field(
     0,

@@ -36,7 +36,7 @@ from experiments.records import ResizeEvent
 
 __all__ = ["Resize", "Restore", "check", "has_cold_start_hook", "saved_shapes"]
 
-LEAVING = ("fold", "drop")
+LEAVING = ("drop", "fold")
 
 
 def has_cold_start_hook() -> bool:
@@ -52,7 +52,7 @@ def check(cfg: TrainConfig, method: Any) -> None:
     ConfigError: naming the flag and the fix.
   """
   if cfg.leaving not in LEAVING:
-    raise ConfigError(f"--leaving={cfg.leaving!r}; use --leaving=fold or --leaving=drop.")
+    raise ConfigError(f"--leaving={cfg.leaving!r}; use --leaving=drop or --leaving=fold.")
   if cfg.cold_start_steps < 0:
     raise ConfigError(f"--cold_start_steps must be 0 or more, got {cfg.cold_start_steps}.")
   if cfg.cold_start_steps and not method.supports_cold_start:

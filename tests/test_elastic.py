@@ -122,7 +122,7 @@ def test_distro_adamw_shared_adam_moments_carry_over_unchanged():
 def test_delayed_apply_pending_message_stays_with_its_worker_and_joiners_send_nothing():
   tx = dj.demo(0.1, compression_topk=2, compression_chunk=8, delayed_apply=True)
   params, state = _trained(tx, 4)
-  new, _ = _resize(tx, state, params, 6, keep=[1, 2, 3])
+  new, _ = _resize(tx, state, params, 6, keep=[1, 2, 3], leaving="fold")
   before = _blocks(state[0].pending, 4)
   after = _blocks(new[0].pending, 6)
   np.testing.assert_array_equal(after[:3], before[1:])
@@ -207,7 +207,9 @@ def test_fsdp_sites_resize_by_whole_sites():
   state = ((state[0]._replace(momentum={"w": filled})), *state[1:])
   new_mesh = mesh(3)
   new_params = jax.device_put(params, NamedSharding(new_mesh, specs["w"]))
-  new = dj.resize_worker_state(tx, state, new_params, new_mesh, "replica", param_specs=specs)
+  new = dj.resize_worker_state(
+    tx, state, new_params, new_mesh, "replica", param_specs=specs, leaving="fold"
+  )
   got = np.asarray(new[0].momentum["w"])[:, 0].reshape(3, 2 * rows)
   expected = np.array([[1.0], [2.0], [3.0]]) + 0.5  # the mean, 2 of 1..3, becomes 2.5 of 1..4
   np.testing.assert_allclose(got, np.broadcast_to(expected, got.shape), rtol=1e-6)
@@ -243,7 +245,7 @@ def test_refuses_bad_arguments_with_what_to_do():
   with pytest.raises(ValueError, match="leaving="):
     _resize(tx, state, params, 2, leaving="sum")
   with pytest.raises(ValueError, match="leaving='drop'"):
-    _resize(tx, state, params, 2, keep=[])
+    _resize(tx, state, params, 2, keep=[], leaving="fold")
   other = dj.demo(0.1, compression_topk=2, compression_chunk=4)
   with pytest.raises(ValueError, match="another optimizer"):
     _resize(other, state, params, 2)

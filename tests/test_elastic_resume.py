@@ -83,7 +83,7 @@ def test_event_lines_are_skipped_by_read_metrics_and_kept_across_resumes(tmp_pat
 
 def test_check_refuses_bad_elastic_flags():
   demo = methods.get("demo")
-  with pytest.raises(config.ConfigError, match="--leaving=fold or --leaving=drop"):
+  with pytest.raises(config.ConfigError, match="--leaving=drop or --leaving=fold"):
     elastic.check(config.TrainConfig(leaving="sum"), demo)
   with pytest.raises(config.ConfigError, match="0 or more"):
     elastic.check(config.TrainConfig(cold_start_steps=-1), demo)
