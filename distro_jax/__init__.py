@@ -24,6 +24,11 @@ from distro_jax.dct import (
   to_chunks,
 )
 from distro_jax.diloco import DilocoState, diloco, inner_params
+from distro_jax.elastic import (
+  abstract_state_of_workers,
+  resize_worker_state,
+  worker_count,
+)
 from distro_jax.exchange import local_value_and_grad, pmean_gradients, varies_over, worker_local
 from distro_jax.fsdp import (
   DeviceBytes,
@@ -66,6 +71,7 @@ __all__ = [
   "TensorWire",
   "WireBytes",
   "WireLayout",
+  "abstract_state_of_workers",
   "abstract_worker_state",
   "aggregate",
   "chunk_length",
@@ -96,6 +102,7 @@ __all__ = [
   "plan_chunks",
   "plan_fsdp",
   "pmean_gradients",
+  "resize_worker_state",
   "scale_by_demo",
   "select_topk",
   "sparseloco",
@@ -104,6 +111,7 @@ __all__ = [
   "varies_over",
   "wire_bytes",
   "wire_layout",
+  "worker_count",
   "worker_local",
   "worker_state_specs",
 ]

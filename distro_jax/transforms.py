@@ -250,7 +250,7 @@ def scale_by_demo(
   use_dct: bool = True,
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """Decoupled momentum, compressed and exchanged; yields the aggregate ``Q``.
 
   Per tensor, on every worker: ``m <- decay * m + lr * g``; take the chunked
@@ -284,7 +284,13 @@ def scale_by_demo(
       step returns zeros. Static.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a :class:`DemoState`.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`DemoState`. Its ``update`` takes one extra keyword,
+    ``contribute``: a bool scalar (per worker, inside ``jax.shard_map``) that,
+    when false, sends this worker's message marked invalid, so the others
+    leave it out, while its momentum keeps what the message would have sent
+    (the cold start of a worker that joins an elastic run). ``optax.chain``
+    passes it through.
 
   References:
     Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization",
@@ -318,7 +324,8 @@ def scale_by_demo(
       pending = jnp.zeros((layout.num_bytes,), jnp.uint8)
     return DemoState(count=zero, momentum=momentum, contributors=zero, pending=pending)
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, *, contribute=None, **extra_args):
+    del extra_args  # Other transformations' arguments, passed along by optax.chain.
     _check_trees(updates, params)
     num_workers = exchange.bound_axis_size(axis_name)
     grads, treedef = jax.tree.flatten(updates)
@@ -370,6 +377,9 @@ def scale_by_demo(
     )
     if site_axes:
       finite = jax.lax.pmin(finite.astype(jnp.int32), tuple(site_axes)) > 0
+    # A worker that holds its message back (contribute=False, a cold start)
+    # sends it marked invalid, like a failed one, but keeps its momentum whole.
+    send = finite if contribute is None else jnp.logical_and(finite, contribute)
 
     if axis_name is None and not delayed_apply:
       # One worker: its aggregate is its own selection as the wire would carry
@@ -380,12 +390,12 @@ def scale_by_demo(
           val = jnp.where(val >= 0, 1.0, -1.0)
         else:
           val = val.astype(t.value_dtype).astype(jnp.float32)
-        val = jnp.where(finite, val, 0.0)
+        val = jnp.where(send, val, 0.0)
         dense.append(codec.scatter_blocks(jnp.zeros_like(m), idx, val))
-      contributors = finite.astype(jnp.int32)
+      contributors = send.astype(jnp.int32)
       pending = None
     else:
-      message = codec.encode_message(sel_idx, sel_val, layout, valid=finite)
+      message = codec.encode_message(sel_idx, sel_val, layout, valid=send)
       if delayed_apply:
         if state.pending is None or state.pending.shape != message.shape:
           raise ValueError(
@@ -447,6 +457,12 @@ def scale_by_demo(
       kept = [dct.from_blocks(k, p, p.state_shape, like=m) for k, p, m in zip(kept, plans, momenta)]
       # In the momentum's own shape, so XLA writes the result over it in place.
       kept = [jnp.where(finite, k, jnp.where(received, 0.0, m)) for k, m in zip(kept, momenta)]
+      if contribute is not None:
+        # What a held-back message would have sent stays in the momentum.
+        whole = [
+          dct.from_blocks(b, p, p.state_shape, like=m) for b, p, m in zip(blocks, plans, momenta)
+        ]
+        kept = [jnp.where(send | ~finite, k, w) for k, w in zip(kept, whole)]
     new_state = DemoState(
       count=optax.safe_increment(state.count),
       momentum=treedef.unflatten(
@@ -457,7 +473,7 @@ def scale_by_demo(
     )
     return treedef.unflatten(directions), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _skip_when_nothing_received(

@@ -24,6 +24,7 @@ from absl import flags
 flags.disclaim_key_flags()
 
 __all__ = [
+  "ELASTIC_FIELDS",
   "RESUMED_FIELDS",
   "RUNTIME_FIELDS",
   "ConfigError",
@@ -172,6 +173,17 @@ class TrainConfig:
     "optimizer's share of a step (default off; on --resume, the checkpointed run's).",
     fallback=False,
   )
+  leaving: str = _field(
+    "drop",
+    "Elastic resume on fewer workers: 'drop' discards the unsent momentum (error "
+    "feedback) of the workers that leave; 'fold' folds it into those that stay, keeping "
+    "the mean over all workers.",
+  )
+  cold_start_steps: int = _field(
+    0,
+    "Elastic resume on more workers: each joining worker's DisTrO message is marked "
+    "invalid for its first N steps, while its momentum builds up (0: it counts at once).",
+  )
 
   @property
   def devices(self) -> int:
@@ -198,8 +210,14 @@ RUNTIME_FIELDS = frozenset(
     "check_replicas",
     "stop_at_step",
     "time_optimizer",
+    "leaving",
+    "cold_start_steps",
   }
 )
+
+# The worker count: a resume may change it (an elastic resume), and the trainer
+# resizes the per-worker optimizer state. The process count is no field at all.
+ELASTIC_FIELDS = frozenset({"workers", "replicas"})
 
 
 # The runtime fields a resume takes from the checkpoint unless they are given
@@ -224,13 +242,20 @@ def runtime_settings(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
-  """What a checkpoint must match to be resumed: every field but :data:`RUNTIME_FIELDS`.
+  """What a checkpoint must match to be resumed: every field but the runtime and elastic ones.
+
+  :data:`RUNTIME_FIELDS` steer a run without changing what it computes;
+  :data:`ELASTIC_FIELDS` (the worker count) may change on resume, which the
+  trainer reads off the checkpoint's state itself. ``fsdp`` stays in: a site's
+  devices shard the state, and their number cannot change.
 
   The data path is made absolute, so a resume from another directory that
   names the same file matches, and one that names another file does not.
   """
   out = {
-    f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RUNTIME_FIELDS
+    f.name: getattr(cfg, f.name)
+    for f in dataclasses.fields(cfg)
+    if f.name not in RUNTIME_FIELDS | ELASTIC_FIELDS
   }
   if out["data_path"] is not None:
     out["data_path"] = os.path.abspath(out["data_path"])

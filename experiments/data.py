@@ -13,6 +13,13 @@ been drawn) and restores exactly. Layout of one training step:
   gives global worker ``g`` rows ``[g * b, (g + 1) * b)`` of the global batch,
   ``b = global_batch_size // num_workers``.
 
+Neither the worker count nor the process count enters the order: global
+batch ``t`` is windows ``[t * G, (t + 1) * G)`` of the shuffled stream
+(``G = global_batch_size``) whoever reads it, and every process's iterator
+state is the same step count. A run resumed on another number of workers or
+processes (an elastic resume) therefore continues with exactly the rows it
+would have drawn, and a checkpoint's data position stays valid.
+
 Usage::
 
   tokens = load_tokens(None, vocab_size=256)
@@ -24,13 +31,17 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import math
 import os
 from typing import Any
 
 import grain
 import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
 
 from experiments.corpus import default_corpus
 
@@ -389,7 +400,10 @@ def make_train_iterator(
   read_options = grain.ReadOptions(
     num_threads=read_threads, prefetch_buffer_size=4 * read_threads if read_threads else 0
   )
-  return iter(ds.to_iter_dataset(read_options))
+  it = iter(ds.to_iter_dataset(read_options))
+  # How the batch is split; checkpoints record it next to the position (``split.json``).
+  it.split = {"workers": num_workers, "processes": process_count}
+  return it
 
 
 def make_eval_batches(
@@ -438,11 +452,108 @@ def make_eval_batches(
   return [_inputs_and_targets(r) for r in rows]
 
 
-def iterator_checkpoint_args(it: grain.DatasetIterator, *, restore: bool = False) -> Any:
+class _IteratorHandler(grain.checkpoint.CheckpointHandler):
+  """Grain's handler, except that a restore on another process count reads any process's file.
+
+  Every process's position is the number of global steps drawn (see
+  :func:`make_train_iterator`), so after a resume on a different number of
+  processes the position saved by any process is every process's position;
+  they are checked to agree. Files are named as grain names them
+  (``process_<i>-of-<n>.json``), so checkpoints stay readable both ways.
+  """
+
+  def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
+    args = args or _IteratorSave(item)
+    index, count = _process(args)
+    (directory / f"process_{index}-of-{count}.json").write_text(
+      json.dumps(args.item.get_state(), indent=4)
+    )
+    if index == 0 and hasattr(args.item, "split"):
+      (directory / _SPLIT).write_text(json.dumps(args.item.split))
+
+  def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
+    args = args or _IteratorRestore(item)
+    index, count = _process(args)
+    own = directory / f"process_{index}-of-{count}.json"
+    if own.exists():
+      state = json.loads(own.read_text())
+    else:
+      saved = {json.dumps(json.loads(f.read_text()), sort_keys=True) for f in _saved(directory)}
+      if len(saved) != 1:
+        raise ValueError(
+          f"{directory} holds {'no' if not saved else 'differing'} data positions for a "
+          f"resume on {count} processes; the data iterator cannot be restored."
+        )
+      state = json.loads(saved.pop())
+    args.item.set_state(state)
+    if hasattr(args.item, "start_prefetch"):
+      args.item.start_prefetch()  # as grain's own handler does
+    return args.item
+
+
+def _saved(directory: Any) -> list[Any]:
+  return sorted(directory.glob("process_*-of-*.json"))
+
+
+_SPLIT = "split.json"
+
+
+def saved_split(directory: str | os.PathLike[str]) -> dict[str, int]:
+  """How the saving run split its batches, from a checkpoint's ``data`` item.
+
+  Returns:
+    ``{"processes": P}`` from the position files' names, and ``"workers"``
+    (devices over all processes) where the checkpoint recorded it; empty for
+    a directory without position files.
+  """
+  directory = epath.Path(directory)
+  out = {}
+  counts = {int(p.stem.rsplit("-of-", 1)[1]) for p in _saved(directory)}
+  if len(counts) == 1:
+    out["processes"] = counts.pop()
+  if (directory / _SPLIT).exists():
+    out["workers"] = int(json.loads((directory / _SPLIT).read_text())["workers"])
+  return out
+
+
+def _process(args: Any) -> tuple[int, int]:
+  import jax
+
+  index = jax.process_index() if args.process_index is None else args.process_index
+  count = jax.process_count() if args.process_count is None else args.process_count
+  return index, count
+
+
+@ocp.args.register_with_handler(_IteratorHandler, for_save=True)
+@dataclasses.dataclass
+class _IteratorSave(ocp.args.CheckpointArgs):
+  item: Any
+  process_index: int | None = None
+  process_count: int | None = None
+
+
+@ocp.args.register_with_handler(_IteratorHandler, for_restore=True)
+@dataclasses.dataclass
+class _IteratorRestore(ocp.args.CheckpointArgs):
+  item: Any
+  process_index: int | None = None
+  process_count: int | None = None
+
+
+def iterator_checkpoint_args(
+  it: grain.DatasetIterator,
+  *,
+  restore: bool = False,
+  process_index: int | None = None,
+  process_count: int | None = None,
+) -> Any:
   """Orbax ``CheckpointArgs`` for a grain iterator, for one item of ``ocp.args.Composite``.
 
   Saving writes ``get_state()`` as JSON to ``process_<i>-of-<n>.json`` (one file
   per JAX process); restoring calls ``it.set_state`` in place and returns ``it``.
+  A restore on another number of processes than the save's reads the
+  position the saving processes agreed on (the global steps drawn), so a
+  resume on a different process count neither repeats nor skips data.
 
   Example::
 
@@ -454,10 +565,11 @@ def iterator_checkpoint_args(it: grain.DatasetIterator, *, restore: bool = False
   Args:
     it: The iterator to save, or to restore into.
     restore: Whether to build restore args instead of save args.
+    process_index: This process's index (default ``jax.process_index()``).
+    process_count: The number of processes (default ``jax.process_count()``).
 
   Returns:
-    ``grain.checkpoint.CheckpointRestore(it)`` or ``grain.checkpoint.CheckpointSave(it)``.
+    The save or restore args of this module's handler.
   """
-  if restore:
-    return grain.checkpoint.CheckpointRestore(it)
-  return grain.checkpoint.CheckpointSave(it)
+  cls = _IteratorRestore if restore else _IteratorSave
+  return cls(it, process_index, process_count)

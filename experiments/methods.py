@@ -153,6 +153,8 @@ class Method:
       recipe is filled in, raising ``ConfigError`` naming the flag and the
       fix; ``config.validate`` calls it, so no other module branches on a
       method's name.
+    supports_cold_start: a joining worker's message can be marked invalid
+      (``--cold_start_steps``, an elastic resume onto more workers).
   """
 
   name: str
@@ -174,6 +176,7 @@ class Method:
   final_exchange: bool = False
   check: Callable[[TrainConfig], None] = lambda cfg: None
   gradient_point: Callable[[TrainConfig], Callable[[Any, Any], Any]] = lambda cfg: dj.inner_params
+  supports_cold_start: bool = False
 
   def recipe_for(self, preset: str) -> Recipe:
     """The defaults for this method on ``preset``."""
@@ -486,6 +489,7 @@ register(
     tuning={"learning_rate": (2e-3, 4e-3), "compression_decay": (0.95, 0.98)},
     check=_check_compression,
     gradient_point=_demo_gradient_point,
+    supports_cold_start=True,
   )
 )
 register(
@@ -501,6 +505,7 @@ register(
     supports_delayed_apply=True,
     excludes_nonfinite=True,
     check=_check_compression,
+    supports_cold_start=True,
   )
 )
 register(

@@ -1,5 +1,6 @@
 """The records a run leaves behind, typed: one :class:`StepRecord` per line of
-``metrics.jsonl`` and one :class:`Summary` in ``summary.json``.
+``metrics.jsonl`` (and a :class:`ResizeEvent` line where an elastic resume
+changed the worker count) and one :class:`Summary` in ``summary.json``.
 
 Readers (``compare``, ``sweep``, ``netlab``, the notebooks, the tests) load
 them through :func:`read_metrics` and :meth:`Summary.load` and use their
@@ -11,9 +12,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, ClassVar
 
-__all__ = ["StepRecord", "Summary", "read_jsonl", "read_metrics"]
+__all__ = [
+  "ResizeEvent",
+  "StepRecord",
+  "Summary",
+  "read_events",
+  "read_jsonl",
+  "read_metrics",
+]
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -69,9 +77,64 @@ class StepRecord:
     return cls(**{k: v for k, v in record.items() if k in names})
 
 
+@dataclasses.dataclass(frozen=True)
+class ResizeEvent:
+  """A line of ``metrics.jsonl`` that is no step: the run continued on another worker count.
+
+  Written by an elastic resume (``--resume`` with another ``--workers`` or
+  ``--num_processes``) before its first step; its line carries
+  ``"event": "resize"``. :func:`read_metrics` skips it; :func:`read_events`
+  returns it.
+
+  Attributes:
+    step: the checkpoint's step; steps after it ran on the new count.
+    wall_time: ``time.time()`` when the resized state was ready.
+    workers_before: data-parallel workers (sites) that saved the checkpoint.
+    workers_after: data-parallel workers from here on.
+    processes_before: processes that saved the checkpoint.
+    processes_after: processes from here on.
+    left: the old workers that left, by their old index.
+    joined: the new workers that joined, by their new index.
+    leaving: what became of the leavers' unsent momentum: ``"fold"`` or ``"drop"``.
+    cold_start_steps: steps each joiner's message was marked invalid.
+  """
+
+  step: int
+  wall_time: float
+  workers_before: int
+  workers_after: int
+  processes_before: int
+  processes_after: int
+  left: list[int]
+  joined: list[int]
+  leaving: str
+  cold_start_steps: int
+
+  kind: ClassVar[str] = "resize"
+
+  def to_json(self) -> dict[str, Any]:
+    return {"event": self.kind, **dataclasses.asdict(self)}
+
+  @classmethod
+  def from_json(cls, record: dict[str, Any]) -> ResizeEvent:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in record.items() if k in names})
+
+
+def _metrics_lines(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+  return read_jsonl(os.path.join(out_dir, "metrics.jsonl"))
+
+
 def read_metrics(out_dir: str | os.PathLike[str]) -> list[StepRecord]:
-  """The records of ``OUT_DIR/metrics.jsonl``, in order."""
-  return [StepRecord.from_json(r) for r in read_jsonl(os.path.join(out_dir, "metrics.jsonl"))]
+  """The step records of ``OUT_DIR/metrics.jsonl``, in order; event lines are skipped."""
+  return [StepRecord.from_json(r) for r in _metrics_lines(out_dir) if "event" not in r]
+
+
+def read_events(out_dir: str | os.PathLike[str]) -> list[ResizeEvent]:
+  """The events of ``OUT_DIR/metrics.jsonl`` (elastic resumes), in order."""
+  return [
+    ResizeEvent.from_json(r) for r in _metrics_lines(out_dir) if r.get("event") == ResizeEvent.kind
+  ]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import TextIO
 
-from experiments.records import StepRecord, read_jsonl
+from experiments.records import ResizeEvent, StepRecord, read_jsonl
 
 __all__ = ["MetricsWriter", "Progress", "StepTimer", "human_bytes", "plot_losses"]
 
@@ -80,10 +80,17 @@ class MetricsWriter:
     if truncate_after is not None and os.path.exists(self.path):
       # On resume, drop lines past the checkpoint: those steps are replayed.
       # A process killed mid-write can leave a torn last line; it is dropped.
-      kept = [StepRecord.from_json(r) for r in read_jsonl(self.path)]
-      self.records = [r for r in kept if r.step <= truncate_after]
+      # An event line (an elastic resume) stays if it came before the checkpoint;
+      # one at the checkpoint's step belongs to the attempt being replaced.
+      lines = read_jsonl(self.path)
+      kept = [
+        r
+        for r in lines
+        if r.get("step", 0) < truncate_after or r.get("step") == truncate_after and "event" not in r
+      ]
+      self.records = [StepRecord.from_json(r) for r in kept if "event" not in r]
       with open(self.path, "w") as f:
-        f.writelines(json.dumps(r.to_json()) + "\n" for r in self.records)
+        f.writelines(json.dumps(r) + "\n" for r in kept)
     elif truncate_after is None and os.path.exists(self.path):
       os.remove(self.path)
     self._file = open(self.path, "a")  # noqa: SIM115 - lives as long as the run
@@ -92,6 +99,12 @@ class MetricsWriter:
     self.records.append(record)
     if self.enabled:
       self._file.write(json.dumps(record.to_json()) + "\n")
+      self._file.flush()
+
+  def write_event(self, event: ResizeEvent) -> None:
+    """Appends an event line (not a step; :func:`~experiments.records.read_metrics` skips it)."""
+    if self.enabled:
+      self._file.write(json.dumps(event.to_json()) + "\n")
       self._file.flush()
 
   def close(self) -> None:

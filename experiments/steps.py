@@ -106,6 +106,7 @@ def train_step(
   param_specs: Any,
   point: GradientPoint = dj.inner_params,
   fault: tuple[int, int] | None = None,
+  cold_until: tuple[int, ...] | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
   """One device's step: its loss and gradient, then the optimizer's exchange.
 
@@ -120,6 +121,9 @@ def train_step(
     param_specs: the params' ``PartitionSpec`` tree over ``"fsdp"``.
     point: ``point(opt_state, params)``, where the gradient is taken.
     fault: ``(step, worker)`` whose gradient becomes NaN, or None.
+    cold_until: per worker, the last step its DisTrO message is marked
+      invalid (a worker that joined an elastic resume, in its cold start), or
+      None. Passed to the optimizer as ``contribute``.
 
   Returns:
     ``(params, opt_state, metrics)``. ``metrics["loss"]`` averages the finite
@@ -131,7 +135,11 @@ def train_step(
   )
   if fault is not None:
     grads = _inject_fault(grads, step, fault)
-  updates, opt_state = tx.update(grads, opt_state, params)
+  extra = {}
+  if cold_until is not None:
+    until = jnp.asarray(cold_until, jnp.int32)[jax.lax.axis_index(REPLICA)]
+    extra["contribute"] = step > until
+  updates, opt_state = tx.update(grads, opt_state, params, **extra)
   params = optax.apply_updates(params, updates)
   # Optimizers with no DemoState count every worker as contributing.
   workers = jax.lax.axis_size(REPLICA)

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
-from experiments import config, measure, methods, presets, reporting, rundir, steps
+from experiments import config, elastic, measure, methods, presets, reporting, rundir, steps
 from experiments import data as data_lib
 from experiments import model as model_lib
 from experiments.checkpointing import Checkpointer, CheckpointError, ResumePoint
@@ -114,8 +114,12 @@ class Program:
     return {"params": self.placed(self.abstract, self.fsdp_plan.specs), "opt_state": opt_state}
 
 
-def build(cfg: TrainConfig) -> Program:
-  """The mesh, model, optimizer and jitted steps for ``cfg`` (resolved)."""
+def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Program:
+  """The mesh, model, optimizer and jitted steps for ``cfg`` (resolved).
+
+  ``cold_until`` (an elastic resume's joiners in their cold start) is what
+  :func:`experiments.steps.train_step` takes.
+  """
   method = methods.get(cfg.optimizer)
   model_cfg = presets.get_preset(cfg.preset)
   mesh = make_mesh(cfg.workers, cfg.fsdp)
@@ -148,6 +152,7 @@ def build(cfg: TrainConfig) -> Program:
       tx=tx,
       point=point,
       fault=fault,
+      cold_until=cold_until,
       **common,
     ),
     eval_step=steps.shard_step(steps.eval_step, mesh, (specs, rows, rows), P(), **common),
@@ -366,12 +371,18 @@ def _start(
   checkpointer: Checkpointer | None,
   point: ResumePoint | None,
 ):
-  """``(start_step, params, opt_state)``: restored from the checkpoint, or fresh."""
+  """``(start_step, params, opt_state, resize)``: restored from the checkpoint, or fresh.
+
+  A checkpoint saved on another worker count is restored and resized
+  (``experiments.elastic``); ``resize`` says what changed (None: a fresh run).
+  """
   if point is not None:
-    restored = checkpointer.restore(point, program.abstract_state(), batches.train)
-    return point.step, restored["params"], restored["opt_state"]
+    restore = elastic.Restore(program, checkpointer.directory)
+    restored = checkpointer.restore(point, restore.target(point.step), batches.train)
+    params = restored["params"]
+    return point.step, params, restore.finish(params, restored["opt_state"]), restore.resize
   params = program.init_params()
-  return 0, params, program.init_opt_state(params)
+  return 0, params, program.init_opt_state(params), None
 
 
 def run(cfg: TrainConfig) -> Summary:
@@ -387,6 +398,7 @@ def run(cfg: TrainConfig) -> Summary:
       OutDirError also for a disk that fills up or turns read-only later.
   """
   config.validate(cfg)
+  elastic.check(cfg, methods.get(cfg.optimizer))
   _checkpoint_dir(cfg)
   if cfg.data_path is not None:
     data_lib.check_file(cfg.data_path)  # its ids are scanned once the directory is ours
@@ -408,7 +420,9 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
   if checkpointer and checkpointer.save_every:
     _check_space(cfg.out_dir, program)
   batches = _Batches(cfg, program, tokens)
-  start_step, params, opt_state = _start(program, batches, checkpointer, point)
+  start_step, params, opt_state, resize = _start(program, batches, checkpointer, point)
+  if resize and (cold := resize.cold_until(cfg.cold_start_steps)):
+    program = build(cfg, cold_until=cold)
   step_arg = jax.ShapeDtypeStruct((), jnp.int32, sharding=program.sharding())
   compiled = program.train_step.lower(
     params, opt_state, step_arg, batches.abstract, batches.abstract
@@ -420,6 +434,9 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
   payload = program.method.payload(cfg, local)
   log = _Log(cfg, program.method, payload, start_step)
   log.progress.message(_describe(program, payload, hlo))
+  if resize and resize.changed:
+    log.writer.write_event(resize.event(cfg))
+    log.progress.message(resize.describe(cfg))
   if program.fsdp_plan.whole:
     log.progress.message(
       f"{len(program.fsdp_plan.whole)} params stay whole on every device of a site (each "

@@ -7,7 +7,7 @@ import tiny_runs
 from absl import flags
 
 from experiments import config, trainer
-from experiments.config import RUNTIME_FIELDS, TrainConfig
+from experiments.config import ELASTIC_FIELDS, RUNTIME_FIELDS, TrainConfig
 from experiments.launch import LaunchConfig
 
 FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
@@ -24,11 +24,11 @@ def _changed(value):
 
 
 @pytest.mark.parametrize("name", FIELDS)
-def test_fingerprint_covers_every_field_but_the_runtime_ones(name):
+def test_fingerprint_covers_every_field_but_the_runtime_and_elastic_ones(name):
   base = config.resolve(TrainConfig())
   other = dataclasses.replace(base, **{name: _changed(getattr(base, name))})
   differs = config.fingerprint(base) != config.fingerprint(other)
-  assert differs == (name not in RUNTIME_FIELDS), name
+  assert differs == (name not in RUNTIME_FIELDS | ELASTIC_FIELDS), name
 
 
 def test_fingerprint_compares_data_paths_as_absolute(tmp_path, monkeypatch):

@@ -384,6 +384,94 @@ def test_orbax_checkpoint_manager_round_trip(tmp_path):
   assert all(_same(a, b) for a, b in zip(expected, [next(restored_it) for _ in range(5)]))
 
 
+def _global_batches(tokens, steps, *, workers, processes, seed=3, start=None):
+  """The concatenation over processes of each step's rows, as ``processes`` would draw them."""
+  its = [
+    data.make_train_iterator(
+      tokens,
+      seq_len=16,
+      global_batch_size=24,
+      num_workers=workers,
+      process_index=p,
+      process_count=processes,
+      seed=seed,
+    )
+    for p in range(processes)
+  ]
+  if start is not None:
+    for it in its:
+      it.set_state(start)
+  return [np.concatenate([next(it)["inputs"] for it in its]) for _ in range(steps)]
+
+
+def test_global_batch_rows_are_the_same_for_8_6_and_4_workers_and_any_process_count():
+  tokens, _ = data.split_tokens(data.load_tokens(None, 256))
+  reference = _global_batches(tokens, 5, workers=8, processes=1)
+  for workers, processes in [(8, 2), (8, 4), (6, 1), (6, 2), (6, 3), (4, 1), (4, 2)]:
+    got = _global_batches(tokens, 5, workers=workers, processes=processes)
+    for a, b in zip(reference, got):
+      np.testing.assert_array_equal(a, b)
+  # Workers only split the rows: worker g of W takes rows [g * 24 / W, (g + 1) * 24 / W).
+  assert len({r.tobytes() for b in reference for r in b}) == 5 * 24
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (2, 1), (4, 3)])
+def test_resume_on_another_process_count_neither_repeats_nor_skips(tmp_path, before, after):
+  tokens, _ = data.split_tokens(data.load_tokens(None, 256))
+  whole = _global_batches(tokens, 9, workers=12, processes=1)
+  kw = dict(seq_len=16, global_batch_size=24, num_workers=12, seed=3)
+  its = [
+    data.make_train_iterator(tokens, process_index=p, process_count=before, **kw)
+    for p in range(before)
+  ]
+  for it in its:
+    for _ in range(5):
+      next(it)
+  # Each simulated process writes its own file into the step's data item, as a real run does.
+  step_dir = tmp_path / "5"
+  step_dir.mkdir()
+  for p, it in enumerate(its):
+    args = data.iterator_checkpoint_args(it, process_index=p, process_count=before)
+    data._IteratorHandler().save(_epath(step_dir), args=args)
+  assert data.saved_split(step_dir) == {"processes": before, "workers": 12}
+  resumed = [
+    data.make_train_iterator(tokens, process_index=p, process_count=after, **kw)
+    for p in range(after)
+  ]
+  for p, it in enumerate(resumed):
+    args = data.iterator_checkpoint_args(it, restore=True, process_index=p, process_count=after)
+    data._IteratorHandler().restore(_epath(step_dir), args=args)
+  for t in range(5, 9):
+    got = np.concatenate([next(it)["inputs"] for it in resumed])
+    np.testing.assert_array_equal(got, whole[t])
+
+
+def _epath(path):
+  from etils import epath
+
+  return epath.Path(path)
+
+
+def test_checkpoints_saved_by_grains_own_handler_restore(tmp_path):
+  import grain
+
+  tokens = np.arange(40 * 9) % 256
+  kw = dict(seq_len=8, global_batch_size=4, num_workers=2)
+  it = data.make_train_iterator(tokens, **kw)
+  for _ in range(7):
+    next(it)
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(7, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+    mngr.wait_until_finished()
+  expected = next(it)
+  fresh = data.make_train_iterator(tokens, **kw)
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.restore(
+      7, args=ocp.args.Composite(data=data.iterator_checkpoint_args(fresh, restore=True))
+    )
+  assert _same(next(fresh), expected)
+
+
 # --- evaluation batches -------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import pytest
 MODULES = [
   "distro_jax.bitpack",
   "distro_jax.diloco",
+  "distro_jax.elastic",
   "distro_jax.exchange",
   "distro_jax.fsdp",
   "distro_jax.hlo_bytes",

@@ -81,6 +81,18 @@ class LabConfig:
     "Validation loss for the time-to-target figure (default: the worst final validation "
     "loss of the unshaped runs).",
   )
+  kill_step: int = _field(
+    0,
+    "Once process 0 has logged this step, kill one training process (SIGKILL) and continue "
+    "from the last checkpoint on the survivors, one process fewer; run after the shaped "
+    "runs and reported against them (0: never).",
+  )
+  kill_process: int = _field(-1, "Which process --kill_step kills (-1: the last).")
+  rejoin_step: int = _field(
+    0,
+    "After --kill_step, the survivors stop at this step and all processes continue from "
+    "it, the killed one back (0: it never returns).",
+  )
 
 
 _PORT = 12355  # each namespace is fresh, so a fixed port cannot clash
@@ -226,12 +238,15 @@ def _flag_name(arg: str, fields: set[str]) -> str:
   return name
 
 
-def driver_flags(passthrough: Sequence[str], processes: int) -> list[str]:
+def driver_flags(passthrough: Sequence[str], processes: int, *, kill: bool = False) -> list[str]:
   """The driver flags for every process: the lab's defaults, then the passed-through ones.
 
   Args:
     passthrough: the command-line arguments netlab does not define.
     processes: N; the default batch is one sequence per process.
+    kill: a process will be killed (``--kill_step``): the default batch is
+      ``N (N - 1)`` so that the survivors divide it too, and checkpoints are
+      written every 10 steps unless ``--checkpoint_every`` says otherwise.
 
   Returns:
     The flags, defaults first, so that a passed flag wins.
@@ -250,6 +265,8 @@ def driver_flags(passthrough: Sequence[str], processes: int) -> list[str]:
       raise NetlabError(f"--{name} is set by netlab for each run; {reserved[name]}")
     names.add(name)
   defaults = {**_DRIVER_DEFAULTS, "batch_size": processes}
+  if kill:
+    defaults.update(batch_size=processes * (processes - 1), checkpoint_every=10)
   return [_flag(k, v) for k, v in defaults.items() if k not in names] + list(passthrough)
 
 
@@ -273,7 +290,41 @@ def _check(
     raise NetlabError(
       f"--steps={cfg.steps} leaves nothing to measure after --skip_steps={cfg.skip_steps}."
     )
-  return rates, runs, driver_flags(passthrough, cfg.processes)
+  flags = driver_flags(passthrough, cfg.processes, kill=bool(cfg.kill_step))
+  if cfg.kill_step:
+    _check_kill(cfg, flags)
+  return rates, runs, flags
+
+
+def _last_value(flags: Sequence[str], name: str) -> str | None:
+  values = [f.split("=", 1)[1] for f in flags if f.startswith(f"--{name}=")]
+  return values[-1] if values else None
+
+
+def _check_kill(cfg: LabConfig, flags: Sequence[str]) -> None:
+  """Refuses a kill drill that cannot work: no step to kill at, no checkpoint, a batch."""
+  n = cfg.processes
+  if not 0 < cfg.kill_step < cfg.steps:
+    raise NetlabError(f"--kill_step={cfg.kill_step} must be in [1, --steps={cfg.steps}).")
+  if not -n <= cfg.kill_process < n:
+    raise NetlabError(f"--kill_process={cfg.kill_process} is not one of the {n} processes.")
+  if cfg.rejoin_step and not cfg.kill_step < cfg.rejoin_step < cfg.steps:
+    raise NetlabError(
+      f"--rejoin_step={cfg.rejoin_step} must be after --kill_step={cfg.kill_step} and "
+      f"before --steps={cfg.steps}."
+    )
+  every = int(_last_value(flags, "checkpoint_every") or 0)
+  if every <= 0 or every > cfg.kill_step:
+    raise NetlabError(
+      f"--kill_step={cfg.kill_step} needs a checkpoint before it; pass --checkpoint_every "
+      f"between 1 and {cfg.kill_step}."
+    )
+  batch = int(_last_value(flags, "batch_size"))
+  if batch % n or batch % (n - 1):
+    raise NetlabError(
+      f"--batch_size={batch} must divide over {n} processes and the {n - 1} that survive "
+      f"--kill_step; use --batch_size={n * (n - 1)} or a multiple."
+    )
 
 
 def _stop(procs: Sequence[subprocess.Popen]) -> None:
@@ -368,6 +419,7 @@ def run_once(
   os.makedirs(run_dir)
   n = lab.num_processes
   procs, logs = [], []
+  started = time.time()
   try:
     for i in range(n):
       logs.append(os.path.join(run_dir, f"process{i}.log"))
@@ -388,7 +440,7 @@ def run_once(
   steps = records.read_metrics(run_dir) if os.path.exists(metrics) else []
   summary_path = os.path.join(run_dir, "summary.json")
   summary = records.Summary.load(summary_path) if os.path.exists(summary_path) else None
-  return RunResult(method, shaped, steps, summary, stopped_at_limit=stopped)
+  return RunResult(method, shaped, steps, summary, stopped_at_limit=stopped, started_at=started)
 
 
 def _raise_exit(signum: int, frame: Any) -> None:
@@ -426,8 +478,8 @@ def _run_all(
   rates: Sequence[float],
   runs: Mapping[str, Sequence[str]],
   flags: Sequence[str],
-) -> tuple[list[RunResult], list[dict[str, Any]]]:
-  """In a built lab: the sampler, then every method unshaped, then shaped."""
+) -> tuple[list[RunResult], list[dict[str, Any]], list[Any]]:
+  """In a built lab: the sampler, every method unshaped, then shaped, then interrupted."""
   env = _driver_env()
   counters_path = os.path.join(cfg.out_dir, "link_counters.jsonl")
   ifaces = [lab.hub_interface(i) for i in range(lab.num_processes)]
@@ -443,7 +495,15 @@ def _run_all(
       flags_ = [*flags, *own]
       results.append(run_once(lab, cfg, method, shaped, port=port, flags=flags_, env=env))
       port += 1
-  return results, records.read_jsonl(counters_path)
+  interrupted = []
+  if cfg.kill_step:
+    from experiments.netlab import interrupt
+
+    for method, own in runs.items():
+      run = interrupt.run_interrupted(lab, cfg, method, port=port, flags=[*flags, *own], env=env)
+      interrupted.append(run)
+      port += 3
+  return results, records.read_jsonl(counters_path), interrupted
 
 
 def settings_line(cfg: LabConfig, rates: Sequence[float], flags: Sequence[str]) -> str:
@@ -487,7 +547,7 @@ def run(cfg: LabConfig, passthrough: Sequence[str] = ()) -> report.Report:
   with _signals((signal.default_int_handler, _raise_exit, _raise_exit)):
     lab.create()
     try:
-      results, samples = _run_all(lab, cfg, rates, runs, flags)
+      results, samples, interrupted = _run_all(lab, cfg, rates, runs, flags)
     finally:
       with _signals([signal.SIG_IGN] * len(_SIGNALS)):
         lab.teardown()
@@ -498,6 +558,7 @@ def run(cfg: LabConfig, passthrough: Sequence[str] = ()) -> report.Report:
     rates_mbit=rates,
     skip=cfg.skip_steps,
     target_loss=cfg.target_loss,
+    interrupted=interrupted,
   )
   settings = settings_line(cfg, rates, flags)
   report.write_report(cfg.out_dir, summary, results, settings)

@@ -51,6 +51,7 @@ class RunResult:
     records: process 0's metrics records, in step order.
     summary: the run's ``summary.json``, or None if it was stopped before writing it.
     stopped_at_limit: the run hit ``--run_time_limit_s`` and was stopped.
+    started_at: ``time.time()`` when the lab launched its drivers.
   """
 
   method: str
@@ -58,6 +59,7 @@ class RunResult:
   records: list[StepRecord]
   summary: Summary | None
   stopped_at_limit: bool = False
+  started_at: float | None = None
 
 
 def step_seconds(records: Sequence[StepRecord], skip: int) -> list[float]:
@@ -240,6 +242,7 @@ def summarize(
   rates_mbit: Sequence[float],
   skip: int,
   target_loss: float | None,
+  interrupted: Sequence[Any] = (),
 ) -> Report:
   """The ``netlab.json`` object: one entry per method, in the order they ran.
 
@@ -252,6 +255,9 @@ def summarize(
     target_loss: validation loss for the time-to-target figure; None takes the
       worst final validation loss among the unshaped runs, which every method
       then reaches unshaped.
+    interrupted: runs with a process killed mid-run
+      (:class:`experiments.netlab.interrupt.InterruptedRun`); each method's
+      entry gets ``"interrupted"``, what it cost against its shaped run.
 
   Returns:
     ``{method: {...}}`` with ``median_step_s_shaped``, ``median_step_s_unshaped``,
@@ -299,6 +305,11 @@ def summarize(
     report[name][f"shaped_step_speedup_vs_{base}"] = _ratio(
       report[base]["median_step_s_shaped"], report[name]["median_step_s_shaped"]
     )
+  if interrupted:
+    from experiments.netlab import interrupt
+
+    for run in interrupted:
+      report[run.method]["interrupted"] = interrupt.figures(run, by.get((run.method, True)))
   return report
 
 
@@ -377,6 +388,9 @@ def markdown(report: Report, settings: str) -> str:
   lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
   for name, e in report.items():
     lines += _link_rows(name, e)
+  from experiments.netlab import interrupt
+
+  lines += interrupt.markdown_rows(report)
   return "\n".join(lines) + "\n"
 
 

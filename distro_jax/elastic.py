@@ -1,0 +1,385 @@
+"""Elastic runs: the per-worker optimizer state of W workers, resized for W'.
+
+In a JAX SPMD job the set of workers is fixed at start, so a run that loses
+or gains machines stops and continues from its last checkpoint on another
+worker count. What each worker holds by itself (DeMo's momentum, SparseLoCo's
+error feedback, DiLoCo's inner params and inner optimizer state) then has to
+be rearranged; everything the workers share (counts, DisTrO's inner optimizer
+state, DiLoCo's outer momentum) carries over as it is.
+
+Which leaves are per worker is read from the state's structure, as
+:func:`distro_jax.worker_state_specs` finds it (a leaf is per worker when one
+update makes it differ over the data axis), so this works for any optax chain.
+The per-worker leaf of local shape ``(d0, ...)`` is laid out as one global
+array ``(W * d0, ...)`` (:mod:`distro_jax.worker_state`); resizing cuts it into
+its W blocks and reassembles W' of them:
+
+- a worker that stays keeps its block;
+- a worker that joins gets ``tx.init`` of the shared params: zero momentum and
+  error feedback, DiLoCo and SparseLoCo inner params equal to the shared
+  params, a fresh inner optimizer state;
+- a worker that leaves takes its block with it (``leaving="drop"``, the
+  default, as Psyche's trainers do), or leaves its unsent residual behind
+  (``leaving="fold"``): the leaves named in ``residual_fields`` (DeMo's
+  ``momentum``, SparseLoCo's ``error_feedback``), whose content has not
+  reached any other worker yet, are folded into the workers that stay so that
+  their mean residual is the mean over all W workers before: each stayer keeps
+  its own deviation from the mean, and the mean carries every old worker's
+  residual at the weight it had.
+
+Why the mean and not the sum: the workers' residuals are W estimates of one
+quantity (what the whole batch's momentum has not yet sent), and the
+exchange averages them. Splitting the leavers' sum over the stayers would
+inflate that average by W / W' (twice for 8 -> 4 workers). Why dropping is
+the default: in DeMo runs the fold trained no better (docs/elastic.md has the
+measurements: about even on average, 0.7% worse when half the workers left).
+
+A state saved by W workers generally cannot be restored sharded over W'
+devices (``W * d0`` need not divide by W'), so :func:`abstract_state_of_workers`
+gives a restore target that holds the per-worker leaves replicated, and
+:func:`resize_worker_state` places its result as
+:func:`distro_jax.init_worker_state` would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from distro_jax.worker_state import abstract_worker_state, init_worker_state, worker_state_specs
+
+__all__ = [
+  "LEAVING",
+  "RESIDUAL_FIELDS",
+  "abstract_state_of_workers",
+  "resize_worker_state",
+  "worker_count",
+]
+
+# Fields of the library's states that hold a worker's unsent residual: what it
+# has accumulated and not yet put into any message. DeMo's momentum is its
+# error-feedback buffer; SparseLoCo's is ``error_feedback``.
+RESIDUAL_FIELDS = ("momentum", "error_feedback")
+# What happens to a leaving worker's residual.
+LEAVING = ("drop", "fold")
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+def _axis0(spec: P) -> tuple[Hashable, ...]:
+  """The mesh axes that split a leaf's axis 0, in order."""
+  if not spec:
+    return ()
+  first = spec[0]
+  if first is None:
+    return ()
+  return tuple(first) if isinstance(first, tuple) else (first,)
+
+
+def _is_residual(path: tuple[Any, ...], residual_fields: Sequence[str]) -> bool:
+  """Whether a leaf sits under a NamedTuple field (or dict key) named in ``residual_fields``."""
+  for entry in path:
+    name = getattr(entry, "name", getattr(entry, "key", None))
+    if isinstance(name, str) and name in residual_fields:
+      return True
+  return False
+
+
+class _Leaf:
+  """How one state leaf is laid out: shared, or per worker with its axis-0 split."""
+
+  def __init__(self, spec: P, axis_name: Hashable, mesh: Mesh, residual: bool):
+    axes = _axis0(spec)
+    others = [a for e in tuple(spec)[1:] for a in (e if isinstance(e, tuple) else (e,)) if a]
+    if axis_name in others:
+      raise ValueError(
+        f"a per-worker state leaf is split over {axis_name!r} on an axis other than 0 "
+        f"({spec}); the per-worker layout of distro_jax.worker_state puts it on axis 0."
+      )
+    self.per_worker = axis_name in axes
+    self.axes = axes
+    self.position = axes.index(axis_name) if self.per_worker else None
+    self.sizes = [mesh.shape[a] for a in axes]
+    self.residual = residual and self.per_worker
+
+  def block(self, new_rows: int) -> int:
+    """Rows of axis 0 that one worker holds (all its devices' pieces together)."""
+    return new_rows // self.sizes[self.position]
+
+  def split(self, x: jax.Array, workers: int) -> jax.Array:
+    """``(rows, ...)`` -> ``(workers, block, ...)``, whatever the axis order of the split."""
+    sizes = list(self.sizes)
+    sizes[self.position] = workers
+    pieces = math.prod(sizes)
+    x = x.reshape(*sizes, x.shape[0] // pieces, *x.shape[1:])
+    x = jnp.moveaxis(x, self.position, 0)
+    return x.reshape(workers, -1, *x.shape[len(sizes) + 1 :])
+
+  def join(self, x: jax.Array, workers: int) -> jax.Array:
+    """Inverse of :meth:`split`."""
+    sizes = list(self.sizes)
+    sizes[self.position] = workers
+    others = [s for i, s in enumerate(sizes) if i != self.position]
+    x = x.reshape(workers, *others, -1, *x.shape[2:])
+    x = jnp.moveaxis(x, 0, self.position)
+    return x.reshape(-1, *x.shape[len(sizes) + 1 :])
+
+
+def _layout(tx, params, mesh, axis_name, param_specs, residual_fields):
+  """Per leaf of the state, a :class:`_Leaf`, plus the new layout's abstract state."""
+  specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
+  abstract = abstract_worker_state(tx, params, mesh, axis_name, param_specs=param_specs)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
+  leaves = [_Leaf(s, axis_name, mesh, _is_residual(p, residual_fields)) for p, s in flat]
+  return leaves, treedef, abstract
+
+
+def _count_from(leaves: list[_Leaf], shapes: list[tuple[int, ...]], new_shapes) -> int | None:
+  """The worker count that per-worker leaves of ``shapes`` were laid out for."""
+  counts = set()
+  for leaf, shape, new in zip(leaves, shapes, new_shapes):
+    shape, new = tuple(shape), tuple(new)
+    if not leaf.per_worker:
+      if shape != new:
+        raise ValueError(
+          f"a shared state leaf has shape {shape}, but this optimizer's has {new}; the "
+          "state is from another optimizer or model."
+        )
+      continue
+    rows = leaf.block(new[0])
+    if len(shape) != len(new) or shape[1:] != new[1:] or not shape[0] or shape[0] % rows:
+      raise ValueError(
+        f"a per-worker state leaf has shape {shape}, which is no whole number of workers' "
+        f"blocks of {rows} rows (this optimizer's layout: {new}); the state is from another "
+        "optimizer, model or FSDP layout."
+      )
+    counts.add(shape[0] // rows)
+  if len(counts) > 1:
+    raise ValueError(f"the per-worker state leaves disagree on the worker count: {sorted(counts)}.")
+  return counts.pop() if counts else None
+
+
+def worker_count(
+  tx: optax.GradientTransformation,
+  state: Any,
+  params: Any,
+  mesh: Mesh,
+  axis_name: Hashable = "data",
+  *,
+  param_specs: Any = None,
+) -> int | None:
+  """How many workers a per-worker state was laid out for, read from its shapes.
+
+  Args:
+    tx: the optimizer the state belongs to.
+    state: the state, or anything with its structure whose leaves have a
+      ``shape`` (``jax.ShapeDtypeStruct``, a checkpoint's array metadata).
+    params: the params tree (arrays or ``jax.ShapeDtypeStruct``), global shapes.
+    mesh: a mesh with an axis ``axis_name`` (any size; it fixes the layout of
+      the devices within a worker, e.g. FSDP).
+    axis_name: the data-parallel axis.
+    param_specs: the params' ``PartitionSpec`` tree when they are sharded.
+
+  Returns:
+    W, or ``None`` when the state has no per-worker leaf (an all-reduce
+    optimizer's state is shared, and fits any worker count).
+
+  Raises:
+    ValueError: the shapes are not this optimizer's state for any W.
+  """
+  leaves, treedef, abstract = _layout(tx, params, mesh, axis_name, param_specs, ())
+  shapes = [tuple(np.shape(x)) for x in treedef.flatten_up_to(state)]
+  return _count_from(leaves, shapes, [x.shape for x in jax.tree.leaves(abstract)])
+
+
+def abstract_state_of_workers(
+  tx: optax.GradientTransformation,
+  params: Any,
+  mesh: Mesh,
+  num_workers: int,
+  axis_name: Hashable = "data",
+  *,
+  param_specs: Any = None,
+) -> Any:
+  """Where to restore a state that ``num_workers`` workers saved, on another worker count.
+
+  Shapes and dtypes of the state of ``num_workers`` workers, placed on
+  ``mesh`` (whose ``axis_name`` may have another size): per-worker leaves
+  replicated, since their rows need not divide over the new worker count, and
+  shared leaves as :func:`distro_jax.abstract_worker_state` places them. Give
+  it to the checkpointer as the restore target (e.g. ``orbax``'s
+  ``StandardRestore``), then pass the restored state to
+  :func:`resize_worker_state`. The replicated leaves hold every old worker's
+  state on each device until the resize, which frees them.
+
+  Args:
+    tx: the optimizer.
+    params: the params tree (arrays or ``jax.ShapeDtypeStruct``), global shapes.
+    mesh: the mesh the run continues on.
+    num_workers: W, the worker count the state was saved with.
+    axis_name: the data-parallel axis.
+    param_specs: the params' ``PartitionSpec`` tree when they are sharded.
+
+  Returns:
+    A tree of ``jax.ShapeDtypeStruct`` with shardings.
+  """
+  if num_workers < 1:
+    raise ValueError(f"num_workers must be positive, got {num_workers}.")
+  leaves, treedef, abstract = _layout(tx, params, mesh, axis_name, param_specs, ())
+  replicated = NamedSharding(mesh, P())
+  out = []
+  for leaf, x in zip(leaves, jax.tree.leaves(abstract)):
+    if leaf.per_worker:
+      rows = leaf.block(x.shape[0]) * num_workers
+      x = jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=replicated)
+    out.append(x)
+  return treedef.unflatten(out)
+
+
+def _on(mesh: Mesh, x: Any) -> Any:
+  """``x`` as an input of a computation on ``mesh``: as it is if it lives there, else on the host.
+
+  A state saved by W workers usually lives on another mesh (or on none). One
+  that lives on another mesh across processes cannot be fetched here; restore
+  it onto this mesh with :func:`abstract_state_of_workers` instead.
+  """
+  sharding = getattr(x, "sharding", None)
+  if not isinstance(x, jax.Array) or getattr(sharding, "mesh", None) == mesh:
+    return x
+  if not x.is_fully_addressable and not x.is_fully_replicated:
+    raise ValueError(
+      "the state lives on another mesh, across processes; restore it onto the new mesh "
+      "with dj.abstract_state_of_workers(...) as the target, then resize it."
+    )
+  return np.asarray(x.addressable_data(0)) if x.is_fully_replicated else np.asarray(x)
+
+
+def _check_keep(keep: Sequence[int] | None, before: int, after: int) -> tuple[int, ...]:
+  if keep is None:
+    return tuple(range(min(before, after)))
+  keep = tuple(int(w) for w in keep)
+  if len(set(keep)) != len(keep) or any(not 0 <= w < before for w in keep):
+    raise ValueError(
+      f"keep={keep} must name distinct workers of the {before} the state holds (0..{before - 1})."
+    )
+  if len(keep) > after:
+    raise ValueError(f"keep names {len(keep)} workers, but the mesh has room for {after}.")
+  return keep
+
+
+def resize_worker_state(
+  tx: optax.GradientTransformation,
+  state: Any,
+  params: Any,
+  mesh: Mesh,
+  axis_name: Hashable = "data",
+  *,
+  keep: Sequence[int] | None = None,
+  leaving: str = "drop",
+  param_specs: Any = None,
+  residual_fields: Sequence[str] = RESIDUAL_FIELDS,
+) -> Any:
+  """The per-worker state of W workers, rearranged for the W' workers of ``mesh``.
+
+  New worker ``i`` takes old worker ``keep[i]``'s state for ``i < len(keep)``;
+  the rest join with ``tx.init`` of the shared ``params`` (zero momentum; for
+  DiLoCo and SparseLoCo, inner params equal to ``params``). Old workers not in
+  ``keep`` leave: their residual (leaves under a field named in
+  ``residual_fields``) is dropped with the rest of their state
+  (``leaving="drop"``) or folded into the workers that stay
+  (``leaving="fold"``: each stayer ``s`` becomes ``r_s - mean(stayers) +
+  mean(all W)``, so the mean is preserved). Shared leaves carry over unchanged. See
+  :mod:`distro_jax.elastic`.
+
+  Args:
+    tx: the optimizer, built for the new mesh (the same settings as the old).
+    state: the state of W workers: global arrays laid out for W workers
+      (restored with :func:`abstract_state_of_workers`) or host arrays.
+    params: the shared params, placed on ``mesh`` as ``param_specs`` says.
+    mesh: the mesh to continue on; W' is the size of its ``axis_name``.
+    axis_name: the data-parallel axis.
+    keep: the old workers that stay, in their new order; default the first
+      ``min(W, W')``.
+    leaving: ``"drop"`` or ``"fold"``, for a leaving worker's residual.
+    param_specs: the params' ``PartitionSpec`` tree when they are sharded
+      (FSDP); default: replicated.
+    residual_fields: the state fields that hold unsent residual.
+
+  Returns:
+    The state for W' workers, placed as :func:`distro_jax.init_worker_state`
+    places it.
+
+  Raises:
+    ValueError: the state is not ``tx``'s for any W, ``keep`` names workers
+      that do not exist or more than W', or ``leaving`` is unknown.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, distro_jax as dj
+    >>> params = {"w": jnp.zeros((8, 8))}
+    >>> tx = dj.demo(0.1, compression_topk=1)
+    >>> two = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> state = dj.init_worker_state(tx, params, two)
+    >>> momentum = state[0].momentum["w"]  # (2 workers x 1 chunk, 64 coefficients)
+    >>> demo_state = state[0]._replace(momentum={"w": momentum + jnp.array([[1.0], [3.0]])})
+    >>> state = (demo_state, *state[1:])
+    >>> one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    >>> tx1 = dj.demo(0.1, compression_topk=1)
+    >>> folded = dj.resize_worker_state(tx1, state, params, one, leaving="fold")  # 1 leaves
+    >>> float(folded[0].momentum["w"].max())  # the mean of 1 and 3: its residual stayed
+    2.0
+    >>> grown = dj.resize_worker_state(tx, folded, params, two)  # a worker joins
+    >>> np.asarray(grown[0].momentum["w"]).max(axis=1).tolist()  # the new one from zero
+    [2.0, 0.0]
+  """
+  if leaving not in LEAVING:
+    raise ValueError(f"leaving={leaving!r}; use one of {LEAVING}.")
+  leaves, treedef, abstract = _layout(tx, params, mesh, axis_name, param_specs, residual_fields)
+  old = treedef.flatten_up_to(state)
+  new_abstract = jax.tree.leaves(abstract)
+  before = _count_from(leaves, [np.shape(x) for x in old], [x.shape for x in new_abstract])
+  after = mesh.shape[axis_name]
+  shardings = [x.sharding for x in new_abstract]
+  if before is None:  # nothing per worker: every leaf carries over
+    carry = jax.jit(lambda xs: xs, out_shardings=shardings)
+    return treedef.unflatten(carry([_on(mesh, x) for x in old]))
+  keep = _check_keep(keep, before, after)
+  left = tuple(w for w in range(before) if w not in keep)
+  if leaving == "fold" and left and not keep and any(leaf.residual for leaf in leaves):
+    raise ValueError(
+      "leaving='fold' needs a worker that stays to take the residual; keep one, or use "
+      "leaving='drop'."
+    )
+  fresh = jax.tree.leaves(init_worker_state(tx, params, mesh, axis_name, param_specs=param_specs))
+
+  replicated = NamedSharding(mesh, P())
+
+  def rearrange(old, fresh):
+    # Worker blocks are cut and joined replicated; the result is placed at the end.
+    old, fresh = jax.sharding.reshard((old, fresh), replicated)
+    out = []
+    for leaf, o, f in zip(leaves, old, fresh):
+      if not leaf.per_worker:
+        out.append(o)
+        continue
+      o_w, f_w = leaf.split(o, before), leaf.split(f, after)
+      kept = o_w[np.asarray(keep, np.int32)]
+      if leaf.residual and leaving == "fold" and left:
+        # Every process runs this same program on the same replicated inputs,
+        # so the fold is bit-identical everywhere.
+        shift = jnp.mean(o_w, axis=0) - jnp.mean(kept, axis=0)
+        kept = kept + shift.astype(kept.dtype)
+      out.append(leaf.join(jnp.concatenate([kept, f_w[len(keep) :]]), after))
+    return out
+
+  fn = jax.jit(rearrange, out_shardings=shardings)
+  return treedef.unflatten(fn([_on(mesh, x) for x in old], fresh))
