@@ -19,7 +19,6 @@ on fewer workers the last ones leave, on more the new ones join at the end
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import time
 from typing import Any
@@ -34,15 +33,9 @@ from experiments.config import ConfigError, TrainConfig
 from experiments.launch import REPLICA
 from experiments.records import ResizeEvent
 
-__all__ = ["Resize", "Restore", "check", "has_cold_start_hook", "saved_shapes"]
+__all__ = ["Resize", "Restore", "check", "saved_shapes"]
 
 LEAVING = ("drop", "fold")
-
-
-def has_cold_start_hook() -> bool:
-  """Whether ``dj.scale_by_demo``'s update takes ``contribute`` (the cold-start hook)."""
-  tx = dj.scale_by_demo(0.1, axis_name=None)
-  return "contribute" in inspect.signature(tx.update).parameters
 
 
 def check(cfg: TrainConfig, method: Any) -> None:
@@ -59,11 +52,6 @@ def check(cfg: TrainConfig, method: Any) -> None:
     raise ConfigError(
       f"--cold_start_steps marks a joining worker's DisTrO message invalid; --optimizer="
       f"{method.name} sends none. Drop --cold_start_steps."
-    )
-  if cfg.cold_start_steps and not has_cold_start_hook():
-    raise ConfigError(
-      "--cold_start_steps needs dj.scale_by_demo's update to take contribute= (the cold-start "
-      "hook of issue 15), which this version of distro_jax lacks; drop --cold_start_steps."
     )
 
 

@@ -91,19 +91,7 @@ def test_check_refuses_bad_elastic_flags():
     elastic.check(config.TrainConfig(cold_start_steps=3), methods.get("adamw"))
 
 
-@pytest.mark.skipif(elastic.has_cold_start_hook(), reason="the cold-start hook has landed")
-def test_cold_start_without_the_library_hook_is_one_clear_error():
-  with pytest.raises(config.ConfigError, match="contribute="):
-    elastic.check(config.TrainConfig(cold_start_steps=3), methods.get("demo"))
-
-
 # --- the library hook that cold start needs (see docs/elastic.md) ---------------
-
-_HOOK = pytest.mark.xfail(
-  not elastic.has_cold_start_hook(),
-  strict=True,
-  reason="needs dj.scale_by_demo's update(..., contribute=) from branch core (issue 15's hook)",
-)
 
 
 def _cold_step(tx, mesh, contribute_W):
@@ -126,7 +114,6 @@ def _cold_step(tx, mesh, contribute_W):
   return state, jax.jit(step)(params, state, grads, flags)
 
 
-@_HOOK
 def test_a_cold_worker_is_left_out_and_keeps_its_whole_momentum():
   mesh = mesh_of(4)
   tx = dj.scale_by_demo(0.1, compression_decay=0.5, compression_topk=2, compression_chunk=8)
@@ -139,7 +126,6 @@ def test_a_cold_worker_is_left_out_and_keeps_its_whole_momentum():
   assert not np.array_equal(np.asarray(q["w"]), np.asarray(q3["w"]))
 
 
-@_HOOK
 def test_contribute_reaches_the_exchange_through_dj_demo():
   mesh = mesh_of(4)
   tx = optax.chain(optax.clip_by_global_norm(1.0), dj.demo(0.1, compression_topk=2))
