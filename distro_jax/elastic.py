@@ -329,8 +329,9 @@ def resize_worker_state(
     >>> tx = dj.demo(0.1, compression_topk=1)
     >>> two = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     >>> state = dj.init_worker_state(tx, params, two)
-    >>> momentum = state[0].momentum["w"]  # (2 workers x 1 chunk, 64 coefficients)
-    >>> demo_state = state[0]._replace(momentum={"w": momentum + jnp.array([[1.0], [3.0]])})
+    >>> momentum = state[0].momentum["w"]  # the 2 workers' (8, 8) blocks, stacked: (16, 8)
+    >>> residual = jnp.repeat(jnp.array([1.0, 3.0]), 8)[:, None]  # worker 0 holds 1s, worker 1 3s
+    >>> demo_state = state[0]._replace(momentum={"w": momentum + residual})
     >>> state = (demo_state, *state[1:])
     >>> one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     >>> tx1 = dj.demo(0.1, compression_topk=1)
@@ -338,7 +339,7 @@ def resize_worker_state(
     >>> float(folded[0].momentum["w"].max())  # the mean of 1 and 3: its residual stayed
     2.0
     >>> grown = dj.resize_worker_state(tx, folded, params, two)  # a worker joins
-    >>> np.asarray(grown[0].momentum["w"]).max(axis=1).tolist()  # the new one from zero
+    >>> np.asarray(grown[0].momentum["w"]).reshape(2, -1).max(axis=1).tolist()  # the new one: zero
     [2.0, 0.0]
   """
   if leaving not in LEAVING:
