@@ -4,25 +4,7 @@ Each worker sends a compressed message (per-chunk top-k of its decoupled
 momentum in a chunked DCT basis) instead of its gradient. See ``README.md``.
 """
 
-from distro_jax.codec import (
-  TensorWire,
-  WireLayout,
-  aggregate,
-  decode_message,
-  encode_message,
-  index_dtype,
-  select_topk,
-)
-from distro_jax.dct import (
-  ChunkPlan,
-  chunk_length,
-  dct_basis,
-  decode,
-  encode,
-  from_chunks,
-  plan_chunks,
-  to_chunks,
-)
+from distro_jax import bitpack, codec, dct, exchange, hlo_bytes, wire
 from distro_jax.diloco import DilocoState, diloco, inner_params
 from distro_jax.elastic import (
   abstract_state_of_workers,
@@ -54,13 +36,18 @@ from distro_jax.sparseloco import (
   sparseloco_bytes,
 )
 from distro_jax.transforms import DemoState, demo, distro, distro_adamw, scale_by_demo
-from distro_jax.wire import WireBytes, wire_bytes, wire_layout
+from distro_jax.wire import WireBytes, wire_bytes
 from distro_jax.worker_state import abstract_worker_state, init_worker_state, worker_state_specs
 
 __version__ = "0.1.0"
 
 __all__ = [
-  "ChunkPlan",
+  "bitpack",
+  "codec",
+  "dct",
+  "exchange",
+  "hlo_bytes",
+  "wire",
   "CollectiveBytes",
   "DemoState",
   "DeviceBytes",
@@ -68,49 +55,34 @@ __all__ = [
   "FsdpPlan",
   "SparseLocoBytes",
   "SparseLocoState",
-  "TensorWire",
   "WireBytes",
-  "WireLayout",
   "abstract_state_of_workers",
   "abstract_worker_state",
-  "aggregate",
-  "chunk_length",
   "clip_by_sharded_global_norm",
   "collective_bytes",
   "collective_bytes_by_axes",
-  "dct_basis",
-  "decode",
-  "decode_message",
   "demo",
   "device_bytes",
   "diloco",
   "distro",
   "distro_adamw",
-  "encode",
-  "encode_message",
-  "from_chunks",
   "fsdp_value_and_grad",
   "gather_params",
   "gradient_point",
-  "index_dtype",
   "init_worker_state",
   "inner_params",
   "local_shapes",
   "local_value_and_grad",
   "lookahead_update",
   "parse_collective_bytes",
-  "plan_chunks",
   "plan_fsdp",
   "pmean_gradients",
   "resize_worker_state",
   "scale_by_demo",
-  "select_topk",
   "sparseloco",
   "sparseloco_bytes",
-  "to_chunks",
   "varies_over",
   "wire_bytes",
-  "wire_layout",
   "worker_count",
   "worker_local",
   "worker_state_specs",

@@ -366,7 +366,7 @@ def transform(x: jax.Array, plan: ChunkPlan) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp, distro_jax as dj
-    >>> plan = dj.plan_chunks((128, 64), 64)
+    >>> plan = dj.dct.plan_chunks((128, 64), 64)
     >>> y = dj.dct.transform(jnp.ones((128, 64)), plan)
     >>> float(y[0, 0]), float(y[64, 0])  # each 64x64 block's DC term, at its corner
     (64.0, 64.0)

@@ -34,7 +34,7 @@ class DemoState(NamedTuple):
     momentum: per parameter, the decoupled momentum in the chunked DCT domain,
       float32, with the parameter's shape (``(1,)`` for a scalar): each chunk's
       coefficients sit in that chunk's own place (the in-place layout of
-      :mod:`distro_jax.dct`; ``dj.to_chunks(m, plan)`` gives one row per
+      :mod:`distro_jax.dct`; ``dj.dct.to_chunks(m, plan)`` gives one row per
       chunk). So ``optax.tree_map_params`` and a param's ``PartitionSpec``
       place it, and a sharding that keeps chunks whole keeps it local. The DCT
       is orthonormal, so this is the reference's buffer ``m`` in another basis,
@@ -178,7 +178,7 @@ def _check_momentum(updates: Any, momenta: list[Any], plans: list[dct.ChunkPlan]
         f"parameter needs {plan.state_shape} (the param's own shape, (1,) for a scalar). "
         "The state was built for other params, or by an older distro_jax that kept one row "
         "per chunk; build it again with tx.init(params) (or dj.init_worker_state), or "
-        "convert an old momentum m with dj.from_chunks(m, dj.plan_chunks(shape, chunk))."
+        "convert an old momentum m with dj.dct.from_chunks(m, dj.dct.plan_chunks(shape, chunk))."
       )
 
 

@@ -441,7 +441,9 @@ def largest_chunk(preset: str, compression_chunk: int) -> int:
   from experiments import model, presets
 
   params = model.abstract_params(presets.get_preset(preset))
-  return max(dj.plan_chunks(x.shape, compression_chunk).chunk_size for x in jax.tree.leaves(params))
+  return max(
+    dj.dct.plan_chunks(x.shape, compression_chunk).chunk_size for x in jax.tree.leaves(params)
+  )
 
 
 # A top-k above every chunk is clamped to the chunk: each chunk goes whole,

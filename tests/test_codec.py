@@ -21,7 +21,7 @@ from distro_jax import codec
   ],
 )
 def test_index_dtype_is_narrowest_that_fits(chunk_size, dtype):
-  assert dj.index_dtype(chunk_size) == dtype
+  assert dj.codec.index_dtype(chunk_size) == dtype
 
 
 @pytest.mark.parametrize(
@@ -29,13 +29,13 @@ def test_index_dtype_is_narrowest_that_fits(chunk_size, dtype):
 )
 def test_indices_travel_at_ceil_log2_of_the_chunk_size(chunk_size, bits):
   assert codec.index_bits(chunk_size) == bits
-  layout = dj.WireLayout((dj.TensorWire(5, 3, chunk_size, "float32"),), True)
+  layout = dj.codec.WireLayout((dj.codec.TensorWire(5, 3, chunk_size, "float32"),), True)
   assert layout.stream_bits == 5 * 3 * (bits + 1)
 
 
 def test_select_topk_keeps_largest_magnitudes_and_zero_selected_removes_them():
   y = jnp.asarray([[0.1, -5.0, 3.0, 0.2], [1.0, 1.0, -1.0, 0.0]])
-  idx, val = dj.select_topk(y, 2)
+  idx, val = dj.codec.select_topk(y, 2)
   np.testing.assert_array_equal(idx, [[1, 2], [0, 1]])  # ties: lower index first
   np.testing.assert_array_equal(val, [[-5.0, 3.0], [1.0, 1.0]])
   expected = np.asarray([[0.1, 0, 0, 0.2], [0, 0, -1.0, 0]], np.float32)
@@ -43,8 +43,9 @@ def test_select_topk_keeps_largest_magnitudes_and_zero_selected_removes_them():
 
 
 def _layout(quantize_1bit, value_dtype="float32"):
-  return dj.WireLayout(
-    (dj.TensorWire(3, 2, 300, value_dtype), dj.TensorWire(2, 5, 7, value_dtype)), quantize_1bit
+  return codec.WireLayout(
+    (dj.codec.TensorWire(3, 2, 300, value_dtype), dj.codec.TensorWire(2, 5, 7, value_dtype)),
+    quantize_1bit,
   )
 
 
@@ -65,11 +66,11 @@ def _selection(rng):
 def test_message_round_trip_full_precision():
   idx, val = _selection(np.random.default_rng(0))
   layout = _layout(False)
-  msg = dj.encode_message(idx, val, layout)
+  msg = dj.codec.encode_message(idx, val, layout)
   assert msg.dtype == jnp.uint8 and msg.shape == (layout.num_bytes,)
   # 9-bit and 3-bit indices in one 84-bit stream (11 bytes), then the fp32 values.
   assert layout.num_bytes == 11 + 3 * 2 * 4 + 2 * 5 * 4
-  tensors, valid = dj.decode_message(msg, layout)
+  tensors, valid = dj.codec.decode_message(msg, layout)
   assert bool(valid)
   for (i, v), i0, v0 in zip(tensors, idx, val):
     np.testing.assert_array_equal(i, i0)
@@ -79,19 +80,19 @@ def test_message_round_trip_full_precision():
 def test_message_round_trip_bf16_values():
   idx, val = _selection(np.random.default_rng(1))
   layout = _layout(False, "bfloat16")
-  msg = dj.encode_message(idx, val, layout)
+  msg = dj.codec.encode_message(idx, val, layout)
   assert layout.num_bytes == 11 + 3 * 2 * 2 + 2 * 5 * 2
-  for (_, v), v0 in zip(dj.decode_message(msg, layout)[0], val):
+  for (_, v), v0 in zip(dj.codec.decode_message(msg, layout)[0], val):
     np.testing.assert_array_equal(v, v0.astype(jnp.bfloat16).astype(jnp.float32))
 
 
 def test_one_bit_values_are_packed_signs():
   idx, val = _selection(np.random.default_rng(2))
   layout = _layout(True)
-  msg = dj.encode_message(idx, val, layout)
+  msg = dj.codec.encode_message(idx, val, layout)
   # 16 sign bits follow the 84 index bits in the same stream: 100 bits, 13 bytes.
   assert layout.num_bytes == 13 == msg.shape[0]
-  for (i, v), i0, v0 in zip(dj.decode_message(msg, layout)[0], idx, val):
+  for (i, v), i0, v0 in zip(dj.codec.decode_message(msg, layout)[0], idx, val):
     np.testing.assert_array_equal(i, i0)
     np.testing.assert_array_equal(v, np.where(np.asarray(v0) >= 0, 1.0, -1.0))
 
@@ -104,8 +105,8 @@ def test_decode_message_keeps_leading_worker_axis():
   for _ in range(4):
     idx, val = _selection(rng)
     sels.append((idx, val))
-    msgs.append(dj.encode_message(idx, val, layout, valid=len(msgs) != 2))
-  decoded, valid = dj.decode_message(jnp.stack(msgs), layout)
+    msgs.append(dj.codec.encode_message(idx, val, layout, valid=len(msgs) != 2))
+  decoded, valid = dj.codec.decode_message(jnp.stack(msgs), layout)
   np.testing.assert_array_equal(valid, [True, True, False, True])
   assert not np.any(np.asarray(msgs[2]))  # a message left out goes out as zeros
   for t, (i_w, v_w) in enumerate(decoded):
@@ -117,11 +118,11 @@ def test_decode_message_keeps_leading_worker_axis():
 
 def test_one_coefficient_per_chunk_carries_a_flag_byte():
   # With k = 1 everywhere no chunk can name two positions, so validity needs a byte.
-  layout = dj.WireLayout((dj.TensorWire(4, 1, 64, "float32"),), True)
+  layout = dj.codec.WireLayout((dj.codec.TensorWire(4, 1, 64, "float32"),), True)
   assert layout.header_bytes == 1 and layout.num_bytes == 1 + 4  # 4 x (6 + 1) bits
   idx, val = jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1))
-  msgs = jnp.stack([dj.encode_message([idx], [val], layout, valid=v) for v in (True, False)])
-  (tensors, valid) = dj.decode_message(msgs, layout)
+  msgs = jnp.stack([dj.codec.encode_message([idx], [val], layout, valid=v) for v in (True, False)])
+  (tensors, valid) = dj.codec.decode_message(msgs, layout)
   np.testing.assert_array_equal(valid, [True, False])
   np.testing.assert_array_equal(tensors[0][0][0], idx)
 
@@ -129,11 +130,13 @@ def test_one_coefficient_per_chunk_carries_a_flag_byte():
 def test_psyche_message_is_13_bytes_per_64x64_chunk():
   # Top-k 8 of 4096 with 1-bit values: 8 x (12 + 1) bits, down from 8 x (16 + 1).
   rng = np.random.default_rng(8)
-  layout = dj.WireLayout((dj.TensorWire(10, 8, 4096, "float32"),), True)
+  layout = dj.codec.WireLayout((dj.codec.TensorWire(10, 8, 4096, "float32"),), True)
   assert layout.num_bytes == 10 * 13
   idx = _distinct(rng, 4096, 10, 8)
   val = jnp.asarray(rng.normal(size=(10, 8)), jnp.float32)
-  (((i, v),), valid) = dj.decode_message(dj.encode_message([idx], [val], layout), layout)
+  (((i, v),), valid) = dj.codec.decode_message(
+    dj.codec.encode_message([idx], [val], layout), layout
+  )
   assert bool(valid)
   np.testing.assert_array_equal(i, idx)
   np.testing.assert_array_equal(v, np.where(np.asarray(val) >= 0, 1.0, -1.0))
@@ -142,7 +145,7 @@ def test_psyche_message_is_13_bytes_per_64x64_chunk():
 def test_aggregate_is_mean_over_contributors_only():
   idx = jnp.asarray([[[0, 1]], [[1, 2]], [[1, 3]]])  # 3 workers, 1 chunk, k=2
   val = jnp.asarray([[[1.0, 2.0]], [[4.0, 8.0]], [[6.0, -3.0]]])
-  dense, count = dj.aggregate(idx, val, 5)
+  dense, count = dj.codec.aggregate(idx, val, 5)
   np.testing.assert_allclose(dense, [[1.0, 4.0, 8.0, -3.0, 0.0]], rtol=1e-6)
   np.testing.assert_array_equal(count, [[1, 3, 1, 1, 0]])
 
@@ -150,7 +153,7 @@ def test_aggregate_is_mean_over_contributors_only():
 def test_aggregate_leaves_out_invalid_workers():
   idx = jnp.asarray([[[0, 1]], [[1, 2]]])
   val = jnp.asarray([[[1.0, 2.0]], [[4.0, 8.0]]])
-  dense, count = dj.aggregate(idx, val, 3, valid_W=jnp.asarray([True, False]))
+  dense, count = dj.codec.aggregate(idx, val, 3, valid_W=jnp.asarray([True, False]))
   np.testing.assert_array_equal(dense, [[1.0, 2.0, 0.0]])
   np.testing.assert_array_equal(count, [[1, 1, 0]])
 
@@ -165,19 +168,19 @@ def _random_payloads(rng, workers, rows, chunk, k):
 def test_aggregate_is_bit_identical_under_worker_shuffles():
   rng = np.random.default_rng(4)
   idx, val = _random_payloads(rng, 8, 16, 12, 6)
-  ref, _ = dj.aggregate(idx, val, 12)
+  ref, _ = dj.codec.aggregate(idx, val, 12)
   for _ in range(5):
     perm = rng.permutation(8)
-    out, _ = dj.aggregate(idx[perm], val[perm], 12)
+    out, _ = dj.codec.aggregate(idx[perm], val[perm], 12)
     np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(ref).view(np.uint32))
 
 
 def test_identical_payloads_aggregate_to_that_payload_exactly():
   rng = np.random.default_rng(5)
   idx, val = _random_payloads(rng, 1, 16, 12, 6)
-  one, _ = dj.aggregate(idx, val, 12)
+  one, _ = dj.codec.aggregate(idx, val, 12)
   for workers in (3, 7):
-    many, _ = dj.aggregate(jnp.repeat(idx, workers, 0), jnp.repeat(val, workers, 0), 12)
+    many, _ = dj.codec.aggregate(jnp.repeat(idx, workers, 0), jnp.repeat(val, workers, 0), 12)
     np.testing.assert_array_equal(many, one)
 
 
@@ -192,7 +195,7 @@ def test_aggregate_matches_brute_force_mean():
         total[r, j] += v
         count[r, j] += 1
   expected = np.where(count > 0, total / np.maximum(count, 1), 0)
-  dense, n = jax.jit(dj.aggregate, static_argnums=2)(idx, val, 10)
+  dense, n = jax.jit(dj.codec.aggregate, static_argnums=2)(idx, val, 10)
   np.testing.assert_allclose(dense, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(n, count)
 
@@ -208,7 +211,7 @@ def test_two_stage_topk_picks_exactly_what_a_full_top_k_picks():
   ]
   y = jnp.asarray(np.stack(rows), jnp.float32)
   for k in (1, 8, 32, 128):
-    idx, val = dj.select_topk(y, k)
+    idx, val = dj.codec.select_topk(y, k)
     _, ref = jax.lax.top_k(jnp.abs(y), k)
     np.testing.assert_array_equal(np.sort(idx, axis=1), np.sort(ref, axis=1))
     np.testing.assert_array_equal(val, np.take_along_axis(np.asarray(y), np.asarray(idx), 1))

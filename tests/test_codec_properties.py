@@ -14,8 +14,8 @@ SETTINGS = settings(max_examples=15, deadline=None)
 
 
 def _selection(x, chunk, k):
-  plan = dj.plan_chunks(x.shape, chunk)
-  idx, val = dj.select_topk(dj.encode(x, plan), min(k, plan.chunk_size))
+  plan = dj.dct.plan_chunks(x.shape, chunk)
+  idx, val = dj.codec.select_topk(dj.dct.encode(x, plan), min(k, plan.chunk_size))
   return plan, idx, val
 
 
@@ -25,10 +25,10 @@ def test_keeping_every_coefficient_reconstructs_the_tensor(shape, chunk, seed):
   x = jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
   plan, idx, val = _selection(x, chunk, 10**6)
   layout = wire.wire_layout(x, compression_topk=10**6, compression_chunk=chunk, quantize_1bit=False)
-  message = dj.encode_message([idx], [val], layout)
-  (tensors, valid) = dj.decode_message(message[None], layout)
-  dense, _ = dj.aggregate(*tensors[0], plan.chunk_size, valid)
-  np.testing.assert_allclose(dj.decode(dense, plan), x, atol=1e-5, rtol=1e-5)
+  message = dj.codec.encode_message([idx], [val], layout)
+  (tensors, valid) = dj.codec.decode_message(message[None], layout)
+  dense, _ = dj.codec.aggregate(*tensors[0], plan.chunk_size, valid)
+  np.testing.assert_allclose(dj.dct.decode(dense, plan), x, atol=1e-5, rtol=1e-5)
 
 
 @SETTINGS
@@ -43,7 +43,7 @@ def test_byte_accounting_is_the_message_length(shape, chunk, k, q1, dtype):
   x = jnp.zeros(shape, dtype)
   plan, idx, val = _selection(x, chunk, k)
   layout = wire.wire_layout(x, compression_topk=k, compression_chunk=chunk, quantize_1bit=q1)
-  message = dj.encode_message([idx], [val], layout)
+  message = dj.codec.encode_message([idx], [val], layout)
   assert message.dtype == jnp.uint8
   assert (
     message.size
@@ -70,8 +70,8 @@ def test_worker_order_changes_the_aggregate_by_not_one_bit(workers, rows, chunk,
   # Coarse values make shared coefficients and exact ties common.
   val = rng.integers(-3, 4, size=(workers, rows, k)).astype(np.float32) * rng.choice([1, 0.1])
   perm = np.asarray(data.draw(st.permutations(range(workers))))
-  a, na = dj.aggregate(jnp.asarray(idx), jnp.asarray(val), chunk)
-  b, nb = dj.aggregate(jnp.asarray(idx[perm]), jnp.asarray(val[perm]), chunk)
+  a, na = dj.codec.aggregate(jnp.asarray(idx), jnp.asarray(val), chunk)
+  b, nb = dj.codec.aggregate(jnp.asarray(idx[perm]), jnp.asarray(val[perm]), chunk)
   np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
   np.testing.assert_array_equal(na, nb)
 
@@ -87,8 +87,8 @@ def test_worker_order_changes_the_aggregate_by_not_one_bit(workers, rows, chunk,
 def test_identical_payloads_aggregate_to_that_payload(workers, shape, chunk, k, seed):
   x = jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
   plan, idx, val = _selection(x, chunk, k)
-  one, _ = dj.aggregate(idx[None], val[None], plan.chunk_size)
-  many, count = dj.aggregate(
+  one, _ = dj.codec.aggregate(idx[None], val[None], plan.chunk_size)
+  many, count = dj.codec.aggregate(
     jnp.repeat(idx[None], workers, 0), jnp.repeat(val[None], workers, 0), plan.chunk_size
   )
   np.testing.assert_array_equal(many, one)

@@ -47,9 +47,9 @@ def test_delayed_is_the_same_steps_one_step_later(make_tx):
   assert not np.array_equal(np.asarray(plain[-1]["a"]), np.asarray(init["a"]))
   # The last message is still pending, one per worker, and valid.
   pending = np.asarray(state[0].pending).reshape(workers, -1)
-  layout = dj.wire_layout(init, compression_topk=32, compression_chunk=64, quantize_1bit=False)
+  layout = dj.wire.wire_layout(init, compression_topk=32, compression_chunk=64, quantize_1bit=False)
   assert pending.shape[1] == layout.num_bytes
-  _, valid = dj.decode_message(jnp.asarray(pending), layout)
+  _, valid = dj.codec.decode_message(jnp.asarray(pending), layout)
   assert np.asarray(valid).all()
 
 

@@ -165,8 +165,8 @@ def test_chunks_never_straddle_a_shard():
     for key, axis in zip(sorted(params), plan.axes):  # tree order
       if axis is None:
         continue
-      full = dj.plan_chunks(params[key].shape, 64)
-      part = dj.plan_chunks(local[key].shape, 64)
+      full = dj.dct.plan_chunks(params[key].shape, 64)
+      part = dj.dct.plan_chunks(local[key].shape, 64)
       # The shard is chunked exactly as the full tensor: same chunk lengths,
       # and 1/fsdp of its chunks.
       assert (part.c1, part.c2) == (full.c1, full.c2), key
@@ -195,7 +195,7 @@ def test_only_the_payload_crosses_replica():
   by_axes = dj.collective_bytes_by_axes(hlo, mesh)
 
   local = dj.local_shapes(init, plan.specs, {"fsdp": fsdp})
-  message = dj.wire_layout(
+  message = dj.wire.wire_layout(
     local, compression_topk=TOPK, compression_chunk=CHUNK, quantize_1bit=False
   ).num_bytes
   assert set(by_axes) <= {("replica",), ("fsdp",)}
@@ -208,7 +208,7 @@ def test_only_the_payload_crosses_replica():
   assert inside["all-gather"] > 0 and inside["reduce-scatter"] > 0
   # Every device's message is 1/fsdp of the unsharded one, plus the params kept
   # whole on every device, plus its own validity byte.
-  whole_msg = dj.wire_layout(
+  whole_msg = dj.wire.wire_layout(
     {k: init[k] for k in ("b2", "scale")},
     compression_topk=TOPK,
     compression_chunk=CHUNK,
