@@ -20,6 +20,8 @@ COMMANDS = [
   "experiments.memory_report",
   "experiments.methods",
   "experiments.presets",
+  "experiments.english_corpus",
+  "experiments.gpu_bench",
 ]
 # A flag name only a command defines; seeing it after the imports means one did at import.
 _PROBE = """
