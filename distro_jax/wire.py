@@ -106,8 +106,8 @@ def wire_bytes(
     >>> b.payload == 4096 * 32 * (12 + 32) // 8  # 12-bit indices, then fp32 values
     True
     >>> psyche = dj.wire_bytes(params, compression_topk=8, quantize_1bit=True)
-    >>> psyche.payload  # 13 bytes per 64x64 chunk: 8 x (12 + 1) bits
-    53248
+    >>> psyche.payload  # per 64x64 chunk 8 x 12 index bits + 4 sign bits (4 more in the order)
+    51200
   """
   layout = wire_layout(
     params,

@@ -30,7 +30,8 @@ def test_index_dtype_is_narrowest_that_fits(chunk_size, dtype):
 def test_indices_travel_at_ceil_log2_of_the_chunk_size(chunk_size, bits):
   assert codec.index_bits(chunk_size) == bits
   layout = dj.codec.WireLayout((dj.codec.TensorWire(5, 3, chunk_size, "float32"),), True)
-  assert layout.stream_bits == 5 * 3 * (bits + 1)
+  # Three values per chunk: one pair carries a sign in its order, so two sign bits are written.
+  assert layout.stream_bits == 5 * (3 * bits + 2)
 
 
 def test_select_topk_keeps_largest_magnitudes_and_zero_selected_removes_them():
@@ -90,11 +91,33 @@ def test_one_bit_values_are_packed_signs():
   idx, val = _selection(np.random.default_rng(2))
   layout = _layout(True)
   msg = dj.codec.encode_message(idx, val, layout)
-  # 16 sign bits follow the 84 index bits in the same stream: 100 bits, 13 bytes.
-  assert layout.num_bytes == 13 == msg.shape[0]
+  # 9 sign bits follow the 84 index bits in the same stream (3 x 1 + 2 x 3: each pair of a
+  # chunk carries one sign in its order, k=5's last value its own bit): 93 bits, 12 bytes.
+  assert layout.num_bytes == 12 == msg.shape[0]
   for (i, v), i0, v0 in zip(dj.codec.decode_message(msg, layout)[0], idx, val):
-    np.testing.assert_array_equal(i, i0)
-    np.testing.assert_array_equal(v, np.where(np.asarray(v0) >= 0, 1.0, -1.0))
+    signs = np.where(np.asarray(v0) >= 0, 1.0, -1.0)
+    for row in range(i.shape[0]):
+      # The same (index, sign) set in each chunk; within a pair the order may swap.
+      sent = sorted(zip(np.asarray(i0)[row].tolist(), signs[row].tolist()))
+      got = sorted(zip(np.asarray(i)[row].tolist(), np.asarray(v)[row].tolist()))
+      assert got == sent
+    np.testing.assert_array_equal(np.asarray(i)[:, 4:], np.asarray(i0)[:, 4:])  # an odd tail stays
+
+
+@pytest.mark.parametrize("k", [2, 3, 8, 9])
+def test_every_sign_pattern_survives_the_pair_order(k):
+  # All four sign combinations of a pair, with its smaller index first and second.
+  rng = np.random.default_rng(k)
+  layout = dj.codec.WireLayout((dj.codec.TensorWire(64, k, 4096, "float32"),), True)
+  idx = _distinct(rng, 4096, 64, k)
+  val = jnp.asarray(rng.choice([-1.0, 1.0], size=(64, k)), jnp.float32)
+  (((i, v),), valid) = dj.codec.decode_message(
+    dj.codec.encode_message([idx], [val], layout), layout
+  )
+  assert bool(valid)
+  for row in range(64):
+    sent = dict(zip(np.asarray(idx)[row].tolist(), np.asarray(val)[row].tolist()))
+    assert dict(zip(np.asarray(i)[row].tolist(), np.asarray(v)[row].tolist())) == sent
 
 
 def test_decode_message_keeps_leading_worker_axis():
@@ -119,7 +142,7 @@ def test_decode_message_keeps_leading_worker_axis():
 def test_one_coefficient_per_chunk_carries_a_flag_byte():
   # With k = 1 everywhere no chunk can name two positions, so validity needs a byte.
   layout = dj.codec.WireLayout((dj.codec.TensorWire(4, 1, 64, "float32"),), True)
-  assert layout.header_bytes == 1 and layout.num_bytes == 1 + 4  # 4 x (6 + 1) bits
+  assert layout.header_bytes == 1 and layout.num_bytes == 1 + 4  # 4 x (6 + 1) bits: no pairs
   idx, val = jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1))
   msgs = jnp.stack([dj.codec.encode_message([idx], [val], layout, valid=v) for v in (True, False)])
   (tensors, valid) = dj.codec.decode_message(msgs, layout)
@@ -127,19 +150,22 @@ def test_one_coefficient_per_chunk_carries_a_flag_byte():
   np.testing.assert_array_equal(tensors[0][0][0], idx)
 
 
-def test_psyche_message_is_13_bytes_per_64x64_chunk():
-  # Top-k 8 of 4096 with 1-bit values: 8 x (12 + 1) bits, down from 8 x (16 + 1).
+def test_psyche_message_is_12_and_a_half_bytes_per_64x64_chunk():
+  # Top-k 8 of 4096 with 1-bit values: 8 x 12 index bits and 4 sign bits (the other 4
+  # signs in the pairs' order), down from 8 x (16 + 1).
   rng = np.random.default_rng(8)
   layout = dj.codec.WireLayout((dj.codec.TensorWire(10, 8, 4096, "float32"),), True)
-  assert layout.num_bytes == 10 * 13
+  assert layout.num_bytes == 10 * 100 // 8
   idx = _distinct(rng, 4096, 10, 8)
   val = jnp.asarray(rng.normal(size=(10, 8)), jnp.float32)
   (((i, v),), valid) = dj.codec.decode_message(
     dj.codec.encode_message([idx], [val], layout), layout
   )
   assert bool(valid)
-  np.testing.assert_array_equal(i, idx)
-  np.testing.assert_array_equal(v, np.where(np.asarray(val) >= 0, 1.0, -1.0))
+  signs = np.where(np.asarray(val) >= 0, 1.0, -1.0)
+  for row in range(10):
+    sent = dict(zip(np.asarray(idx)[row].tolist(), signs[row].tolist()))
+    assert dict(zip(np.asarray(i)[row].tolist(), np.asarray(v)[row].tolist())) == sent
 
 
 def test_aggregate_is_mean_over_contributors_only():
