@@ -17,6 +17,7 @@ def test_bits_for_is_ceil_log2(n, bits):
   assert bitpack.bits_for(n) == bits
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(bits=st.integers(1, 32), count=st.integers(0, 300), seed=st.integers(0, 2**16))
 def test_round_trip_is_exact_and_tight(bits, count, seed):

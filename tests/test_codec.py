@@ -226,6 +226,7 @@ def test_aggregate_matches_brute_force_mean():
   np.testing.assert_array_equal(n, count)
 
 
+@pytest.mark.slow
 def test_two_stage_topk_picks_exactly_what_a_full_top_k_picks():
   rng = np.random.default_rng(7)
   rows = [

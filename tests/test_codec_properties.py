@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ def _selection(x, chunk, k):
   return plan, idx, val
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(shape=SHAPES, chunk=st.integers(1, 70), seed=st.integers(0, 2**16))
 def test_keeping_every_coefficient_reconstructs_the_tensor(shape, chunk, seed):
@@ -31,6 +33,7 @@ def test_keeping_every_coefficient_reconstructs_the_tensor(shape, chunk, seed):
   np.testing.assert_allclose(dj.dct.decode(dense, plan), x, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
   shape=SHAPES,
@@ -52,6 +55,7 @@ def test_byte_accounting_is_the_message_length(shape, chunk, k, q1, dtype):
   )
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
   workers=st.integers(2, 9),
@@ -76,6 +80,7 @@ def test_worker_order_changes_the_aggregate_by_not_one_bit(workers, rows, chunk,
   np.testing.assert_array_equal(na, nb)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
   workers=st.integers(1, 9),

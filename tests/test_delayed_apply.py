@@ -17,6 +17,7 @@ import distro_jax as dj
 SHAPES = {"a": (64, 128), "b": (96,), "c": ()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_tx", [dj.demo, dj.distro_adamw], ids=["demo", "distro_adamw"])
 def test_delayed_is_the_same_steps_one_step_later(make_tx):
   # Gradients that do not depend on the params make the two runs' messages

@@ -168,6 +168,7 @@ def test_diloco_leaver_inner_params_are_dropped_not_folded():
 sparseloco = getattr(dj, "sparseloco", None)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sparseloco is None, reason="dj.sparseloco lands from branch algo")
 def test_sparseloco_error_feedback_folds_and_joiners_start_from_shared_params():
   tx = sparseloco(optax.adam(0.1), sync_every=2, compression_topk=2, compression_chunk=8)

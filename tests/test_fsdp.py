@@ -104,6 +104,7 @@ def _is_spec(x):
   return isinstance(x, P)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   ("name", "replicas", "fsdp"),
   [("demo", 2, 4), ("demo", 4, 2), ("distro_adamw", 2, 4)],
@@ -181,6 +182,7 @@ def test_chunks_never_straddle_a_shard():
   assert "none divisible by fsdp=4" in whole4["['odd']"]
 
 
+@pytest.mark.slow
 def test_only_the_payload_crosses_replica():
   replicas, fsdp = 2, 4
   rng = np.random.default_rng(1)

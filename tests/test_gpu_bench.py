@@ -1,10 +1,12 @@
 """The accelerator benchmark runs end to end, here on CPU at the smallest size."""
 
+import pytest
 from absl import flags
 
 from experiments import gpu_bench
 
 
+@pytest.mark.slow
 def test_gpu_bench_runs_on_cpu_at_a_tiny_size(capsys):
   # One device, as on a single GPU: the data axis has size 1.
   results = gpu_bench.run(["tiny"], workers=1, rounds=1, train_rounds=1, batch_size=2, seq_len=16)
@@ -24,6 +26,7 @@ def test_importing_it_defines_no_flags():
   assert "presets" not in flags.FLAGS and "train_rounds" not in flags.FLAGS
 
 
+@pytest.mark.slow
 def test_bench_update_takes_a_preset_and_times_the_parts(capsys):
   from experiments import bench_update
 

@@ -51,6 +51,7 @@ def sched(count):
   return 1e-2 * (1.0 + 0.1 * count)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize_1bit", [False, True], ids=["fp32", "1bit"])
 def test_when_workers_agree_the_lookahead_is_exact_and_delayed_is_plain(quantize_1bit):
   # Every worker sees the same batch, so the aggregate in flight is exactly
@@ -152,6 +153,7 @@ def test_options_that_do_not_match_the_state_are_refused():
     dj.gradient_point(state, params, 1e-3, compression_topk=32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize_1bit", [False, True], ids=["fp32", "1bit"])
 def test_the_trainers_overlapped_step_looks_ahead_and_gathers_before_the_gradient(quantize_1bit):
   from experiments import config, methods, trainer

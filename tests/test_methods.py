@@ -46,6 +46,7 @@ def test_get_refuses_an_unknown_family_with_the_choices():
     methods.get("sgd")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", methods.names())
 def test_every_entry_builds_updates_and_accounts_its_bytes(name):
   method = methods.get(name)

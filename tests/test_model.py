@@ -84,6 +84,7 @@ def test_variants_build_and_run(overrides):
   assert param_count(config) == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+@pytest.mark.slow
 def test_pure_split_merge_under_jit_and_shard_map(tiny_model):
   graphdef, params = nnx.split(tiny_model, nnx.Param)
   tokens = _tokens(TINY, 8, 16, seed=3)
@@ -145,6 +146,7 @@ def test_param_counts_without_allocation():
   assert sum(leaf.size * leaf.dtype.itemsize for leaf in leaves) == 4 * n
 
 
+@pytest.mark.slow
 def test_presets_ordered_and_described():
   counts = [param_count(c) for c in PRESETS.values()]
   assert counts == sorted(counts)

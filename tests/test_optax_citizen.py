@@ -104,6 +104,7 @@ def test_schedule_as_learning_rate():
     assert top == pytest.approx(float(sched(t)), rel=1e-5, abs=1e-12)
 
 
+@pytest.mark.slow
 def test_multisteps_with_clipping_before_it_on_8_workers():
   params = _params()
   inner = optax.MultiSteps(dj.demo(1e-2), every_k_schedule=2)

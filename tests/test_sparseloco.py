@@ -29,6 +29,7 @@ def _grads(rng, local, workers):
   ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "value_bits, use_dct, clip",
   [(2, False, True), (2, True, False), (None, False, False), (None, True, True), (1, False, True)],
@@ -113,6 +114,7 @@ def _step_parts(params, options):
   return step, params, state, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value_bits", [2, 1, None])
 def test_the_hlo_all_gathers_exactly_the_payload_once(value_bits):
   params = {"w": jnp.zeros((128, 192), jnp.bfloat16), "b": jnp.zeros((40,), jnp.float32)}

@@ -52,6 +52,7 @@ def test_resume_is_exact(tmp_path, optimizer):
   assert straight.params_digest == resumed.params_digest
 
 
+@pytest.mark.slow
 def test_metrics_summary_and_plot(tmp_path):
   summary = trainer.run(trainer.TrainConfig(steps=6, out_dir=str(tmp_path), **TINY))
   records = tiny_runs.read_metrics(tmp_path)
