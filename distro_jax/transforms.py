@@ -459,10 +459,10 @@ def scale_by_demo(
       kept = [jnp.where(finite, k, jnp.where(received, 0.0, m)) for k, m in zip(kept, momenta)]
       if contribute is not None:
         # What a held-back message would have sent stays in the momentum.
-        whole = [
+        unsent = [
           dct.from_blocks(b, p, p.state_shape, like=m) for b, p, m in zip(blocks, plans, momenta)
         ]
-        kept = [jnp.where(send | ~finite, k, w) for k, w in zip(kept, whole)]
+        kept = [jnp.where(send | ~finite, k, w) for k, w in zip(kept, unsent)]
     new_state = DemoState(
       count=optax.safe_increment(state.count),
       momentum=treedef.unflatten(

@@ -303,22 +303,3 @@ def test_update_needs_the_params_and_a_bound_axis():
   tx = dj.sparseloco(optax.sgd(1.0))
   with pytest.raises(ValueError, match="is not bound here"):
     tx.update(params, tx.init(params), params)
-
-
-@pytest.mark.slow
-def test_the_trainer_runs_the_registry_entry_and_gathers_its_payload(tmp_path):
-  import tiny_runs
-
-  from experiments import model, presets
-
-  summary = tiny_runs.run_tiny(
-    tmp_path, optimizer="sparseloco", sparseloco_sync_every=2, sparseloco_topk=16, steps=6
-  )
-  params = model.abstract_params(presets.get_preset("tiny"))
-  message = dj.sparseloco_bytes(params, sync_every=2, compression_topk=16).payload
-  # One all-gather of one message per round of two steps, and nothing else crosses workers
-  # but the loss's mean.
-  assert summary.measured_by_kind["all-gather"] == message
-  assert summary.payload_bytes_per_step == message / 2
-  losses = [r.loss for r in tiny_runs.read_metrics(tmp_path)]
-  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
