@@ -17,9 +17,11 @@ import numpy as np
 __all__ = [
   "bits_for",
   "from_bit_stream",
+  "from_bytes",
   "pack_bits",
   "packed_bytes",
   "to_bit_stream",
+  "to_bytes",
   "unpack_bits",
 ]
 
@@ -127,3 +129,16 @@ def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
     return packed[..., :count].astype(jnp.uint32)
   stream = jnp.unpackbits(packed, axis=-1, count=count * bits, bitorder="little")
   return from_bit_stream(stream, bits, count)
+
+
+def to_bytes(x: jax.Array) -> jax.Array:
+  """Flattens ``x`` to its raw bytes (``uint8``), in native byte order."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
+  """Inverse of :func:`to_bytes` for one array of ``shape``; ``b`` may have leading batch axes."""
+  lead = b.shape[:-1]
+  if dtype.itemsize == 1:
+    return jax.lax.bitcast_convert_type(b, dtype).reshape(*lead, *shape)
+  return jax.lax.bitcast_convert_type(b.reshape(*lead, *shape, dtype.itemsize), dtype)

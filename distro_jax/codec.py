@@ -465,20 +465,6 @@ def zero_selected(coeffs: jax.Array, idx: jax.Array) -> jax.Array:
   return out.reshape(coeffs.shape)
 
 
-def _to_bytes(x: jax.Array) -> jax.Array:
-  """Flattens ``x`` to its raw bytes (uint8) in native order."""
-  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
-
-
-def _from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
-  """Inverse of :func:`_to_bytes` for one tensor; ``b`` has leading batch axes."""
-  lead = b.shape[:-1]
-  if dtype.itemsize == 1:
-    return jax.lax.bitcast_convert_type(b, dtype).reshape(*lead, *shape)
-  b = b.reshape(*lead, *shape, dtype.itemsize)
-  return jax.lax.bitcast_convert_type(b, dtype)
-
-
 def _unsharded(x: jax.Array) -> jax.Array:
   """``x`` replicated, when its type shards it over explicit mesh axes.
 
@@ -567,7 +553,7 @@ def encode_message(
   if stream:
     parts.append(jnp.packbits(jnp.concatenate(stream), bitorder="little"))
   if not layout.quantize_1bit:
-    parts += [_to_bytes(v.astype(t.value_dtype)) for t, v in zip(layout.tensors, values)]
+    parts += [bitpack.to_bytes(v.astype(t.value_dtype)) for t, v in zip(layout.tensors, values)]
   message = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
   # Zeros mark a message to leave out; the message is tiny, so this costs nothing.
   return jnp.where(jnp.asarray(valid, bool), message, jnp.zeros_like(message))
@@ -613,7 +599,7 @@ def decode_message(
       dt = np.dtype(t.value_dtype)
       n = t.entries * dt.itemsize
       raw = message[..., offset : offset + n]
-      out_val.append(_from_bytes(raw, dt, (t.rows, t.k)).astype(jnp.float32))
+      out_val.append(bitpack.from_bytes(raw, dt, (t.rows, t.k)).astype(jnp.float32))
       offset += n
   if layout.marker is None:
     valid = message[..., 0] == 1

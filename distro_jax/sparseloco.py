@@ -235,18 +235,6 @@ def dequantize(codes: jax.Array, codebook: jax.Array) -> jax.Array:
   return jnp.take_along_axis(book, flat, axis=-1).reshape(codes.shape)
 
 
-def _to_bytes(x: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
-
-
-def _from_bytes(b: jax.Array, dtype: np.dtype, count: int) -> jax.Array:
-  """Inverse of :func:`_to_bytes` for ``count`` values; ``b`` has leading batch axes."""
-  lead = b.shape[:-1]
-  if dtype.itemsize == 1:
-    return jax.lax.bitcast_convert_type(b, dtype).reshape(*lead, count)
-  return jax.lax.bitcast_convert_type(b.reshape(*lead, count, dtype.itemsize), dtype)
-
-
 def _encode(
   indices: list[jax.Array],
   codes: list[jax.Array],
@@ -258,10 +246,10 @@ def _encode(
   for t, idx, code, book in zip(layout.tensors, indices, codes, codebooks):
     parts.append(bitpack.pack_bits(idx, t.index_bits))
     if t.value_bits is None:
-      parts.append(_to_bytes(code.astype(t.value_dtype)))
+      parts.append(bitpack.to_bytes(code.astype(t.value_dtype)))
     else:
       parts.append(bitpack.pack_bits(code, t.value_bits))
-      parts.append(_to_bytes(book.astype(_CODEBOOK_DTYPE)))
+      parts.append(bitpack.to_bytes(book.astype(_CODEBOOK_DTYPE)))
   message = jnp.concatenate(parts)
   assert message.shape == (layout.num_bytes,), (message.shape, layout.num_bytes)
   return message
@@ -281,10 +269,10 @@ def _decode(messages: jax.Array, layout: SparseLocoLayout) -> list[tuple[jax.Arr
   for t in layout.tensors:
     idx = bitpack.unpack_bits(take(t.index_bytes), t.index_bits, t.entries).astype(jnp.int32)
     if t.value_bits is None:
-      val = _from_bytes(take(t.value_bytes), np.dtype(t.value_dtype), t.entries)
+      val = bitpack.from_bytes(take(t.value_bytes), np.dtype(t.value_dtype), (t.entries,))
     else:
       code = bitpack.unpack_bits(take(t.value_bytes), t.value_bits, t.entries)
-      book = _from_bytes(take(t.codebook_bytes), _CODEBOOK_DTYPE, 1 << t.value_bits)
+      book = bitpack.from_bytes(take(t.codebook_bytes), _CODEBOOK_DTYPE, (1 << t.value_bits,))
       val = dequantize(code, book)
     shape = (num_workers, t.rows, t.k)
     out.append((idx.reshape(shape), val.astype(jnp.float32).reshape(shape)))

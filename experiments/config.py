@@ -20,6 +20,8 @@ from typing import Any
 
 from absl import flags
 
+from distro_jax.elastic import LEAVING
+
 # Flags defined through define_flags belong to the command that calls it, so --help lists them.
 flags.disclaim_key_flags()
 
@@ -382,6 +384,7 @@ _INT_FLOORS: dict[str, tuple[int, str]] = {
   "stop_at_step": (0, "use --stop_at_step=0 to run all --steps"),
   "inject_nan_step": (0, "use --inject_nan_step=0 for no fault drill"),
   "inject_nan_worker": (0, "use a worker index from 0"),
+  "cold_start_steps": (0, "use --cold_start_steps=0 for joiners that count at once"),
 }
 
 # Each float's allowed interval (low, low inclusive, high exclusive) and the fix.
@@ -490,6 +493,13 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
     raise ConfigError(
       f"--optimizer={method.name} runs with one device per site only; drop --fsdp "
       "(or use --fsdp=1)."
+    )
+  if cfg.leaving not in LEAVING:
+    raise ConfigError(f"--leaving={cfg.leaving!r}; use --leaving=drop or --leaving=fold.")
+  if cfg.cold_start_steps and not method.supports_cold_start:
+    raise ConfigError(
+      f"--cold_start_steps marks a joining worker's DisTrO message invalid; --optimizer="
+      f"{method.name} sends none. Drop --cold_start_steps."
     )
   if cfg.skip_nonfinite and cfg.fsdp > 1:
     raise ConfigError(

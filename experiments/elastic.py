@@ -29,30 +29,11 @@ from etils import epath
 
 import distro_jax as dj
 from experiments import data as data_lib
-from experiments.config import ConfigError, TrainConfig
+from experiments.config import TrainConfig
 from experiments.launch import REPLICA
 from experiments.records import ResizeEvent
 
-__all__ = ["Resize", "Restore", "check", "saved_shapes"]
-
-LEAVING = ("drop", "fold")
-
-
-def check(cfg: TrainConfig, method: Any) -> None:
-  """Refuses elastic settings that cannot work, before anything is built.
-
-  Raises:
-    ConfigError: naming the flag and the fix.
-  """
-  if cfg.leaving not in LEAVING:
-    raise ConfigError(f"--leaving={cfg.leaving!r}; use --leaving=drop or --leaving=fold.")
-  if cfg.cold_start_steps < 0:
-    raise ConfigError(f"--cold_start_steps must be 0 or more, got {cfg.cold_start_steps}.")
-  if cfg.cold_start_steps and not method.supports_cold_start:
-    raise ConfigError(
-      f"--cold_start_steps marks a joining worker's DisTrO message invalid; --optimizer="
-      f"{method.name} sends none. Drop --cold_start_steps."
-    )
+__all__ = ["Resize", "Restore", "saved_shapes"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -398,7 +398,6 @@ def run(cfg: TrainConfig) -> Summary:
       OutDirError also for a disk that fills up or turns read-only later.
   """
   config.validate(cfg)
-  elastic.check(cfg, methods.get(cfg.optimizer))
   _checkpoint_dir(cfg)
   if cfg.data_path is not None:
     data_lib.check_file(cfg.data_path)  # its ids are scanned once the directory is ours

@@ -21,7 +21,7 @@ import tiny_runs
 from sharded_step import mesh_of, place_grads
 
 import distro_jax as dj
-from experiments import config, elastic, methods, records
+from experiments import config, elastic, records
 from experiments.records import ResizeEvent, StepRecord
 from experiments.reporting import MetricsWriter
 
@@ -81,14 +81,13 @@ def test_event_lines_are_skipped_by_read_metrics_and_kept_across_resumes(tmp_pat
   ]
 
 
-def test_check_refuses_bad_elastic_flags():
-  demo = methods.get("demo")
+def test_validate_refuses_bad_elastic_flags():
   with pytest.raises(config.ConfigError, match="--leaving=drop or --leaving=fold"):
-    elastic.check(config.TrainConfig(leaving="sum"), demo)
+    config.validate(config.TrainConfig(leaving="sum"))
   with pytest.raises(config.ConfigError, match="0 or more"):
-    elastic.check(config.TrainConfig(cold_start_steps=-1), demo)
+    config.validate(config.TrainConfig(cold_start_steps=-1))
   with pytest.raises(config.ConfigError, match="sends none"):
-    elastic.check(config.TrainConfig(cold_start_steps=3), methods.get("adamw"))
+    config.validate(config.TrainConfig(cold_start_steps=3, optimizer="adamw"))
 
 
 # --- the library hook that cold start needs (see docs/elastic.md) ---------------
