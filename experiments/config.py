@@ -103,6 +103,9 @@ class TrainConfig:
   sparseloco_clip: bool = _field(
     True, "SparseLoCo: clip each worker's contribution to the median norm."
   )
+  sparseloco_dct: bool = _field(
+    False, "SparseLoCo: select in the chunked DCT domain, as DeMo does (the paper: no DCT)."
+  )
   delayed_apply: bool = _field(
     False,
     "Apply the previous step's aggregate, so the exchange can overlap the next "

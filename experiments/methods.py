@@ -405,6 +405,7 @@ def _build_sparseloco(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformat
     compression_topk=cfg.sparseloco_topk,
     value_bits=_sparseloco_bits(cfg),
     clip_to_median_norm=cfg.sparseloco_clip,
+    use_dct=cfg.sparseloco_dct,
     axis_name=axes.replica,
   )
 
@@ -554,6 +555,7 @@ register(
       Option(r"k(\d+)", "sparseloco_topk", _int, "kK"),
       Option(r"([012])bit", "sparseloco_value_bits", _int, "Nbit"),
       Option(r"noclip", "sparseloco_clip", lambda m: False, "noclip"),
+      Option(r"dct", "sparseloco_dct", lambda m: True, "dct"),
     ),
     exchange_every=lambda cfg: cfg.sparseloco_sync_every,
     supports_fsdp=False,

@@ -32,6 +32,39 @@ def test_method_names_map_to_config_fields():
   assert parse("diloco") == {"optimizer": "diloco"}
   assert parse("diloco-h100")["diloco_sync_every"] == 100
   assert parse("adamw") == {"optimizer": "adamw"}
+  assert parse("sparseloco-h15-k32-1bit") == {
+    "optimizer": "sparseloco",
+    "sparseloco_sync_every": 15,
+    "sparseloco_topk": 32,
+    "sparseloco_value_bits": 1,
+  }
+  assert parse("sparseloco-noclip-dct") == {
+    "optimizer": "sparseloco",
+    "sparseloco_clip": False,
+    "sparseloco_dct": True,
+  }
+
+
+def test_sparseloco_dct_option_reaches_the_transformation():
+  """``sparseloco-dct`` selects in the DCT domain: same bytes, a different outer step."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64)}
+  grads = {"w": jnp.cos(jnp.arange(64 * 64, dtype=jnp.float32)).reshape(64, 64)}
+  outer = {}
+  for name in ("sparseloco-h1-k8", "sparseloco-h1-k8-dct"):
+    method, fields = methods.parse(name)
+    cfg = config.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
+    tx = method.build(cfg, methods.Axes(None, None))
+    update = jax.jit(tx.update)
+    # The schedule's first rate is 0 (warmup); the second step moves.
+    _, state = update(grads, tx.init(params), params)
+    outer[name], _ = update(grads, state, params)
+    assert method.payload(cfg, params).message == method.payload(
+      dataclasses.replace(cfg, sparseloco_dct=False), params
+    ).message
+  plain, dct = outer["sparseloco-h1-k8"]["w"], outer["sparseloco-h1-k8-dct"]["w"]
+  # Top-8 raw entries of one chunk touch 8 params; top-8 DCT coefficients touch all.
+  assert int(jnp.sum(plain != 0)) == 8
+  assert int(jnp.sum(dct != 0)) > 8
 
 
 @pytest.mark.parametrize("bad", ["sgd", "demo-k", "demo-x8", "diloco-k8", "adamw-1bit", "demo-"])
