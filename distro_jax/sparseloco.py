@@ -53,7 +53,6 @@ worker computes it from the gathered messages, so no other collective runs.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -63,7 +62,7 @@ import numpy as np
 import optax
 
 from distro_jax import bitpack, codec, dct, exchange
-from distro_jax.transforms import StaticInt
+from distro_jax.hyperparams import StaticInt, check_decay, static_positive_int
 
 __all__ = [
   "SparseLocoBytes",
@@ -300,43 +299,22 @@ def _sum_in_worker_order(idx_WxRxK: jax.Array, val_WxRxK: jax.Array, chunk_size:
   return jax.lax.fori_loop(0, num_workers, add, jnp.zeros((rows, chunk_size), jnp.float32))
 
 
-def _static_int(name: str, value: Any, allowed: str) -> int:
-  if isinstance(value, StaticInt):
-    value = value.value
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(
-      f"{name} is a traced value; it fixes the message's shape or the schedule of "
-      f"synchronizations, so it must be a static Python int. Under optax.inject_hyperparams, "
-      f"pass static_args=({name!r},) when you set it."
-    )
-  if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
-    value = value.item()
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-    raise ValueError(f"{name} must be {allowed}, got {value!r}.")
-  return int(value)
-
-
 def _check_decay(value: Any) -> None:
-  try:
-    concrete = float(value)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    return  # A traced hyperparameter (inject_hyperparams); checked by its owner.
-  if not 0.0 <= concrete <= 1.0:
-    raise ValueError(
-      f"error_decay must be in [0, 1], got {concrete}; SparseLoCo's production value is 0.95."
-    )
+  check_decay("error_decay", value, one_allowed=True, hint="SparseLoCo's production value is 0.95.")
 
 
 def _check_value_bits(value_bits: Any) -> int | None:
   if value_bits is None:
     return None
-  bits = _static_int("value_bits", value_bits, "1, 2 or None")
-  if bits not in (1, 2):
+  bits = value_bits.value if isinstance(value_bits, StaticInt) else value_bits
+  if isinstance(bits, jax.core.Tracer):
+    static_positive_int("value_bits", bits, example=2)  # Raises, with the static_args hint.
+  if isinstance(bits, bool) or bits not in (1, 2):
     raise ValueError(
       f"value_bits must be 1, 2 or None (values in the parameter dtype), got {bits}; "
       "SparseLoCo's production value is 2."
     )
-  return bits
+  return int(bits)
 
 
 def sparseloco(
@@ -405,9 +383,9 @@ def sparseloco(
     >>> int((updates["w"] != 0).sum())  # top-64 of each 64x64 chunk
     64
   """
-  sync_every = _static_int("sync_every", sync_every, "a positive int (inner steps per round)")
-  topk = _static_int("compression_topk", compression_topk, "a positive int, e.g. 64")
-  chunk = _static_int("compression_chunk", compression_chunk, "a positive int, e.g. 64")
+  sync_every = static_positive_int("sync_every", sync_every, example=30)
+  topk = static_positive_int("compression_topk", compression_topk, example=64)
+  chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
   bits = _check_value_bits(value_bits)
   _check_decay(error_decay)
   if not isinstance(inner, optax.GradientTransformation):
@@ -564,11 +542,11 @@ def sparseloco_bytes(
     2194
   """
   bits = _check_value_bits(value_bits)
-  sync_every = _static_int("sync_every", sync_every, "a positive int (inner steps per round)")
+  sync_every = static_positive_int("sync_every", sync_every, example=30)
   layout = sparseloco_layout(
     params,
-    compression_topk=_static_int("compression_topk", compression_topk, "a positive int"),
-    compression_chunk=_static_int("compression_chunk", compression_chunk, "a positive int"),
+    compression_topk=static_positive_int("compression_topk", compression_topk, example=64),
+    compression_chunk=static_positive_int("compression_chunk", compression_chunk, example=64),
     value_bits=bits,
   )
   leaves = jax.tree.leaves(params)

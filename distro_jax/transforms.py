@@ -6,7 +6,6 @@ and the decoded aggregate ``Q``. :func:`demo` follows it with ``sign`` as the
 reference does; :func:`distro` follows it with any optax transformation.
 """
 
-import numbers
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -16,6 +15,7 @@ import numpy as np
 import optax
 
 from distro_jax import codec, dct, exchange, wire
+from distro_jax.hyperparams import StaticInt, check_decay, static_positive_int
 
 __all__ = [
   "DemoState",
@@ -63,68 +63,17 @@ class DemoState(NamedTuple):
   pending: jax.Array | None = None
 
 
-_STATIC_HINT = (
-  "It fixes the payload's shape, so it must be a static Python int. Under "
-  "optax.inject_hyperparams, pass static_args=('compression_topk', "
-  "'compression_chunk') when you set it."
-)
-
-
-class StaticInt:
-  """An int default that ``optax.inject_hyperparams`` leaves static.
-
-  ``inject_hyperparams`` turns every int argument, defaults included, into an
-  array hyperparameter, which is traced inside ``jit``. The top-k and chunk
-  sizes fix the message's shape and cannot be traced, so their defaults are
-  this non-int stand-in: ``inject_hyperparams(dj.demo)(learning_rate=...)``
-  then works with no ``static_args``. It compares, hashes and prints as its
-  value.
-  """
-
-  __slots__ = ("value",)
-
-  def __init__(self, value: int):
-    self.value = int(value)
-
-  def __index__(self) -> int:
-    return self.value
-
-  __int__ = __index__
-
-  def __eq__(self, other: object) -> bool:
-    return self.value == other
-
-  def __hash__(self) -> int:
-    return hash(self.value)
-
-  def __repr__(self) -> str:
-    return repr(self.value)
-
-
 def _positive_int(name: str, value: Any) -> int:
-  if isinstance(value, StaticInt):
-    value = value.value
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(f"{name} is a traced value. {_STATIC_HINT}")
-  if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
-    value = value.item()
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be a positive int, got {value!r}. {_STATIC_HINT}")
-  if value <= 0:
-    raise ValueError(f"{name} must be a positive int, got {value}; use e.g. {name}=32.")
-  return int(value)
+  return static_positive_int(name, value, example=32)
 
 
 def _check_decay(value: Any) -> None:
-  try:
-    concrete = float(value)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    return  # A traced hyperparameter (inject_hyperparams); checked by its owner.
-  if not 0.0 <= concrete < 1.0:
-    raise ValueError(
-      f"compression_decay must be in [0, 1), got {concrete}. Use 0 for the "
-      "stateless mode, or e.g. 0.999 (the reference default)."
-    )
+  check_decay(
+    "compression_decay",
+    value,
+    one_allowed=False,
+    hint="Use 0 for the stateless mode, or e.g. 0.999 (the reference default).",
+  )
 
 
 def _check_trees(updates: Any, params: Any) -> None:

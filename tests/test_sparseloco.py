@@ -277,9 +277,11 @@ def test_production_payload_is_about_2200x_below_a_bf16_gradient():
   "kwargs, error, match",
   [
     (dict(sync_every=0), ValueError, "sync_every must be a positive int"),
-    (dict(sync_every=2.5), ValueError, "sync_every must be a positive int"),
+    # A wrong type is a TypeError, as for dj.demo's sizes.
+    (dict(sync_every=2.5), TypeError, "sync_every must be a positive int"),
     (dict(compression_topk=-1), ValueError, "compression_topk must be a positive int"),
-    (dict(compression_chunk=True), ValueError, "compression_chunk must be a positive int"),
+    (dict(compression_chunk=True), TypeError, "compression_chunk must be a positive int"),
+    (dict(value_bits=True), ValueError, "value_bits must be 1, 2 or None"),
     (dict(value_bits=3), ValueError, "value_bits must be 1, 2 or None"),
     (dict(value_bits=0), ValueError, "value_bits must be 1, 2 or None"),
     (dict(error_decay=1.5), ValueError, "error_decay must be in"),

@@ -1,0 +1,104 @@
+"""Checks of the transformations' hyperparameters, shared by DeMo and SparseLoCo.
+
+Two kinds of argument need care in an optax factory. Sizes that fix a
+message's shape (top-k, chunk, the steps between synchronizations) must be
+static Python ints, even under ``optax.inject_hyperparams``, which would
+otherwise trace every int. Decays may be traced (injected), so they are
+range-checked only when concrete, and their owner checks them otherwise.
+"""
+
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["StaticInt", "check_decay", "static_positive_int"]
+
+
+class StaticInt:
+  """An int default that ``optax.inject_hyperparams`` leaves static.
+
+  ``inject_hyperparams`` turns every int argument, defaults included, into an
+  array hyperparameter, which is traced inside ``jit``. The top-k and chunk
+  sizes fix the message's shape and cannot be traced, so their defaults are
+  this non-int stand-in: ``inject_hyperparams(dj.demo)(learning_rate=...)``
+  then works with no ``static_args``. It compares, hashes and prints as its
+  value.
+  """
+
+  __slots__ = ("value",)
+
+  def __init__(self, value: int):
+    self.value = int(value)
+
+  def __index__(self) -> int:
+    return self.value
+
+  __int__ = __index__
+
+  def __eq__(self, other: object) -> bool:
+    return self.value == other
+
+  def __hash__(self) -> int:
+    return hash(self.value)
+
+  def __repr__(self) -> str:
+    return repr(self.value)
+
+
+def static_positive_int(name: str, value: Any, example: int) -> int:
+  """``value`` as a positive Python int, or an error that names ``name`` and the fix.
+
+  Args:
+    name: the argument's name, as the user passes it.
+    value: what was passed: an int, a :class:`StaticInt`, or a concrete 0-d array.
+    example: a sensible value to suggest.
+
+  Returns:
+    The int.
+
+  Raises:
+    TypeError: a traced value (set through ``inject_hyperparams`` without
+      ``static_args``), or anything that is not an integer (bools included).
+    ValueError: zero or a negative int.
+  """
+  if isinstance(value, StaticInt):
+    value = value.value
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+      f"{name} is a traced value. It fixes the message's shape or the schedule of "
+      "synchronizations, so it must be a static Python int. Under "
+      f"optax.inject_hyperparams, pass static_args=({name!r},) when you set it."
+    )
+  if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
+    value = value.item()
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be a positive int, got {value!r}; use e.g. {name}={example}.")
+  if value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value}; use e.g. {name}={example}.")
+  return int(value)
+
+
+def check_decay(name: str, value: Any, *, one_allowed: bool, hint: str) -> None:
+  """Raises if a concrete ``value`` is outside ``[0, 1)`` (or ``[0, 1]`` when ``one_allowed``).
+
+  A traced value (an injected hyperparameter) is not checked here.
+
+  Args:
+    name: the argument's name.
+    value: the decay.
+    one_allowed: whether 1 (keep everything) is a valid decay.
+    hint: what to use instead, appended to the message.
+
+  Raises:
+    ValueError: a concrete decay out of range.
+  """
+  try:
+    concrete = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return
+  ok = 0.0 <= concrete <= 1.0 if one_allowed else 0.0 <= concrete < 1.0
+  if not ok:
+    interval = "[0, 1]" if one_allowed else "[0, 1)"
+    raise ValueError(f"{name} must be in {interval}, got {concrete}. {hint}")
