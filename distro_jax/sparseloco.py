@@ -466,8 +466,12 @@ def sparseloco(
       return jax.tree.map(jnp.zeros_like, params), local, errors
 
     # A cond, not a select: the all-gather must run only on synchronizing steps.
+    # Both branches must return the buffer typed alike, and the synchronizing
+    # one makes it differ by worker, so it enters as such (else tracing it from
+    # a shared buffer, as dj.worker_state_specs does first, fails).
+    errors = exchange.worker_local(state.error_feedback, axis_name)
     outer_updates, local, errors = jax.lax.cond(
-      count % sync_every == 0, synchronize, keep_going, local, state.error_feedback
+      count % sync_every == 0, synchronize, keep_going, local, errors
     )
     return outer_updates, SparseLocoState(count, local, inner_state, errors)
 
