@@ -58,9 +58,10 @@ def test_sparseloco_dct_option_reaches_the_transformation():
     # The schedule's first rate is 0 (warmup); the second step moves.
     _, state = update(grads, tx.init(params), params)
     outer[name], _ = update(grads, state, params)
-    assert method.payload(cfg, params).message == method.payload(
-      dataclasses.replace(cfg, sparseloco_dct=False), params
-    ).message
+    assert (
+      method.payload(cfg, params).message
+      == method.payload(dataclasses.replace(cfg, sparseloco_dct=False), params).message
+    )
   plain, dct = outer["sparseloco-h1-k8"]["w"], outer["sparseloco-h1-k8-dct"]["w"]
   # Top-8 raw entries of one chunk touch 8 params; top-8 DCT coefficients touch all.
   assert int(jnp.sum(plain != 0)) == 8
