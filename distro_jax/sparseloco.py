@@ -299,10 +299,6 @@ def _sum_in_worker_order(idx_WxRxK: jax.Array, val_WxRxK: jax.Array, chunk_size:
   return jax.lax.fori_loop(0, num_workers, add, jnp.zeros((rows, chunk_size), jnp.float32))
 
 
-def _check_decay(value: Any) -> None:
-  check_decay("error_decay", value, one_allowed=True, hint="SparseLoCo's production value is 0.95.")
-
-
 def _check_value_bits(value_bits: Any) -> int | None:
   if value_bits is None:
     return None
@@ -387,7 +383,9 @@ def sparseloco(
   topk = static_positive_int("compression_topk", compression_topk, example=64)
   chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
   bits = _check_value_bits(value_bits)
-  _check_decay(error_decay)
+  check_decay(
+    "error_decay", error_decay, one_allowed=True, hint="SparseLoCo's production value is 0.95."
+  )
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(
       f"inner must be an optax.GradientTransformation such as optax.adamw(1e-3), got "

@@ -63,19 +63,6 @@ class DemoState(NamedTuple):
   pending: jax.Array | None = None
 
 
-def _positive_int(name: str, value: Any) -> int:
-  return static_positive_int(name, value, example=32)
-
-
-def _check_decay(value: Any) -> None:
-  check_decay(
-    "compression_decay",
-    value,
-    one_allowed=False,
-    hint="Use 0 for the stateless mode, or e.g. 0.999 (the reference default).",
-  )
-
-
 def _check_trees(updates: Any, params: Any) -> None:
   if params is None:
     return
@@ -254,9 +241,14 @@ def scale_by_demo(
     >>> q["w"].shape
     (4, 8)
   """
-  topk = _positive_int("compression_topk", compression_topk)
-  chunk = _positive_int("compression_chunk", compression_chunk)
-  _check_decay(compression_decay)
+  topk = static_positive_int("compression_topk", compression_topk, example=32)
+  chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
+  check_decay(
+    "compression_decay",
+    compression_decay,
+    one_allowed=False,
+    hint="Use 0 for the stateless mode, or e.g. 0.999 (the reference default).",
+  )
   quantize_1bit = bool(quantize_1bit)
   delayed_apply = bool(delayed_apply)
   to_chunks, from_chunks = (dct.encode, dct.decode) if use_dct else (dct.to_chunks, dct.from_chunks)

@@ -141,13 +141,16 @@ def run_frontier(
   points = []
   for name, horizon, settings, cfg in _plan(base, method_names, horizons, grid, out_dir):
     summary_path = os.path.join(cfg.out_dir, "summary.json")
-    if os.path.exists(summary_path):
+    cached = os.path.exists(summary_path)
+    if cached:
       summary = Summary.load(summary_path)
     else:
       print(f"[frontier] {name} {horizon} steps {settings}", file=sys.stderr, flush=True)
       summary = trainer.run(cfg)
     points.append(Point(name, horizon, settings, cfg.out_dir, summary))
-    _write(points, out_dir, link_mbit)
+    if not cached:
+      _write(points, out_dir, link_mbit)  # after each run trained: a long frontier shows progress
+  _write(points, out_dir, link_mbit)
   return points
 
 
@@ -283,7 +286,8 @@ def _plot(points: Sequence[Point], out_dir: str, link_mbit: float) -> None:
   ax.axhline(0, color="k", ls="--")
   ax.set(xscale="log", xlabel="steps (horizon)", ylabel="val loss gap to AdamW (%)")
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
+  if ax.get_legend_handles_labels()[0]:  # no line yet while only AdamW has finished
+    ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, "frontier_gap.png"), dpi=100)
   plt.close(fig)
