@@ -609,21 +609,35 @@ def decode_message(
   return list(zip(out_idx, out_val)), valid
 
 
-def _worker_keys(indices_Wx: jax.Array, values_Wx: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _mix32(h: jax.Array) -> jax.Array:
+  """A bijective scramble of uint32 words (xor-shifts and odd multipliers)."""
+  h = h ^ (h >> 16)
+  h = h * np.uint32(0x7FEB352D)
+  h = h ^ (h >> 15)
+  h = h * np.uint32(0x846CA68B)
+  return h ^ (h >> 16)
+
+
+def _worker_keys(
+  indices_WxRxK: jax.Array, values_WxRxK: jax.Array, chunk_size: int
+) -> tuple[jax.Array, jax.Array]:
   """Two 32-bit content hashes per worker; they fix a canonical worker order.
 
-  Integer sums wrap identically in any order, so the keys, and the order they
-  give, are the same whichever way the workers were numbered.
+  Each key is a wrapping sum over the worker's entries of a scrambled (flat
+  position, value bits) pair, so it reads the set of entries a worker sent and
+  not their order: a wire format that reorders a chunk's entries (the 1-bit
+  signs-in-order format) leaves the order, and every mean, as they were.
+  Integer sums wrap identically in any order, so the keys are also the same
+  whichever way the workers were numbered.
   """
-  num_workers = indices_Wx.shape[0]
-  bits = jax.lax.bitcast_convert_type(values_Wx.astype(jnp.float32), jnp.uint32)
-  x = (bits ^ (indices_Wx.astype(jnp.uint32) * np.uint32(0x9E3779B1))).reshape(num_workers, -1)
-  pos = jnp.arange(x.shape[1], dtype=jnp.uint32)
+  num_workers, rows = indices_WxRxK.shape[:2]
+  bits = jax.lax.bitcast_convert_type(values_WxRxK.astype(jnp.float32), jnp.uint32)
+  row = jnp.arange(rows, dtype=jnp.uint32).reshape(1, rows, 1)
+  pos = row * np.uint32(chunk_size) + indices_WxRxK.astype(jnp.uint32)
   keys = []
-  for mul, salt in ((0x85EBCA6B, 0x27D4EB2F), (0xC2B2AE35, 0x165667B1)):
-    h = (x ^ np.uint32(salt)) * np.uint32(mul)
-    h = h ^ (h >> 15)
-    keys.append(jnp.sum(h * (pos * np.uint32(2) + np.uint32(1)), axis=1, dtype=jnp.uint32))
+  for salt in (0x27D4EB2F, 0x165667B1):
+    h = _mix32(_mix32(pos ^ np.uint32(salt)) ^ bits)
+    keys.append(jnp.sum(h.reshape(num_workers, -1), axis=1, dtype=jnp.uint32))
   return keys[0], keys[1]
 
 
@@ -661,7 +675,9 @@ def aggregate_blocks(
     k = math.prod(idx.shape[1:]) // (math.prod(lead) * a * b)
     idx = idx.astype(jnp.int32).reshape(num_workers, *lead, a, b, k)
     val = val.astype(jnp.float32).reshape(num_workers, *lead, a, b, k)
-    key_a, key_b = _worker_keys(idx, val)
+    key_a, key_b = _worker_keys(
+      idx.reshape(num_workers, -1, k), val.reshape(num_workers, -1, k), shape[-1] * shape[-3]
+    )
     orders.append(jnp.lexsort((key_b, key_a)))
     prepared.append((idx, val))
   # The count only ever reaches W; a narrow type keeps this dense buffer small.

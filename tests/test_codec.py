@@ -242,3 +242,59 @@ def test_two_stage_topk_picks_exactly_what_a_full_top_k_picks():
     _, ref = jax.lax.top_k(jnp.abs(y), k)
     np.testing.assert_array_equal(np.sort(idx, axis=1), np.sort(ref, axis=1))
     np.testing.assert_array_equal(val, np.take_along_axis(np.asarray(y), np.asarray(idx), 1))
+
+
+def _bits(x):
+  return np.asarray(x).view(np.uint32)
+
+
+def test_aggregate_ignores_the_order_of_entries_within_a_chunk():
+  # +-1 values shared by many workers: a running mean of three or more of them
+  # rounds differently in different worker orders, so this fails whenever the
+  # canonical order reads the entries' order.
+  rng = np.random.default_rng(11)
+  workers, rows, chunk, k = 8, 64, 16, 6
+  idx = np.stack(
+    [np.stack([rng.choice(chunk, k, replace=False) for _ in range(rows)]) for _ in range(workers)]
+  )
+  val = rng.choice([-1.0, 1.0], size=(workers, rows, k)).astype(np.float32)
+  ref, ref_n = dj.codec.aggregate(jnp.asarray(idx), jnp.asarray(val), chunk)
+  for _ in range(4):
+    perm = np.argsort(rng.random((workers, rows, k)), axis=-1)
+    out, n = dj.codec.aggregate(
+      jnp.asarray(np.take_along_axis(idx, perm, -1)),
+      jnp.asarray(np.take_along_axis(val, perm, -1)),
+      chunk,
+    )
+    np.testing.assert_array_equal(_bits(out), _bits(ref))
+    np.testing.assert_array_equal(n, ref_n)
+
+
+def test_one_bit_aggregate_is_the_same_to_the_bit_through_the_wire():
+  # The 1-bit format swaps index pairs to carry signs; the aggregate of what
+  # the receivers decode equals the aggregate of the selections as chosen.
+  rng = np.random.default_rng(12)
+  workers, rows, chunk = 8, 32, 4096
+  # In every chunk the same 10 positions stand out for all workers, with signs
+  # and sizes of their own: the workers share most choices and disagree in sign.
+  hot = np.stack([rng.choice(chunk, 10, replace=False) for _ in range(rows)])
+  rows_x = rng.normal(size=(workers, rows, chunk)) * 0.01
+  big = rng.uniform(1, 2, size=(workers, rows, 10)) * rng.choice([-1, 1], size=(workers, rows, 10))
+  np.put_along_axis(rows_x, np.broadcast_to(hot, (workers, rows, 10)), big, -1)
+  # A (64, 2048) param has 32 chunks of 64 x 64: 4096 coefficients each.
+  layout = dj.wire.wire_layout(
+    jax.ShapeDtypeStruct((64, 2048), jnp.float32),
+    compression_topk=8,
+    compression_chunk=64,
+    quantize_1bit=True,
+  )
+  sel = [codec.select_topk(jnp.asarray(r, jnp.float32), 8) for r in rows_x]
+  idx = jnp.stack([i for i, _ in sel])
+  signs = jnp.stack([jnp.where(v >= 0, 1.0, -1.0) for _, v in sel])
+  messages = jnp.stack([codec.encode_message([i], [v], layout) for i, v in sel])
+  (tensors, valid) = codec.decode_message(messages, layout)
+  (got_idx, got_val), = tensors
+  assert not np.array_equal(got_idx, idx)  # some pairs did travel swapped
+  want, _ = codec.aggregate(idx, signs, chunk)
+  got, _ = codec.aggregate(got_idx, got_val, chunk, valid)
+  np.testing.assert_array_equal(_bits(got), _bits(want))
