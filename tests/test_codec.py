@@ -293,7 +293,7 @@ def test_one_bit_aggregate_is_the_same_to_the_bit_through_the_wire():
   signs = jnp.stack([jnp.where(v >= 0, 1.0, -1.0) for _, v in sel])
   messages = jnp.stack([codec.encode_message([i], [v], layout) for i, v in sel])
   (tensors, valid) = codec.decode_message(messages, layout)
-  (got_idx, got_val), = tensors
+  ((got_idx, got_val),) = tensors
   assert not np.array_equal(got_idx, idx)  # some pairs did travel swapped
   want, _ = codec.aggregate(idx, signs, chunk)
   got, _ = codec.aggregate(got_idx, got_val, chunk, valid)
