@@ -9,7 +9,9 @@ point of the method's tuning grid (``Method.tuning`` in the registry, or
 ``--grid`` for all) is one full run of the driver; the point with the lowest
 final validation loss is that method's result at that horizon. A run whose
 ``summary.json`` already exists is read instead of trained, so the command
-picks up where it stopped.
+picks up where it stopped. Each call draws its own runs; ``--draw_only``
+trains nothing and draws every finished run under ``OUT_DIR`` as one frontier,
+so calls made separately (one per horizon, a method added later) combine.
 
 It writes to ``OUT_DIR``: ``frontier.json`` (every run, its settings and
 results, and the best point per method and horizon), ``frontier.md``, and
@@ -28,10 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import itertools
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -151,6 +155,36 @@ def run_frontier(
     if not cached:
       _write(points, out_dir, link_mbit)  # after each run trained: a long frontier shows progress
   _write(points, out_dir, link_mbit)
+  return points
+
+
+def _tag_fields(tag: str) -> list[str]:
+  """The config fields a run directory's tag names (see :func:`_point_dir`), in order."""
+  names = sorted((f.name for f in dataclasses.fields(TrainConfig)), key=len, reverse=True)
+  return re.findall(r"(?:^|_)(" + "|".join(names) + r")-", tag)
+
+
+def read_runs(out_dir: str) -> list[Point]:
+  """Every finished run under ``out_dir``, whichever command and grid made it.
+
+  Each call of :func:`run_frontier` writes its tables and figures from its own
+  runs; this gathers all of them (every method, horizon and grid point with a
+  ``summary.json``; unfinished ones are skipped), so several calls, e.g. one
+  per horizon, draw as one frontier. The settings are read back from each
+  run's own config, for the fields its directory names.
+  """
+  points = []
+  for horizon_dir in glob.glob(os.path.join(out_dir, "steps*")):
+    horizon = os.path.basename(horizon_dir)[len("steps") :]
+    if not horizon.isdigit():
+      continue
+    for summary_path in glob.glob(os.path.join(horizon_dir, "*", "*", "summary.json")):
+      run_dir = os.path.dirname(summary_path)
+      method = os.path.basename(os.path.dirname(run_dir))
+      summary = Summary.load(summary_path)
+      settings = {f: summary.config[f] for f in _tag_fields(os.path.basename(run_dir))}
+      points.append(Point(method, int(horizon), settings, run_dir, summary))
+  points.sort(key=lambda p: (p.horizon, p.method, json.dumps(p.settings, sort_keys=True)))
   return points
 
 
@@ -326,6 +360,15 @@ def _main(
 
   def frontier() -> list[Point]:
     base = config.config_from_flags(train_flags)
+    if own["draw_only"].value:
+      points = read_runs(base.out_dir)
+      if not points:
+        raise ConfigError(
+          f"--draw_only: no finished run under --out_dir={base.out_dir}; give the directory "
+          "a frontier command trained into (it holds steps<N>/<method>/<settings>/)."
+        )
+      _write(points, base.out_dir, own["link_mbit"].value)
+      return points
     try:
       horizons = [int(h) for h in own["horizons"].value]
     except ValueError:
@@ -356,6 +399,12 @@ def main(argv: Sequence[str] | None = None) -> None:
       "grid", "", "field=v1,v2;... to tune for every method (default: each method's tuning)."
     ),
     "link_mbit": flags.DEFINE_float("link_mbit", 10.0, "The time figure's link, Mbit/s."),
+    "draw_only": flags.DEFINE_bool(
+      "draw_only",
+      False,
+      "Train nothing: write the tables and figures from every finished run under --out_dir "
+      "(all methods, horizons and settings there; --methods, --horizons and --grid are unused).",
+    ),
   }
   app.run(functools.partial(_main, train_flags, launch_flags, own), argv=argv)
 

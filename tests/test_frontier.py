@@ -37,6 +37,14 @@ def test_best_point_is_the_lowest_finite_validation_loss():
   assert best[("demo", 300)].val_loss == 1.5 and best[("demo", 1000)].val_loss == 1.2
 
 
+def test_run_directory_tags_name_their_fields():
+  assert frontier._tag_fields("learning_rate-0.0015") == ["learning_rate"]
+  tag = "compression_decay-0.999_learning_rate-1e-05_sparseloco_sync_every-15"
+  fields = ["compression_decay", "learning_rate", "sparseloco_sync_every"]
+  assert frontier._tag_fields(tag) == fields
+  assert frontier._tag_fields("default") == []
+
+
 def test_a_bad_method_or_horizon_is_refused_before_training(tmp_path):
   base = TrainConfig(**TINY)
   with pytest.raises(ConfigError, match="unknown method 'sgd'"):
@@ -60,5 +68,10 @@ def test_frontier_trains_reads_back_and_draws(tmp_path):
   again = frontier.run_frontier(base, ["adamw", "demo-k8-1bit"], [4, 8], str(tmp_path), grid=grid)
   assert [p.val_loss for p in again] == [p.val_loss for p in points]
   assert all(os.path.getmtime(os.path.join(d, "summary.json")) == t for d, t in mtimes.items())
+  # Another call, another horizon: reading the directory back gives both calls' runs.
+  more = frontier.run_frontier(base, ["adamw"], [6], str(tmp_path), grid={"learning_rate": (3e-3,)})
+  read = frontier.read_runs(str(tmp_path))
+  key = lambda p: (p.horizon, p.method, p.settings["learning_rate"], p.val_loss)  # noqa: E731
+  assert sorted(map(key, read)) == sorted(map(key, points + more))
   k8 = frontier.best_points(points)[("demo-k8-1bit", 8)]
   assert k8.summary.config["compression_topk"] == 8 and k8.summary.config["quantize_1bit"]
