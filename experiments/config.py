@@ -51,7 +51,7 @@ def _field(default: Any, help: str, **extra: Any) -> Any:  # noqa: A002 - absl's
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """Everything one training run needs; ``None`` means the method's recipe for the preset.
+  """Everything one training run needs; ``None`` means the method's recipe (preset, steps).
 
   Each field is a flag of ``python -m experiments.train`` with the same name;
   its help text is the field's ``metadata["help"]``.
@@ -548,7 +548,7 @@ def validate(cfg: TrainConfig) -> None:
 
 def _fill(cfg: TrainConfig, method: Any, saved: Mapping[str, Any]) -> TrainConfig:
   """``cfg`` with the recipe, the runtime fields and the mesh made explicit."""
-  rec = method.recipe_for(cfg.preset)
+  rec = method.recipe_for(cfg.preset, cfg.steps)
   fill = {
     f: getattr(rec, f)
     for f in ("learning_rate", "compression_decay", "warmup_steps", "clip_norm", "weight_decay")
@@ -564,8 +564,8 @@ def _fill(cfg: TrainConfig, method: Any, saved: Mapping[str, Any]) -> TrainConfi
 def resolve(cfg: TrainConfig, saved: Mapping[str, Any] | None = None) -> TrainConfig:
   """Checks ``cfg`` and fills what it leaves to defaults.
 
-  Every ``None`` hyperparameter takes the method's recipe for the preset; every
-  ``None`` of :data:`RESUMED_FIELDS` takes its value in ``saved`` (what the
+  Every ``None`` hyperparameter takes the method's recipe for the preset and
+  the run's length; every ``None`` of :data:`RESUMED_FIELDS` takes its value in ``saved`` (what the
   checkpoint a run resumes from recorded), else its fallback; and the mesh is
   made explicit: ``replicas`` sites of ``fsdp`` devices, ``workers =
   replicas * fsdp`` in all.

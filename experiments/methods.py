@@ -134,6 +134,9 @@ class Method:
     collective: :data:`ALL_GATHER` or :data:`ALL_REDUCE`.
     recipe: default hyperparameters.
     preset_recipes: recipes that replace ``recipe`` on some presets.
+    long_recipes: per preset, ``(steps, recipe)`` pairs in ascending steps:
+      a run of at least that many steps on that preset takes that recipe
+      (``experiments.frontier`` found lower rates better for longer runs).
     options: the tokens that may follow the name on the command line.
     exchange_every: ``exchange_every(cfg)``, steps between exchanges.
     supports_fsdp: runs on sites of more than one device.
@@ -164,6 +167,9 @@ class Method:
   collective: str
   recipe: Recipe
   preset_recipes: Mapping[str, Recipe] = dataclasses.field(default_factory=dict)
+  long_recipes: Mapping[str, tuple[tuple[int, Recipe], ...]] = dataclasses.field(
+    default_factory=dict
+  )
   options: tuple[Option, ...] = ()
   exchange_every: Callable[[TrainConfig], int] = lambda cfg: 1
   supports_fsdp: bool = True
@@ -178,9 +184,13 @@ class Method:
   gradient_point: Callable[[TrainConfig], Callable[[Any, Any], Any]] = lambda cfg: dj.inner_params
   supports_cold_start: bool = False
 
-  def recipe_for(self, preset: str) -> Recipe:
-    """The defaults for this method on ``preset``."""
-    return self.preset_recipes.get(preset, self.recipe)
+  def recipe_for(self, preset: str, steps: int) -> Recipe:
+    """The defaults for this method on ``preset``, for a run of ``steps`` steps."""
+    recipe = self.preset_recipes.get(preset, self.recipe)
+    for min_steps, longer in self.long_recipes.get(preset, ()):
+      if steps >= min_steps:
+        recipe = longer
+    return recipe
 
   def payload(self, cfg: TrainConfig, params: Any) -> Payload:
     """Bytes per worker per step for ``cfg`` (resolved) and one device's ``params``."""
@@ -477,6 +487,20 @@ _REPORT_RECIPE = Recipe(learning_rate=4e-4, warmup_steps=250)
 # From the sweep in docs/results.md (small preset, 300 steps, 8 workers, 1 MB of
 # English): lr 3e-3 was best for both DeMo and AdamW, and the short run favours
 # decay 0.95 over the reference's 0.999, which report-1.2b keeps.
+_DEMO_RECIPE = Recipe(learning_rate=3e-3, warmup_steps=30, compression_decay=0.95)
+_DEFAULT_RECIPE = Recipe(learning_rate=3e-3, warmup_steps=30)
+
+
+def _from_1000_steps(recipe: Recipe, learning_rate: float) -> dict[str, tuple[tuple[int, Recipe]]]:
+  """``recipe`` at ``learning_rate`` for runs of 1,000 steps or more on ``small``.
+
+  ``experiments.frontier`` at 1,000 steps (small, 8 workers, English; the
+  grids in docs/results.md) found every family's best peak rate below the
+  300-step recipe's. Measured on ``small`` only, so only ``small`` takes it.
+  """
+  return {"small": ((1000, dataclasses.replace(recipe, learning_rate=learning_rate)),)}
+
+
 register(
   Method(
     name="demo",
@@ -484,8 +508,11 @@ register(
     build=_build_demo,
     message_bytes=_demo_message,
     collective=ALL_GATHER,
-    recipe=Recipe(learning_rate=3e-3, warmup_steps=30, compression_decay=0.95),
+    recipe=_DEMO_RECIPE,
     preset_recipes={"report-1.2b": _REPORT_RECIPE},
+    # demo-k8-1bit: 1.9982 at 1.5e-3, 2.0185 at 7.5e-4; the defaults are flat
+    # there (1.8829, 1.8816), so the family takes 1.5e-3.
+    long_recipes=_from_1000_steps(_DEMO_RECIPE, 1.5e-3),
     options=_COMPRESSION_OPTIONS,
     supports_delayed_apply=True,
     excludes_nonfinite=True,
@@ -518,8 +545,10 @@ register(
     build=_build_adamw,
     message_bytes=lambda cfg, params: _gradient_bytes(params),
     collective=ALL_REDUCE,
-    recipe=Recipe(learning_rate=3e-3, warmup_steps=30),
+    recipe=_DEFAULT_RECIPE,
     preset_recipes={"report-1.2b": _REPORT_RECIPE},
+    # 1.7898 at 7.5e-4; 1.8388, 1.8034, 1.8244 at 3.75e-4, 1.5e-3, 3e-3.
+    long_recipes=_from_1000_steps(_DEFAULT_RECIPE, 7.5e-4),
     supports_skip_nonfinite=True,
   )
 )
@@ -548,8 +577,10 @@ register(
     build=_build_sparseloco,
     message_bytes=_sparseloco_message,
     collective=ALL_GATHER,
-    recipe=Recipe(learning_rate=3e-3, warmup_steps=30),
+    recipe=_DEFAULT_RECIPE,
     preset_recipes={"report-1.2b": _REPORT_RECIPE},
+    # H 30: 2.2488 at 1.5e-3, 2.3011 at 3e-3, 2.3292 at 7.5e-4.
+    long_recipes=_from_1000_steps(_DEFAULT_RECIPE, 1.5e-3),
     options=(
       Option(r"h(\d+)", "sparseloco_sync_every", _int, "hH"),
       Option(r"k(\d+)", "sparseloco_topk", _int, "kK"),

@@ -6,7 +6,7 @@ import pytest
 import tiny_runs
 from absl import flags
 
-from experiments import config, trainer
+from experiments import config, methods, trainer
 from experiments.config import ELASTIC_FIELDS, RUNTIME_FIELDS, TrainConfig
 from experiments.launch import LaunchConfig
 
@@ -77,3 +77,18 @@ def test_resume_with_other_data_preset_or_method_names_the_field(tmp_path, chang
   with pytest.raises(trainer.CheckpointError, match=f"different run \\({field}: ") as e:
     tiny_runs.run_tiny(tmp_path / "run", resume=True, **{**common, **changed})
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["adamw", "demo", "sparseloco"])
+def test_a_long_run_on_small_takes_the_long_recipe(name):
+  method = methods.get(name)
+  ((min_steps, long),) = method.long_recipes["small"]
+  short = config.resolve(TrainConfig(optimizer=name, preset="small", steps=min_steps - 1))
+  full = config.resolve(TrainConfig(optimizer=name, preset="small", steps=min_steps))
+  assert short.learning_rate == method.recipe.learning_rate
+  assert full.learning_rate == long.learning_rate != short.learning_rate
+  # A flag given wins; other presets keep the recipe they had.
+  given = TrainConfig(optimizer=name, preset="small", steps=min_steps, learning_rate=1e-2)
+  assert config.resolve(given).learning_rate == 1e-2
+  tiny = config.resolve(TrainConfig(optimizer=name, preset="tiny", steps=min_steps))
+  assert tiny.learning_rate == method.recipe.learning_rate
