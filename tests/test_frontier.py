@@ -70,6 +70,8 @@ def test_frontier_trains_reads_back_and_draws(tmp_path):
   assert all(os.path.getmtime(os.path.join(d, "summary.json")) == t for d, t in mtimes.items())
   # Another call, another horizon: reading the directory back gives both calls' runs.
   more = frontier.run_frontier(base, ["adamw"], [6], str(tmp_path), grid={"learning_rate": (3e-3,)})
+  (tmp_path / "steps6" / "adamw" / "learning_rate-0.5").mkdir()  # unfinished: no summary
+  (tmp_path / "stepsX").mkdir()
   read = frontier.read_runs(str(tmp_path))
   key = lambda p: (p.horizon, p.method, p.settings["learning_rate"], p.val_loss)  # noqa: E731
   assert sorted(map(key, read)) == sorted(map(key, points + more))
