@@ -10,8 +10,9 @@ point of the method's tuning grid (``Method.tuning`` in the registry, or
 final validation loss is that method's result at that horizon. A run whose
 ``summary.json`` already exists is read instead of trained, so the command
 picks up where it stopped. Each call draws its own runs; ``--draw_only``
-trains nothing and draws every finished run under ``OUT_DIR`` as one frontier,
-so calls made separately (one per horizon, a method added later) combine.
+trains nothing and draws every finished run under ``OUT_DIR`` as one frontier
+(only the ``--methods`` and ``--horizons`` given, if any), so calls made
+separately (one per horizon, a method added later) combine.
 
 It writes to ``OUT_DIR``: ``frontier.json`` (every run, its settings and
 results, and the best point per method and horizon), ``frontier.md``, and
@@ -362,10 +363,15 @@ def _main(
     base = config.config_from_flags(train_flags)
     if own["draw_only"].value:
       points = read_runs(base.out_dir)
+      if own["methods"].present:
+        points = [p for p in points if p.method in own["methods"].value]
+      if own["horizons"].present:
+        points = [p for p in points if str(p.horizon) in own["horizons"].value]
       if not points:
         raise ConfigError(
-          f"--draw_only: no finished run under --out_dir={base.out_dir}; give the directory "
-          "a frontier command trained into (it holds steps<N>/<method>/<settings>/)."
+          f"--draw_only: no finished run under --out_dir={base.out_dir} for these methods and "
+          "horizons; give the directory a frontier command trained into (it holds "
+          "steps<N>/<method>/<settings>/), or other --methods/--horizons."
         )
       _write(points, base.out_dir, own["link_mbit"].value)
       return points
@@ -403,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> None:
       "draw_only",
       False,
       "Train nothing: write the tables and figures from every finished run under --out_dir "
-      "(all methods, horizons and settings there; --methods, --horizons and --grid are unused).",
+      "(every setting; only the --methods and --horizons given, if any).",
     ),
   }
   app.run(functools.partial(_main, train_flags, launch_flags, own), argv=argv)
