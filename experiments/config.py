@@ -565,10 +565,10 @@ def resolve(cfg: TrainConfig, saved: Mapping[str, Any] | None = None) -> TrainCo
   """Checks ``cfg`` and fills what it leaves to defaults.
 
   Every ``None`` hyperparameter takes the method's recipe for the preset and
-  the run's length; every ``None`` of :data:`RESUMED_FIELDS` takes its value in ``saved`` (what the
-  checkpoint a run resumes from recorded), else its fallback; and the mesh is
-  made explicit: ``replicas`` sites of ``fsdp`` devices, ``workers =
-  replicas * fsdp`` in all.
+  the run's length; every ``None`` of :data:`RESUMED_FIELDS` takes its value
+  in ``saved`` (what the checkpoint a run resumes from recorded), else its
+  fallback; and the mesh is made explicit: ``replicas`` sites of ``fsdp``
+  devices, ``workers = replicas * fsdp`` in all.
 
   Args:
     cfg: the config as given.
