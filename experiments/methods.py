@@ -134,9 +134,9 @@ class Method:
     collective: :data:`ALL_GATHER` or :data:`ALL_REDUCE`.
     recipe: default hyperparameters.
     preset_recipes: recipes that replace ``recipe`` on some presets.
-    long_recipes: per preset, ``(steps, recipe)`` pairs in ascending steps:
-      a run of at least that many steps on that preset takes that recipe
-      (``experiments.frontier`` found lower rates better for longer runs).
+    long_recipes: per preset, ``(steps, recipe)``: a run of at least that many
+      steps on that preset takes that recipe (``experiments.frontier`` found
+      lower rates better for longer runs).
     options: the tokens that may follow the name on the command line.
     exchange_every: ``exchange_every(cfg)``, steps between exchanges.
     supports_fsdp: runs on sites of more than one device.
@@ -167,9 +167,7 @@ class Method:
   collective: str
   recipe: Recipe
   preset_recipes: Mapping[str, Recipe] = dataclasses.field(default_factory=dict)
-  long_recipes: Mapping[str, tuple[tuple[int, Recipe], ...]] = dataclasses.field(
-    default_factory=dict
-  )
+  long_recipes: Mapping[str, tuple[int, Recipe]] = dataclasses.field(default_factory=dict)
   options: tuple[Option, ...] = ()
   exchange_every: Callable[[TrainConfig], int] = lambda cfg: 1
   supports_fsdp: bool = True
@@ -186,11 +184,11 @@ class Method:
 
   def recipe_for(self, preset: str, steps: int) -> Recipe:
     """The defaults for this method on ``preset``, for a run of ``steps`` steps."""
-    recipe = self.preset_recipes.get(preset, self.recipe)
-    for min_steps, longer in self.long_recipes.get(preset, ()):
+    if preset in self.long_recipes:
+      min_steps, longer = self.long_recipes[preset]
       if steps >= min_steps:
-        recipe = longer
-    return recipe
+        return longer
+    return self.preset_recipes.get(preset, self.recipe)
 
   def payload(self, cfg: TrainConfig, params: Any) -> Payload:
     """Bytes per worker per step for ``cfg`` (resolved) and one device's ``params``."""
@@ -491,14 +489,14 @@ _DEMO_RECIPE = Recipe(learning_rate=3e-3, warmup_steps=30, compression_decay=0.9
 _DEFAULT_RECIPE = Recipe(learning_rate=3e-3, warmup_steps=30)
 
 
-def _from_1000_steps(recipe: Recipe, learning_rate: float) -> dict[str, tuple[tuple[int, Recipe]]]:
+def _from_1000_steps(recipe: Recipe, learning_rate: float) -> dict[str, tuple[int, Recipe]]:
   """``recipe`` at ``learning_rate`` for runs of 1,000 steps or more on ``small``.
 
   ``experiments.frontier`` at 1,000 steps (small, 8 workers, English; the
   grids in docs/results.md) found every family's best peak rate below the
   300-step recipe's. Measured on ``small`` only, so only ``small`` takes it.
   """
-  return {"small": ((1000, dataclasses.replace(recipe, learning_rate=learning_rate)),)}
+  return {"small": (1000, dataclasses.replace(recipe, learning_rate=learning_rate))}
 
 
 register(

@@ -82,7 +82,7 @@ def test_resume_with_other_data_preset_or_method_names_the_field(tmp_path, chang
 @pytest.mark.parametrize("name", ["adamw", "demo", "sparseloco"])
 def test_a_long_run_on_small_takes_the_long_recipe(name):
   method = methods.get(name)
-  ((min_steps, long),) = method.long_recipes["small"]
+  min_steps, long = method.long_recipes["small"]
   short = config.resolve(TrainConfig(optimizer=name, preset="small", steps=min_steps - 1))
   full = config.resolve(TrainConfig(optimizer=name, preset="small", steps=min_steps))
   assert short.learning_rate == method.recipe.learning_rate
