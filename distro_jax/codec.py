@@ -671,15 +671,16 @@ def aggregate_blocks(
     valid_W = jnp.ones((num_workers,), bool)
   prepared, orders = [], []
   for (idx, val), shape in zip(selections, block_shapes):
-    *lead, a, _, b, _ = shape
-    k = math.prod(idx.shape[1:]) // (math.prod(lead) * a * b)
-    idx = idx.astype(jnp.int32).reshape(num_workers, *lead, a, b, k)
-    val = val.astype(jnp.float32).reshape(num_workers, *lead, a, b, k)
-    key_a, key_b = _worker_keys(
-      idx.reshape(num_workers, -1, k), val.reshape(num_workers, -1, k), shape[-1] * shape[-3]
-    )
+    *lead, a, c1, b, c2 = shape
+    rows = math.prod(lead) * a * b
+    idx = idx.astype(jnp.int32).reshape(num_workers, rows, -1)
+    val = val.astype(jnp.float32).reshape(num_workers, rows, -1)
+    key_a, key_b = _worker_keys(idx, val, c1 * c2)
     orders.append(jnp.lexsort((key_b, key_a)))
-    prepared.append((idx, val))
+    k = idx.shape[-1]
+    prepared.append(
+      (idx.reshape(num_workers, *lead, a, b, k), val.reshape(num_workers, *lead, a, b, k))
+    )
   # The count only ever reaches W; a narrow type keeps this dense buffer small.
   count_dtype = jnp.uint8 if num_workers < 255 else jnp.int32
 
