@@ -73,7 +73,10 @@ def test_frontier_trains_reads_back_and_draws(tmp_path):
   (tmp_path / "steps6" / "adamw" / "learning_rate-0.5").mkdir()  # unfinished: no summary
   (tmp_path / "stepsX").mkdir()
   read = frontier.read_runs(str(tmp_path))
-  key = lambda p: (p.horizon, p.method, p.settings["learning_rate"], p.val_loss)  # noqa: E731
-  assert sorted(map(key, read)) == sorted(map(key, points + more))
+
+  def described(pts):
+    return sorted((p.horizon, p.method, p.settings["learning_rate"], p.val_loss) for p in pts)
+
+  assert described(read) == described(points + more)
   k8 = frontier.best_points(points)[("demo-k8-1bit", 8)]
   assert k8.summary.config["compression_topk"] == 8 and k8.summary.config["quantize_1bit"]
