@@ -60,6 +60,7 @@ def test_the_issues_examples_through_the_commands(tmp_path):
       None,
     ),
     "memory": (["experiments.memory_report", "--fsdp=1,two"], None),
+    "index": (["experiments.index_cost", "--topks=8,0"], None),
     "draw": (["experiments.frontier", "--draw_only", f"--out_dir={tmp_path / 'none'}"], None),
   }
   procs = {name: _start(args, env) for name, (args, env) in cases.items()}
@@ -74,6 +75,7 @@ def test_the_issues_examples_through_the_commands(tmp_path):
   assert "JAX_PLATFORMS=cuda asks for a platform this machine does not have" in lines["cuda"]
   assert "learning_rate='3e-e' is not a number" in lines["grid"]
   assert "--fsdp=1,two must be comma-separated integers" in lines["memory"]
+  assert "--topks=8,0 needs top-ks of 1 or more" in lines["index"]
   assert "--draw_only: no finished run under --out_dir=" in lines["draw"]
   assert not (tmp_path / "run").exists()  # refused before anything was written
 

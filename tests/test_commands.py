@@ -18,6 +18,7 @@ COMMANDS = [
   "experiments.netlab",
   "experiments.bench_update",
   "experiments.memory_report",
+  "experiments.index_cost",
   "experiments.methods",
   "experiments.presets",
   "experiments.english_corpus",
@@ -63,6 +64,7 @@ _HELP = {
   "experiments.netlab": "--processes",
   "experiments.bench_update": "--",
   "experiments.memory_report": "--fsdp",
+  "experiments.index_cost": "--topks",
 }
 
 
