@@ -7,12 +7,16 @@ For every horizon (a number of steps) and every method (a registry name, so
 one family at several budgets of bytes per step is several methods), each
 point of the method's tuning grid (``Method.tuning`` in the registry, or
 ``--grid`` for all) is one full run of the driver; the point with the lowest
-final validation loss is that method's result at that horizon. A run whose
-``summary.json`` already exists is read instead of trained, so the command
-picks up where it stopped. Each call draws its own runs; ``--draw_only``
-trains nothing and draws every finished run under ``OUT_DIR`` as one frontier
-(only the ``--methods`` and ``--horizons`` given, if any), so calls made
-separately (one per horizon, a method added later) combine.
+final validation loss is that method's result at that horizon. A ``--grid``
+over ``seed`` (``"learning_rate=1e-3,3e-3;seed=0,1"``) scores each setting by
+its mean over the seeds. A run whose ``summary.json`` already exists is read
+instead of trained, so the command picks up where it stopped; one trained
+with other settings than this call's (another seed, corpus or worker count
+in the same ``--out_dir``) is refused before anything trains. Each call
+draws its own runs; ``--draw_only`` trains nothing and draws every finished
+run under ``OUT_DIR`` as one frontier (only the ``--methods`` and
+``--horizons`` given, if any), so calls made separately (one per horizon, a
+method added later) combine.
 
 It writes to ``OUT_DIR``: ``frontier.json`` (every run, its settings and
 results, and the best point per method and horizon), ``frontier.md``, and
@@ -64,6 +68,8 @@ class Point:
     settings: the tuned fields and their values.
     out_dir: where the run lives.
     summary: the run's summary.
+    seed_losses: for a best point tuned over ``seed`` (:func:`best_points`),
+      the final validation loss at each seed, in seed order; else empty.
   """
 
   method: str
@@ -71,9 +77,13 @@ class Point:
   settings: dict[str, Any]
   out_dir: str
   summary: Summary
+  seed_losses: tuple[float, ...] = ()
 
   @property
   def val_loss(self) -> float:
+    """The run's final validation loss (inf if none or not finite), or the mean over seeds."""
+    if self.seed_losses:
+      return sum(self.seed_losses) / len(self.seed_losses)
     v = self.summary.final_val_loss
     return v if v is not None and math.isfinite(v) else math.inf
 
@@ -137,19 +147,26 @@ def run_frontier(
     Every run as a :class:`Point`.
 
   Raises:
-    ConfigError: a method, horizon or grid point that cannot run, before any trains.
+    ConfigError: a method, horizon or grid point that cannot run, or a
+      finished run in ``out_dir`` that trained with other settings, before
+      any trains.
   """
   from experiments import trainer
 
   if not method_names or not horizons or min(horizons) < 1:
     raise ConfigError("--methods and --horizons need at least one entry, horizons positive.")
-  points = []
-  for name, horizon, settings, cfg in _plan(base, method_names, horizons, grid, out_dir):
+  plan = _plan(base, method_names, horizons, grid, out_dir)
+  done = {}
+  for *_, cfg in plan:  # every cached run checked before any trains
     summary_path = os.path.join(cfg.out_dir, "summary.json")
-    cached = os.path.exists(summary_path)
-    if cached:
-      summary = Summary.load(summary_path)
-    else:
+    if os.path.exists(summary_path):
+      done[cfg.out_dir] = Summary.load(summary_path)
+      _check_cached(done[cfg.out_dir], cfg)
+  points = []
+  for name, horizon, settings, cfg in plan:
+    summary = done.get(cfg.out_dir)
+    cached = summary is not None
+    if not cached:
       print(f"[frontier] {name} {horizon} steps {settings}", file=sys.stderr, flush=True)
       summary = trainer.run(cfg)
     points.append(Point(name, horizon, settings, cfg.out_dir, summary))
@@ -157,6 +174,37 @@ def run_frontier(
       _write(points, out_dir, link_mbit)  # after each run trained: a long frontier shows progress
   _write(points, out_dir, link_mbit)
   return points
+
+
+# How a run is watched and stored, not what it trains: a cached run may differ here.
+_NOT_COMPARED = frozenset(
+  {"out_dir", "progress", "resume", "log_every", "checkpoint_every", "keep_checkpoints"}
+)
+
+
+def _check_cached(summary: Summary, cfg: TrainConfig) -> None:
+  """Refuses to read back a run that trained with other settings than ``cfg`` asks for.
+
+  A run's directory is named by its method, horizon and tuned fields only, so
+  a call with another seed, corpus, preset or worker count (or a recipe that
+  has changed since) would otherwise pass off the old run as its own.
+  """
+  want = dataclasses.asdict(config.resolve(cfg))
+  had = summary.config or {}
+
+  def same(field: str) -> bool:
+    a, b = had[field], want[field]
+    if field == "data_path" and a and b:  # one file, named absolutely or relatively
+      return os.path.realpath(a) == os.path.realpath(b)
+    return a == b
+
+  differ = sorted(f for f in want.keys() & had.keys() if f not in _NOT_COMPARED and not same(f))
+  if differ:
+    shown = ", ".join(f"{f}={had[f]!r} (now {want[f]!r})" for f in differ)
+    raise ConfigError(
+      f"{cfg.out_dir} holds a finished run with other settings: {shown}. Give this frontier "
+      "its own --out_dir, or delete that run's directory to train it again."
+    )
 
 
 def _tag_fields(tag: str) -> list[str]:
@@ -189,11 +237,36 @@ def read_runs(out_dir: str) -> list[Point]:
   return points
 
 
+def _seed(p: Point) -> Any:
+  if "seed" in p.settings:
+    return p.settings["seed"]
+  return (p.summary.config or {}).get("seed")
+
+
 def best_points(points: Sequence[Point]) -> dict[tuple[str, int], Point]:
-  """The lowest final validation loss per (method, horizon)."""
-  best: dict[tuple[str, int], Point] = {}
+  """The lowest final validation loss per (method, horizon), seeds averaged.
+
+  Runs that differ only in ``seed`` (a ``--grid`` over it) are one setting,
+  scored by the mean of their losses, so the best setting is not whichever
+  had the luckiest seed; a seed whose run diverged makes the mean inf. The
+  point returned for such a setting is its run nearest the mean (its curves
+  and bytes are drawn), with every seed's loss in ``seed_losses``.
+  """
+  settings: dict[tuple[str, int, str], dict[Any, Point]] = {}
   for p in points:
-    key = (p.method, p.horizon)
+    rest = json.dumps({k: v for k, v in p.settings.items() if k != "seed"}, sort_keys=True)
+    settings.setdefault((p.method, p.horizon, rest), {}).setdefault(_seed(p), p)
+  best: dict[tuple[str, int], Point] = {}
+  for (method, horizon, _), by_seed in settings.items():
+    runs = [by_seed[s] for s in sorted(by_seed, key=lambda s: (s is None, s or 0))]
+    if len(runs) == 1:
+      p = runs[0]
+    else:
+      losses = tuple(r.val_loss for r in runs)
+      mean = sum(losses) / len(losses)
+      near = runs[0] if not math.isfinite(mean) else min(runs, key=lambda r: abs(r.val_loss - mean))
+      p = dataclasses.replace(near, seed_losses=losses)
+    key = (method, horizon)
     if key not in best or p.val_loss < best[key].val_loss:
       best[key] = p
   return best
@@ -219,9 +292,14 @@ def markdown(points: Sequence[Point]) -> str:
     base = _baseline(best, horizon)
     gap = f"{100 * (p.val_loss / base - 1):+.1f}%" if base else ""
     s = p.summary
+    val, shown = f"{p.val_loss:.4f}", p.settings
+    if p.seed_losses:
+      each = ", ".join(f"{v:.4f}" for v in p.seed_losses)
+      val += f" (mean of {len(p.seed_losses)} seeds: {each})"
+      shown = {k: v for k, v in p.settings.items() if k != "seed"}
     lines.append(
-      f"| {horizon} | {name} | {p.val_loss:.4f} | {gap} | {s.payload_bytes_per_step:,.0f} "
-      f"| {_ratio(s.ratio_vs_bf16_grad)} | {json.dumps(p.settings)} |"
+      f"| {horizon} | {name} | {val} | {gap} | {s.payload_bytes_per_step:,.0f} "
+      f"| {_ratio(s.ratio_vs_bf16_grad)} | {json.dumps(shown)} |"
     )
   lines += ["", "Every run:", "", "| steps | method | settings | val loss |"]
   lines += ["| ---: | --- | --- | ---: |"]
@@ -247,7 +325,16 @@ def _write(points: Sequence[Point], out_dir: str, link_mbit: float) -> None:
       }
       for p in points
     ],
-    "best": [{"method": m, "horizon": h, "settings": p.settings} for (m, h), p in best.items()],
+    "best": [
+      {
+        "method": m,
+        "horizon": h,
+        "settings": {k: v for k, v in p.settings.items() if not (p.seed_losses and k == "seed")},
+        "val_loss": p.val_loss,
+        "seed_losses": list(p.seed_losses),
+      }
+      for (m, h), p in best.items()
+    ],
   }
   with open(os.path.join(out_dir, "frontier.json"), "w") as f:
     json.dump(record, f, indent=2)

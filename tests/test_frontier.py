@@ -6,7 +6,7 @@ import os
 import pytest
 from tiny_runs import TINY
 
-from experiments import frontier, methods
+from experiments import config, frontier, methods
 from experiments.config import ConfigError, TrainConfig
 from experiments.records import Summary
 
@@ -35,6 +35,44 @@ def test_best_point_is_the_lowest_finite_validation_loss():
   pts.append(_point("demo", 1000, 1.2))
   best = frontier.best_points(pts)
   assert best[("demo", 300)].val_loss == 1.5 and best[("demo", 1000)].val_loss == 1.2
+
+
+def _seeded(lr, seed, val):
+  summary = dataclasses.replace(
+    _SUMMARY, final_val_loss=val, payload_bytes_per_step=100.0, ratio_vs_bf16_grad=10.0
+  )
+  return frontier.Point("demo", 300, {"learning_rate": lr, "seed": seed}, f"{lr}-{seed}", summary)
+
+
+def test_best_point_averages_over_seeds_not_the_luckiest():
+  # lr 1e-3 has the single best run (1.0) but the worse mean (1.6 against 1.5).
+  pts = [_seeded(1e-3, 0, 1.0), _seeded(1e-3, 1, 2.2), _seeded(3e-3, 0, 1.4), _seeded(3e-3, 1, 1.6)]
+  best = frontier.best_points(pts)[("demo", 300)]
+  assert best.settings["learning_rate"] == 3e-3
+  assert best.seed_losses == (1.4, 1.6) and best.val_loss == pytest.approx(1.5)
+  table = frontier.markdown(pts)
+  assert "| 300 | demo | 1.5000 (mean of 2 seeds: 1.4000, 1.6000) |" in table
+  assert '{"learning_rate": 0.003} |' in table  # the seed is averaged over, not a setting
+  # A seed that diverged makes its setting's mean inf, whatever the other seeds did.
+  pts = [_seeded(1e-3, 0, 1.0), _seeded(1e-3, 1, float("nan")), _seeded(3e-3, 0, 1.9)]
+  assert frontier.best_points(pts)[("demo", 300)].settings["learning_rate"] == 3e-3
+
+
+def test_a_cached_run_with_other_settings_is_refused_before_anything_trains(tmp_path):
+  base = TrainConfig(**TINY)
+  # adamw at 4 steps would train first; demo's cached run was made with another seed.
+  demo_dir = tmp_path / "steps4" / "demo" / "learning_rate-0.003"
+  demo_dir.mkdir(parents=True)
+  cfg = dataclasses.replace(
+    base, optimizer="demo", steps=4, eval_every=1, learning_rate=3e-3, out_dir=str(demo_dir)
+  )
+  resolved = dataclasses.asdict(config.resolve(cfg))
+  dataclasses.replace(_SUMMARY, config={**resolved, "seed": 7}).save(demo_dir / "summary.json")
+  with pytest.raises(ConfigError, match=r"other settings: seed=7 \(now 0\)\. Give this frontier"):
+    frontier.run_frontier(
+      base, ["adamw", "demo"], [4], str(tmp_path), grid={"learning_rate": (3e-3,)}
+    )
+  assert not (tmp_path / "steps4" / "adamw").exists()  # nothing trained
 
 
 def test_run_directory_tags_name_their_fields():
