@@ -15,7 +15,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from absl import flags
@@ -31,10 +31,13 @@ __all__ = [
   "RUNTIME_FIELDS",
   "ConfigError",
   "TrainConfig",
+  "checked_chunk",
+  "checked_preset",
   "config_from_flags",
   "define_flags",
   "fingerprint",
   "parse_field",
+  "positive_ints",
   "resolve",
   "runtime_settings",
   "validate",
@@ -302,6 +305,45 @@ def parse_field(name: str, text: str) -> Any:
     raise ConfigError(f"{name}={text!r} is not {_KIND_WORDS[kind]}.") from None
 
 
+def checked_preset(name: str) -> Any:
+  """The model config of preset ``name``; an unknown name is a ConfigError naming ``--preset``."""
+  from experiments import presets
+
+  try:
+    return presets.get_preset(name)
+  except ValueError as e:
+    raise ConfigError(str(e).replace("unknown preset", "unknown --preset", 1)) from None
+
+
+def positive_ints(flag: str, values: Sequence[str], example: str, *, wants: str) -> tuple[int, ...]:
+  """A list flag's values as integers of 1 or more.
+
+  Args:
+    flag: the flag's name, without dashes.
+    values: its values, as absl's ``DEFINE_list`` gives them.
+    example: a valid value for the messages, e.g. ``"1,2,4,8"``.
+    wants: what the second message says the flag needs, e.g. ``"positive sizes"``.
+
+  Raises:
+    ConfigError: a value that is no integer, or none of 1 or more.
+  """
+  given, fix = f"--{flag}={','.join(values)}", f"e.g. --{flag}={example}."
+  try:
+    ints = tuple(int(v) for v in values)
+  except ValueError:
+    raise ConfigError(f"{given} must be comma-separated integers; {fix}") from None
+  if not ints or min(ints) < 1:
+    raise ConfigError(f"{given} needs {wants}; {fix}")
+  return ints
+
+
+def checked_chunk(chunk: int) -> int:
+  """``--compression_chunk``, refused below 1."""
+  if chunk < 1:
+    raise ConfigError(f"--compression_chunk={chunk} must be 1 or more; the reference uses 64.")
+  return chunk
+
+
 _DEFINE = {
   bool: flags.DEFINE_bool,
   int: flags.DEFINE_integer,
@@ -526,14 +568,11 @@ def validate(cfg: TrainConfig) -> None:
   Raises:
     ConfigError: naming the flag and the fix.
   """
-  from experiments import methods, presets
+  from experiments import methods
 
   _check_types(cfg)
   method = methods.get(cfg.optimizer)
-  try:
-    model_cfg = presets.get_preset(cfg.preset)
-  except ValueError as e:
-    raise ConfigError(str(e).replace("unknown preset", "unknown --preset", 1)) from None
+  model_cfg = checked_preset(cfg.preset)
   _check_numbers(cfg)
   _check_mesh(cfg)
   if cfg.warmup_steps is not None and cfg.warmup_steps >= cfg.steps:

@@ -26,8 +26,7 @@ import numpy as np
 from absl import app, flags
 
 from distro_jax import wire
-from experiments import cli, presets
-from experiments.config import ConfigError
+from experiments import cli, config, presets
 from experiments.model import abstract_params
 
 
@@ -97,21 +96,9 @@ def _report(preset: str, topks: tuple[int, ...], chunk: int, quantize_1bit: bool
 
 def _checked(preset: str, topks: Sequence[str], chunk: int) -> tuple[str, tuple[int, ...], int]:
   """The flags as ``_report`` takes them; each error names its flag and the fix."""
-  try:
-    presets.get_preset(preset)
-  except ValueError as e:
-    raise ConfigError(str(e).replace("unknown preset", "unknown --preset", 1)) from None
-  try:
-    ks = tuple(int(k) for k in topks)
-  except ValueError:
-    raise ConfigError(
-      f"--topks={','.join(topks)} must be comma-separated integers; e.g. --topks=4,8,32."
-    ) from None
-  if not ks or min(ks) < 1:
-    raise ConfigError(f"--topks={','.join(topks)} needs top-ks of 1 or more; e.g. --topks=4,8,32.")
-  if chunk < 1:
-    raise ConfigError(f"--compression_chunk={chunk} must be 1 or more; the reference uses 64.")
-  return preset, ks, chunk
+  config.checked_preset(preset)
+  ks = config.positive_ints("topks", topks, "4,8,32", wants="top-ks of 1 or more")
+  return preset, ks, config.checked_chunk(chunk)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -16,8 +16,7 @@ import optax
 from absl import app, flags
 
 import distro_jax as dj
-from experiments import cli, presets
-from experiments.config import ConfigError
+from experiments import cli, config, presets
 from experiments.model import abstract_params
 
 
@@ -85,21 +84,9 @@ def _report(preset: str, fsdps: tuple[int, ...], chunk: int) -> None:
 
 def _checked(preset: str, fsdp: Sequence[str], chunk: int) -> tuple[str, tuple[int, ...], int]:
   """The flags as ``_report`` takes them; each error names its flag and the fix."""
-  try:
-    presets.get_preset(preset)
-  except ValueError as e:
-    raise ConfigError(str(e).replace("unknown preset", "unknown --preset", 1)) from None
-  try:
-    sizes = tuple(int(f) for f in fsdp)
-  except ValueError:
-    raise ConfigError(
-      f"--fsdp={','.join(fsdp)} must be comma-separated integers; e.g. --fsdp=1,2,4,8."
-    ) from None
-  if not sizes or min(sizes) < 1:
-    raise ConfigError(f"--fsdp={','.join(fsdp)} needs positive sizes; e.g. --fsdp=1,2,4,8.")
-  if chunk < 1:
-    raise ConfigError(f"--compression_chunk={chunk} must be 1 or more; the reference uses 64.")
-  return preset, sizes, chunk
+  config.checked_preset(preset)
+  sizes = config.positive_ints("fsdp", fsdp, "1,2,4,8", wants="positive sizes")
+  return preset, sizes, config.checked_chunk(chunk)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
