@@ -80,6 +80,11 @@ class Point:
   seed_losses: tuple[float, ...] = ()
 
   @property
+  def tuned(self) -> dict[str, Any]:
+    """``settings``, less the seed when the loss is a mean over seeds."""
+    return {k: v for k, v in self.settings.items() if not (self.seed_losses and k == "seed")}
+
+  @property
   def val_loss(self) -> float:
     """The run's final validation loss (inf if none or not finite), or the mean over seeds."""
     if self.seed_losses:
@@ -176,10 +181,14 @@ def run_frontier(
   return points
 
 
-# How a run is watched and stored, not what it trains: a cached run may differ here.
-_NOT_COMPARED = frozenset(
-  {"out_dir", "progress", "resume", "log_every", "checkpoint_every", "keep_checkpoints"}
-)
+# A frontier point is what its run computed (the fingerprint a resume must
+# match), on how many workers (a resume may change that, a point may not), and
+# over how much held-out text its validation loss was averaged.
+_ALSO_COMPARED = config.ELASTIC_FIELDS | {"eval_batches"}
+
+
+def _identity(cfg: TrainConfig) -> dict[str, Any]:
+  return {**config.fingerprint(cfg), **{f: getattr(cfg, f) for f in _ALSO_COMPARED}}
 
 
 def _check_cached(summary: Summary, cfg: TrainConfig) -> None:
@@ -187,18 +196,13 @@ def _check_cached(summary: Summary, cfg: TrainConfig) -> None:
 
   A run's directory is named by its method, horizon and tuned fields only, so
   a call with another seed, corpus, preset or worker count (or a recipe that
-  has changed since) would otherwise pass off the old run as its own.
+  has changed since) would otherwise pass off the old run as its own. Fields
+  a run's summary predates are not compared.
   """
-  want = dataclasses.asdict(config.resolve(cfg))
-  had = summary.config or {}
-
-  def same(field: str) -> bool:
-    a, b = had[field], want[field]
-    if field == "data_path" and a and b:  # one file, named absolutely or relatively
-      return os.path.realpath(a) == os.path.realpath(b)
-    return a == b
-
-  differ = sorted(f for f in want.keys() & had.keys() if f not in _NOT_COMPARED and not same(f))
+  known = {f.name for f in dataclasses.fields(TrainConfig)}
+  saved = {k: v for k, v in (summary.config or {}).items() if k in known}
+  had, want = _identity(TrainConfig(**saved)), _identity(config.resolve(cfg))
+  differ = sorted(f for f in want if f in saved and had[f] != want[f])
   if differ:
     shown = ", ".join(f"{f}={had[f]!r} (now {want[f]!r})" for f in differ)
     raise ConfigError(
@@ -292,14 +296,13 @@ def markdown(points: Sequence[Point]) -> str:
     base = _baseline(best, horizon)
     gap = f"{100 * (p.val_loss / base - 1):+.1f}%" if base else ""
     s = p.summary
-    val, shown = f"{p.val_loss:.4f}", p.settings
+    val = f"{p.val_loss:.4f}"
     if p.seed_losses:
       each = ", ".join(f"{v:.4f}" for v in p.seed_losses)
       val += f" (mean of {len(p.seed_losses)} seeds: {each})"
-      shown = {k: v for k, v in p.settings.items() if k != "seed"}
     lines.append(
       f"| {horizon} | {name} | {val} | {gap} | {s.payload_bytes_per_step:,.0f} "
-      f"| {_ratio(s.ratio_vs_bf16_grad)} | {json.dumps(shown)} |"
+      f"| {_ratio(s.ratio_vs_bf16_grad)} | {json.dumps(p.tuned)} |"
     )
   lines += ["", "Every run:", "", "| steps | method | settings | val loss |"]
   lines += ["| ---: | --- | --- | ---: |"]
@@ -329,7 +332,7 @@ def _write(points: Sequence[Point], out_dir: str, link_mbit: float) -> None:
       {
         "method": m,
         "horizon": h,
-        "settings": {k: v for k, v in p.settings.items() if not (p.seed_losses and k == "seed")},
+        "settings": p.tuned,
         "val_loss": p.val_loss,
         "seed_losses": list(p.seed_losses),
       }
