@@ -199,6 +199,12 @@ def _check_cached(summary: Summary, cfg: TrainConfig) -> None:
   has changed since) would otherwise pass off the old run as its own. Fields
   a run's summary predates are not compared.
   """
+  if summary.steps is not None and summary.steps != cfg.steps:
+    raise ConfigError(
+      f"{cfg.out_dir} holds a run that stopped at step {summary.steps} of {cfg.steps}; resume "
+      f"it (python -m experiments.train --resume --out_dir={cfg.out_dir} and its flags), or "
+      "delete that run's directory to train it again."
+    )
   known = {f.name for f in dataclasses.fields(TrainConfig)}
   saved = {k: v for k, v in (summary.config or {}).items() if k in known}
   had, want = _identity(TrainConfig(**saved)), _identity(config.resolve(cfg))

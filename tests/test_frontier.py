@@ -73,6 +73,10 @@ def test_a_cached_run_with_other_settings_is_refused_before_anything_trains(tmp_
       base, ["adamw", "demo"], [4], str(tmp_path), grid={"learning_rate": (3e-3,)}
     )
   assert not (tmp_path / "steps4" / "adamw").exists()  # nothing trained
+  # A run stopped short of the horizon (--stop_at_step) is no point of it either.
+  dataclasses.replace(_SUMMARY, steps=2, config=resolved).save(demo_dir / "summary.json")
+  with pytest.raises(ConfigError, match="stopped at step 2 of 4; resume it"):
+    frontier.run_frontier(base, ["demo"], [4], str(tmp_path), grid={"learning_rate": (3e-3,)})
 
 
 def test_run_directory_tags_name_their_fields():
