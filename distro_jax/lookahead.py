@@ -36,15 +36,24 @@ from distro_jax.transforms import DemoState
 __all__ = ["gradient_point", "lookahead_update"]
 
 
-def _delayed_demo_state(opt_state: Any) -> DemoState | None:
-  found = [
-    x
-    for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DemoState))
-    if isinstance(x, DemoState)
-  ]
-  if not found or found[0].pending is None:
-    return None
-  return found[0]
+def _delayed_demo_states(opt_state: Any) -> list[DemoState]:
+  """Every ``delayed_apply`` :class:`DemoState` in ``opt_state``, in tree order."""
+  found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DemoState))
+  return [x for x in found if isinstance(x, DemoState) and x.pending is not None]
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _selected(momentum: Any, params: Any) -> Any:
+  """``params`` with ``optax.MaskedNode`` wherever ``momentum`` has one.
+
+  Under ``optax.masked`` or ``optax.multi_transform`` (a partial overlap, see
+  :func:`distro_jax.distro`) a :class:`DemoState` covers only some params;
+  its momentum marks the others.
+  """
+  return jax.tree.map(lambda m, p: m if _is_masked(m) else p, momentum, params, is_leaf=_is_masked)
 
 
 _GUESSES = ("momentum", "message")
@@ -162,8 +171,20 @@ def gradient_point(
     >>> bool(jnp.allclose(jnp.abs(moved), 1e-2))  # every entry, by the rate: a sign step
     True
   """
-  demo_state = _delayed_demo_state(opt_state)
-  if demo_state is None:
+  states = _delayed_demo_states(opt_state)
+  if not states:
     return inner_params(opt_state, params)
-  delta = lookahead_update(demo_state, params, learning_rate, **lookahead)
-  return optax.apply_updates(params, delta)
+  point = params
+  for demo_state in states:
+    # Each overlapped exchange moves the params it covers (all of them, but
+    # for a partial overlap or a masked transformation).
+    delta = lookahead_update(
+      demo_state, _selected(demo_state.momentum, params), learning_rate, **lookahead
+    )
+    point = jax.tree.map(
+      lambda d, p: p if _is_masked(d) else optax.apply_updates(p, d),
+      delta,
+      point,
+      is_leaf=_is_masked,
+    )
+  return point

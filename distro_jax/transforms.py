@@ -6,6 +6,7 @@ and the decoded aggregate ``Q``. :func:`demo` follows it with ``sign`` as the
 reference does; :func:`distro` follows it with any optax transformation.
 """
 
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -464,6 +465,7 @@ def demo(
   use_dct: bool = True,
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
+  synchronous: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
 
@@ -488,6 +490,11 @@ def demo(
     delayed_apply: apply the aggregate of step t-1 at step t, so that the
       all-gather can overlap the next forward and backward pass (see
       :func:`scale_by_demo`). Static.
+    synchronous: with ``delayed_apply``, the params whose messages are still
+      exchanged in the step that computes them, as without the delay (a
+      partial overlap): a tree of bools like the params, or a function of the
+      params that returns one, as ``optax.masked`` takes. ``None`` (the
+      default) overlaps every param. See :func:`distro`. Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -518,6 +525,7 @@ def demo(
     use_dct=use_dct,
     axis_name=axis_name,
     delayed_apply=delayed_apply,
+    synchronous=synchronous,
   )
 
 
@@ -532,12 +540,24 @@ def distro(
   use_dct: bool = True,
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
+  synchronous: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO: the compressed exchange of :func:`scale_by_demo`, then ``inner``.
 
   ``inner`` sees the same aggregate ``Q`` on every worker, so its state and its
   updates stay identical across replicas. ``dj.demo`` is
   ``distro(chain(scale_by_sign(), add_decayed_weights(wd), scale_by_learning_rate(lr)), lr)``.
+
+  With ``delayed_apply`` and ``synchronous``, a partial overlap: the params
+  that ``synchronous`` selects are exchanged as without the delay (their
+  all-gather waits for this step's gradient), the others one step late. It
+  is ``optax.multi_transform`` over two exchanges, each with its own message,
+  all-gather and copy of ``inner`` (so ``inner`` must act on each param on its
+  own, as ``sign`` and AdamW do); the bytes are the two messages'. The
+  lookahead of :func:`distro_jax.gradient_point` then moves only the
+  overlapped params. What it buys: a gradient taken at the exact params for
+  the synchronous group, which at top-k 32 closes most of the overlapped
+  exchange's gap (docs/overlapped.md).
 
   Args:
     inner: any optax transformation that turns ``Q`` into updates, for example
@@ -554,6 +574,11 @@ def distro(
     delayed_apply: apply the aggregate of step t-1 at step t, so that the
       all-gather can overlap the next forward and backward pass (see
       :func:`scale_by_demo`). Static.
+    synchronous: with ``delayed_apply``, the params whose messages are still
+      exchanged in the step that computes them, as without the delay (a
+      partial overlap): a tree of bools like the params, or a function of the
+      params that returns one, as ``optax.masked`` takes. ``None`` (the
+      default) overlaps every param. See :func:`distro`. Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -563,22 +588,51 @@ def distro(
     >>> tx = dj.distro(optax.adamw(1e-3), 1e-3, axis_name=None)
     >>> state = tx.init({"w": jnp.ones((8,))})
   """
-  return _skip_when_nothing_received(
-    optax.chain(
-      scale_by_demo(
-        learning_rate,
-        compression_decay=compression_decay,
-        compression_topk=compression_topk,
-        compression_chunk=compression_chunk,
-        quantize_1bit=quantize_1bit,
-        use_dct=use_dct,
-        axis_name=axis_name,
-        delayed_apply=delayed_apply,
-      ),
-      inner,
-    ),
-    delayed_apply=delayed_apply,
+  options = dict(
+    compression_decay=compression_decay,
+    compression_topk=compression_topk,
+    compression_chunk=compression_chunk,
+    quantize_1bit=quantize_1bit,
+    use_dct=use_dct,
+    axis_name=axis_name,
   )
+  if synchronous is None:
+    return _skip_when_nothing_received(
+      optax.chain(scale_by_demo(learning_rate, delayed_apply=delayed_apply, **options), inner),
+      delayed_apply=delayed_apply,
+    )
+  if not delayed_apply:
+    raise ValueError(
+      "synchronous= picks the params that a delayed_apply=True exchange still sends in "
+      "the step that computes them; without delayed_apply every param is synchronous "
+      "already. Pass delayed_apply=True, or leave synchronous=None."
+    )
+  # Two exchanges, one per group, each a whole DisTrO of its own: the
+  # synchronous one all-gathers this step's message, the overlapped one the
+  # message of the step before. Every tensor's compression and aggregate are
+  # its own, so a tensor trains as it would in a run with its group's mode.
+  groups = {
+    _SYNCHRONOUS: distro(inner, learning_rate, delayed_apply=False, **options),
+    _OVERLAPPED: distro(inner, learning_rate, delayed_apply=True, **options),
+  }
+  return optax.with_extra_args_support(
+    optax.multi_transform(groups, functools.partial(_overlap_labels, synchronous))
+  )
+
+
+_SYNCHRONOUS, _OVERLAPPED = "synchronous", "overlapped"
+
+
+def _overlap_labels(synchronous: Any, params: Any) -> Any:
+  """``synchronous``'s mask of ``params`` as :func:`distro`'s group labels."""
+  mask = synchronous(params) if callable(synchronous) else synchronous
+  try:
+    return jax.tree.map(lambda sync, _: _SYNCHRONOUS if sync else _OVERLAPPED, mask, params)
+  except ValueError as e:
+    raise ValueError(
+      "synchronous= must be a tree of bools with the params' structure (or a function "
+      f"of the params that returns one): {e}"
+    ) from None
 
 
 def distro_adamw(
@@ -595,6 +649,7 @@ def distro_adamw(
   use_dct: bool = True,
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
+  synchronous: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO-AdamW: the compressed exchange followed by ``optax.adamw``.
 
@@ -614,6 +669,11 @@ def distro_adamw(
     delayed_apply: apply the aggregate of step t-1 at step t, so that the
       all-gather can overlap the next forward and backward pass (see
       :func:`scale_by_demo`). Static.
+    synchronous: with ``delayed_apply``, the params whose messages are still
+      exchanged in the step that computes them, as without the delay (a
+      partial overlap): a tree of bools like the params, or a function of the
+      params that returns one, as ``optax.masked`` takes. ``None`` (the
+      default) overlaps every param. See :func:`distro`. Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -631,4 +691,5 @@ def distro_adamw(
     use_dct=use_dct,
     axis_name=axis_name,
     delayed_apply=delayed_apply,
+    synchronous=synchronous,
   )

@@ -40,6 +40,9 @@ __all__ = ["CheckpointError", "Checkpointer", "ResumePoint"]
 _ITEMS = ("state", "data", "meta")
 # Fingerprint entries an older checkpoint may lack; they are compared only when recorded.
 _OPTIONAL = ("data_identity",)
+# Settings added since checkpoints were first written: a checkpoint that lacks
+# one was made with its default.
+_ADDED_LATER = {"synchronous_params": ""}
 
 
 class CheckpointError(RuntimeError):
@@ -267,6 +270,7 @@ class Checkpointer:
     )
 
   def _check_fingerprint(self, step: int, meta: dict[str, Any]) -> None:
+    meta = {**_ADDED_LATER, **meta}
     mismatch = {
       k: (meta.get(k), v)
       for k, v in self.fingerprint.items()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -114,6 +115,14 @@ class TrainConfig:
     "Apply the previous step's aggregate, so the exchange can overlap the next "
     "forward and backward pass (overlapped DisTrO). Its loss trails the plain "
     "exchange's less at --compression_topk=8 than at 32 (docs/overlapped.md).",
+  )
+  synchronous_params: str = _field(
+    "",
+    "With --delayed_apply, a regular expression searched in each param's path "
+    "(e.g. \"['blocks'][0]['attn']['wq'].value\"): the params it matches are "
+    "exchanged in the step that computes them, the rest one step late (a partial "
+    "overlap; the method option 'partial' picks attention, embedding and head). "
+    "Empty: every param overlapped.",
   )
   lookahead: bool = _field(
     True,
@@ -528,6 +537,31 @@ def _supporting(attribute: str) -> str:
   return " or ".join(n for n in methods.names() if getattr(methods.get(n), attribute))
 
 
+def _check_synchronous(cfg: TrainConfig) -> None:
+  """``--synchronous_params`` needs the delay, and must be a pattern that picks some params."""
+  from experiments import model, presets
+
+  if not cfg.delayed_apply:
+    raise ConfigError(
+      f"--synchronous_params={cfg.synchronous_params!r} picks the params a --delayed_apply "
+      "run still exchanges in the same step; without --delayed_apply every param is. Add "
+      "--delayed_apply, or drop --synchronous_params."
+    )
+  try:
+    pattern = re.compile(cfg.synchronous_params)
+  except re.error as e:
+    raise ConfigError(
+      f"--synchronous_params={cfg.synchronous_params!r} is not a regular expression ({e})."
+    ) from None
+  paths = model.param_paths(presets.get_preset(cfg.preset))
+  if not any(pattern.search(p) for p in paths):
+    raise ConfigError(
+      f"--synchronous_params={cfg.synchronous_params!r} matches no param of preset "
+      f"{cfg.preset!r}, so the run would overlap every param; its paths look like "
+      f"{paths[0]!r}, e.g. --synchronous_params=\"'attn'\"."
+    )
+
+
 def _check_method(cfg: TrainConfig, method: Any) -> None:
   """What the chosen method cannot do with these settings, then its own check."""
   if cfg.delayed_apply and not method.supports_delayed_apply:
@@ -535,6 +569,8 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       "--delayed_apply applies the previous step's DisTrO aggregate; it needs "
       f"--optimizer={_supporting('supports_delayed_apply')}, not {method.name}."
     )
+  if cfg.synchronous_params:
+    _check_synchronous(cfg)
   if cfg.fsdp > 1 and not method.supports_fsdp:
     raise ConfigError(
       f"--optimizer={method.name} runs with one device per site only; drop --fsdp "

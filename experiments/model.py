@@ -282,6 +282,16 @@ def abstract_params(config: ModelConfig) -> nnx.State:
   return nnx.state(abstract_model, nnx.Param)
 
 
+def param_paths(config: ModelConfig) -> list[str]:
+  """Each param's path as ``jax.tree_util.keystr`` writes it, in tree order.
+
+  E.g. ``"['blocks'][0]['attn']['wq'].value"``: what ``--synchronous_params``
+  is searched in.
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(abstract_params(config))
+  return [jax.tree_util.keystr(path) for path, _ in flat]
+
+
 def param_count(config: ModelConfig) -> int:
   """Number of trainable parameters, computed without allocating them."""
   return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params(config)))

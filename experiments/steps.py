@@ -141,9 +141,11 @@ def train_step(
     extra["contribute"] = step > until
   updates, opt_state = tx.update(grads, opt_state, params, **extra)
   params = optax.apply_updates(params, updates)
-  # Optimizers with no DemoState count every worker as contributing.
+  # Optimizers with no DemoState count every worker as contributing; with two
+  # exchanges (a partial overlap) a worker left out of either counts.
   workers = jax.lax.axis_size(REPLICA)
-  contributors = optax.tree_utils.tree_get(opt_state, "contributors", jnp.int32(workers))
+  counts = [c for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "contributors")]
+  contributors = functools.reduce(jnp.minimum, counts, jnp.int32(workers))
   return params, opt_state, {"loss": mean_finite_loss(loss), "excluded": workers - contributors}
 
 

@@ -1,0 +1,178 @@
+"""A partial overlap: ``delayed_apply`` with ``synchronous``, some params sent in their own step."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.extend import core as jex_core
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from sharded_step import build, mesh_of, place_grads
+from test_delayed_apply import _gathers_fed_by
+
+import distro_jax as dj
+
+SHAPES = {"a": (64, 128), "b": (96,), "c": (32, 128)}
+SYNC = {"a": True, "b": False, "c": False}
+
+
+def _trajectory(tx, init, grads, mesh):
+  step, params, state = build(tx, init, mesh)
+  out = [params]
+  for g in grads:
+    params, state = step(params, state, place_grads(g, mesh))
+    out.append(params)
+  return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_tx", [dj.demo, dj.distro_adamw], ids=["demo", "distro_adamw"])
+def test_each_group_trains_as_its_own_mode(make_tx):
+  # With gradients that do not depend on the params, every tensor's messages
+  # are its own: a synchronous tensor must follow the plain run bit for bit,
+  # an overlapped one the plain run one step late.
+  workers, steps = 4, 5
+  rng = np.random.default_rng(0)
+  init = {k: jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32) for k, s in SHAPES.items()}
+  grads = [
+    {k: rng.normal(size=(workers, *s)).astype(np.float32) for k, s in SHAPES.items()}
+    for _ in range(steps + 1)
+  ]
+  mesh = mesh_of(workers)
+  make = functools.partial(make_tx, 1e-2, weight_decay=0.1, compression_topk=8)
+  plain = _trajectory(make(), init, grads, mesh)
+  partial = _trajectory(make(delayed_apply=True, synchronous=SYNC), init, grads, mesh)
+  # DeMo's sign step is exact; AdamW's arithmetic, compiled into another
+  # program, may fuse differently and round in the last bit.
+  same = (
+    np.testing.assert_array_equal
+    if make_tx is dj.demo
+    else functools.partial(np.testing.assert_allclose, rtol=0, atol=1e-7)
+  )
+  for t in range(steps + 1):
+    same(np.asarray(partial[t]["a"]), np.asarray(plain[t]["a"]))
+    for k in ("b", "c"):
+      want = init[k] if t == 0 else plain[t - 1][k]
+      same(np.asarray(partial[t][k]), np.asarray(want))
+  assert not np.array_equal(np.asarray(plain[-1]["c"]), np.asarray(init["c"]))
+
+
+def test_every_param_synchronous_or_none_is_the_plain_or_the_delayed_exchange():
+  workers, steps = 4, 3
+  rng = np.random.default_rng(1)
+  init = {k: jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32) for k, s in SHAPES.items()}
+  grads = [
+    {k: rng.normal(size=(workers, *s)).astype(np.float32) for k, s in SHAPES.items()}
+    for _ in range(steps)
+  ]
+  mesh = mesh_of(workers)
+  make = functools.partial(dj.demo, 1e-2, compression_topk=8)
+  for synchronous, reference in ((True, make()), (False, make(delayed_apply=True))):
+    mask = jax.tree.map(lambda _, s=synchronous: s, init)
+    got = _trajectory(make(delayed_apply=True, synchronous=mask), init, grads, mesh)
+    want = _trajectory(reference, init, grads, mesh)
+    for g, w in zip(got, want):
+      for k in SHAPES:
+        np.testing.assert_array_equal(np.asarray(g[k]), np.asarray(w[k]))
+
+
+def _loss(params, x_BxD):
+  h = jnp.tanh(x_BxD @ params["a"])
+  return jnp.mean(h @ params["c"].T) + jnp.mean(params["b"] ** 2)
+
+
+def _step(tx, lr, opts):
+  def step(params, state, x):
+    at = dj.worker_local(dj.gradient_point(state, params, lr, **opts))
+    _, grads = dj.local_value_and_grad(_loss)(at, x)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, at
+
+  return step
+
+
+def test_only_the_overlapped_gather_waits_on_no_gradient():
+  mesh = mesh_of(4)
+  params = {k: jnp.full(s, 0.1, jnp.float32) for k, s in SHAPES.items()}
+  tx = dj.demo(1e-3, delayed_apply=True, synchronous=SYNC)
+  specs = dj.worker_state_specs(tx, params, mesh)
+  state = dj.init_worker_state(tx, params, mesh)
+  step = jax.shard_map(
+    _step(tx, 1e-3, {}),
+    mesh=mesh,
+    in_specs=(P(), specs, P("data")),
+    out_specs=(P(), specs, P("data")),
+  )
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.ones((16, 64), jnp.float32), NamedSharding(mesh, P("data")))
+  closed = jax.make_jaxpr(step)(params, state, x)
+  fed = _gathers_fed_by(closed.jaxpr, {closed.jaxpr.invars[-1]})
+  sizes = _gather_operand_bytes(closed.jaxpr)
+  sync = dj.wire_bytes([params[k] for k in SHAPES if SYNC[k]]).payload
+  overlapped = dj.wire_bytes([params[k] for k in SHAPES if not SYNC[k]]).payload
+  assert sync != overlapped  # so the sizes tell the two gathers apart
+  # Only the synchronous message waits on this step's batch.
+  assert sorted(zip(sizes, fed)) == sorted([(sync, True), (overlapped, False)])
+  # The two all-gathers move the two messages and nothing else.
+  measured = dj.collective_bytes(jax.jit(step), params, state, x)
+  assert [k for k, v in measured.by_kind.items() if v] == ["all-gather"]
+  assert measured.total == sync + overlapped
+
+
+def _gather_operand_bytes(jaxpr):
+  """Each all-gather's operand bytes, in the order :func:`_gathers_fed_by` visits them."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name.startswith("all_gather"):
+      aval = eqn.invars[0].aval
+      found.append(int(np.prod(aval.shape)) * aval.dtype.itemsize)
+    for sub in eqn.params.values():
+      inner = sub.jaxpr if isinstance(sub, jex_core.ClosedJaxpr) else sub
+      if isinstance(inner, jex_core.Jaxpr):
+        found += _gather_operand_bytes(inner)
+  return found
+
+
+def test_the_lookahead_moves_only_the_overlapped_params():
+  # The overlapped group's point is the lookahead of a delayed exchange of
+  # that group alone; the synchronous group is looked at where it is.
+  rng = np.random.default_rng(2)
+  params = {k: jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32) for k, s in SHAPES.items()}
+  x = jnp.asarray(rng.normal(size=(8, 64)), jnp.float32)
+  opts = dict(compression_topk=8, weight_decay=0.1)
+  partial = dj.demo(1e-2, axis_name=None, delayed_apply=True, synchronous=SYNC, **opts)
+  alone = dj.demo(1e-2, axis_name=None, delayed_apply=True, **opts)
+  overlapped = {k: params[k] for k in SHAPES if not SYNC[k]}
+  state, alone_state = partial.init(params), alone.init(overlapped)
+  for _ in range(3):
+    grads = jax.grad(_loss)(dj.gradient_point(state, params, 1e-2, **opts), x)
+    _, state = partial.update(grads, state, params)
+    _, alone_state = alone.update({k: grads[k] for k in overlapped}, alone_state, overlapped)
+  at = dj.gradient_point(state, params, 1e-2, **opts)
+  want = dj.gradient_point(alone_state, overlapped, 1e-2, **opts)
+  np.testing.assert_array_equal(np.asarray(at["a"]), np.asarray(params["a"]))
+  for k in overlapped:
+    np.testing.assert_array_equal(np.asarray(at[k]), np.asarray(want[k]))
+    assert not np.array_equal(np.asarray(at[k]), np.asarray(params[k]))
+
+
+def test_a_mask_function_and_a_mask_tree_agree():
+  params = {k: jnp.ones(s, jnp.float32) for k, s in SHAPES.items()}
+  by_tree = dj.demo(1e-2, axis_name=None, delayed_apply=True, synchronous=SYNC)
+  by_fn = dj.demo(
+    1e-2, axis_name=None, delayed_apply=True, synchronous=lambda p: {k: k == "a" for k in p}
+  )
+  shapes = lambda tx: jax.tree.map(jnp.shape, jax.eval_shape(tx.init, params))
+  assert shapes(by_tree) == shapes(by_fn)
+
+
+def test_synchronous_without_delay_or_with_a_wrong_mask_is_refused():
+  params = {k: jnp.ones(s, jnp.float32) for k, s in SHAPES.items()}
+  with pytest.raises(ValueError, match="Pass delayed_apply=True, or leave synchronous=None"):
+    dj.demo(1e-2, axis_name=None, synchronous=SYNC)
+  tx = dj.demo(1e-2, axis_name=None, delayed_apply=True, synchronous={"a": True})
+  with pytest.raises(ValueError, match="tree of bools with the params' structure"):
+    tx.init(params)
