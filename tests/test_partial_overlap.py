@@ -1,6 +1,7 @@
 """A partial overlap: ``delayed_apply`` with ``synchronous``, some params sent in their own step."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -176,3 +177,72 @@ def test_synchronous_without_delay_or_with_a_wrong_mask_is_refused():
   tx = dj.demo(1e-2, axis_name=None, delayed_apply=True, synchronous={"a": True})
   with pytest.raises(ValueError, match="tree of bools with the params' structure"):
     tx.init(params)
+
+
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (dict(synchronous_params="'attn'"), "without --delayed_apply every param is"),
+    (dict(synchronous_params="(attn", delayed_apply=True), "is not a regular expression"),
+    (dict(synchronous_params="'attention'", delayed_apply=True), "matches no param"),
+  ],
+  ids=["no-delay", "bad-regex", "no-match"],
+)
+def test_the_driver_refuses_a_synchronous_pattern_it_cannot_use(flags, message):
+  from experiments import config
+
+  with pytest.raises(config.ConfigError, match=message):
+    config.resolve(config.TrainConfig(preset="tiny", workers=4, **flags))
+
+
+def test_the_method_option_partial_names_the_measured_group():
+  from experiments import methods, model, presets
+
+  method, overrides = methods.parse("demo-k8-delayed-partial")
+  assert method.name == "demo"
+  assert overrides["synchronous_params"] == methods.PARTIAL_OVERLAP
+  paths = model.param_paths(presets.get_preset("small"))
+  picked = [p for p in paths if re.search(methods.PARTIAL_OVERLAP, p)]
+  # Every attention weight, the embedding and the head; no norm, no MLP.
+  assert len(picked) == 4 * 4 + 2
+  assert not any("norm" in p or "mlp" in p for p in picked)
+
+
+@pytest.mark.slow
+def test_the_trainers_partial_step_gathers_one_message_before_the_batch_and_one_after():
+  from experiments import config, methods, trainer
+
+  cfg = config.resolve(
+    config.TrainConfig(
+      preset="tiny",
+      workers=4,
+      batch_size=8,
+      seq_len=32,
+      compression_topk=8,
+      delayed_apply=True,
+      synchronous_params=methods.PARTIAL_OVERLAP,
+    )
+  )
+  program = trainer.build(cfg)
+  params = program.placed(program.abstract, program.fsdp_plan.specs)
+  state = dj.abstract_worker_state(
+    program.tx, program.abstract, program.mesh, "replica", param_specs=program.fsdp_plan.specs
+  )
+  rows = jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=program.sharding(program.rows))
+  closed = jax.make_jaxpr(program.train_step)(params, state, jnp.int32(1), rows, rows)
+  fed = _gathers_fed_by(closed.jaxpr, set(closed.jaxpr.invars[-2:]))
+  sizes = _gather_operand_bytes(closed.jaxpr)
+  leaves = jax.tree_util.tree_flatten_with_path(program.abstract)[0]
+  pick = lambda sync: [
+    x
+    for path, x in leaves
+    if (re.search(methods.PARTIAL_OVERLAP, jax.tree_util.keystr(path)) is not None) == sync
+  ]
+  payload = lambda xs: dj.wire_bytes(xs, compression_topk=8).payload
+  messages = [(payload(pick(True)), True), (payload(pick(False)), False)]
+  # Of the all-gathers of a message's size, the synchronous one reads the
+  # batch and the overlapped one does not.
+  got = [(size, hit) for size, hit in zip(sizes, fed) if size in {b for b, _ in messages}]
+  assert sorted(got) == sorted(messages)
+  # The driver's byte accounting is the two messages'.
+  assert methods.get("demo").message_bytes(cfg, program.abstract) == sum(b for b, _ in messages)
