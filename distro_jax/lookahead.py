@@ -23,13 +23,14 @@ sent what this one sent, exact when the workers agree.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from distro_jax import codec, dct, wire
+from distro_jax import codec, dct, exchange, wire
 from distro_jax.diloco import inner_params
 from distro_jax.transforms import DemoState
 
@@ -71,6 +72,7 @@ def lookahead_update(
   weight_decay: float = 0.0,
   guess: str = "momentum",
   scale: float = 1.0,
+  axis_name: Hashable | None = None,
 ) -> Any:
   """This worker's guess of the update in flight, from a ``delayed_apply`` :class:`DemoState`.
 
@@ -87,6 +89,10 @@ def lookahead_update(
     guess: ``"momentum"`` (Psyche's: the momentum before error feedback) or
       ``"message"`` (this worker's own message, as sent).
     scale: a factor on the whole guess.
+    axis_name: the workers' axis, as given to :func:`distro_jax.demo`. Needed
+      only when a worker's params are sharded over more mesh axes (FSDP
+      within a site): a param kept whole on a site's devices then gets a
+      guess typed as whole there. ``None`` leaves the types as they come.
 
   Returns:
     A tree like ``params``: zero before the first message (or after a message
@@ -124,7 +130,17 @@ def lookahead_update(
     direction = jnp.sign(from_chunks(coeffs, plan)).astype(x.dtype)
     if weight_decay:
       direction = direction + weight_decay * x
-    out.append((-step * direction).astype(x.dtype))
+    delta = (-step * direction).astype(x.dtype)
+    if axis_name is not None:
+      # Under FSDP the message covers a site's shards, so it is typed as
+      # differing across the site's devices, while a param kept whole there
+      # has the same guess on each. Typed as the param is (plus the worker
+      # axis; a max over equal values changes no value), its gradient is
+      # taken as of a whole param.
+      site = exchange.varying_axes(delta) - exchange.varying_axes(x) - {axis_name}
+      if site:
+        delta = jax.lax.pmax(delta, tuple(sorted(site, key=str)))
+    out.append(delta)
   return treedef.unflatten(out)
 
 

@@ -372,6 +372,8 @@ def _build_demo(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
 
 def _demo_gradient_point(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
   """With ``--delayed_apply`` (and ``--lookahead``), Psyche's lookahead; else the params."""
+  from experiments.launch import REPLICA
+
   if not (cfg.delayed_apply and cfg.lookahead):
     return dj.inner_params
   return functools.partial(
@@ -382,6 +384,7 @@ def _demo_gradient_point(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
     quantize_1bit=cfg.quantize_1bit,
     use_dct=cfg.use_dct,
     weight_decay=cfg.weight_decay,
+    axis_name=REPLICA,
   )
 
 
