@@ -73,6 +73,7 @@ def _row(method: str, summary: Summary, seconds: float) -> dict[str, Any]:
     "gradient_seconds": summary.gradient_seconds,
     "bytes_sent_per_step": summary.bytes_sent_per_step,
     "learning_rate": summary.config["learning_rate"],
+    "overlapped_share": methods.overlapped_share(TrainConfig(**summary.config)),
     "run_seconds": seconds,
   }
 

@@ -359,16 +359,19 @@ def _time_curve(p: Point, link_mbit: float) -> tuple[list[float], list[float]]:
   method = methods.get(p.summary.optimizer)
   step_s = [cfg["batch_size"] * cfg["seq_len"] / r.tokens_per_s for r in records[1:]]
   compute = float(np.median(step_s)) if step_s else 0.0
-  every = method.exchange_every(TrainConfig(**cfg))
+  run_cfg = TrainConfig(**cfg)
+  every = method.exchange_every(run_cfg)
   up, down = time_model.link_bytes(
     method.collective, p.summary.payload_bytes_per_step * every, p.summary.workers
   )
   link = time_model.Link(f"{link_mbit:g} Mbit/s", link_mbit * 1e6, link_mbit * 1e6)
-  exchange = time_model.step_seconds(0.0, up, down, link)
+  # A step that exchanges, and its overlapped share hidden under its compute.
+  exchanging = time_model.step_seconds(compute, up, down, link, methods.overlapped_share(run_cfg))
   xs, ys = [], []
   for r in records:
     if r.val_loss is not None:
-      xs.append(r.step * compute + (r.step // every) * exchange)
+      exchanges = r.step // every
+      xs.append((r.step - exchanges) * compute + exchanges * exchanging)
       ys.append(r.val_loss)
   return xs, ys
 

@@ -152,6 +152,9 @@ class Method:
     gradient_point: ``gradient_point(cfg)``, a function ``(opt_state,
       params) -> params`` giving where each worker takes its gradient
       (default ``dj.inner_params``: DiLoCo's local params, else the params).
+    overlapped_share: ``overlapped_share(cfg, params)``, the share of the
+      message that an overlapped exchange sends during the next step's
+      compute, for the time model (0 for an exchange that waits).
     check: ``check(cfg)``, the method's own refusals of a config whose
       recipe is filled in, raising ``ConfigError`` naming the flag and the
       fix; ``config.validate`` calls it, so no other module branches on a
@@ -180,6 +183,7 @@ class Method:
   final_exchange: bool = False
   check: Callable[[TrainConfig], None] = lambda cfg: None
   gradient_point: Callable[[TrainConfig], Callable[[Any, Any], Any]] = lambda cfg: dj.inner_params
+  overlapped_share: Callable[[TrainConfig, Any], float] = lambda cfg, params: 0.0
   supports_cold_start: bool = False
 
   def recipe_for(self, preset: str, steps: int) -> Recipe:
@@ -336,24 +340,41 @@ def _compression(cfg: TrainConfig, axes: Axes) -> dict[str, Any]:
   }
 
 
-def _demo_message(cfg: TrainConfig, params: Any) -> int:
-  """One worker's message bytes per step; with a partial overlap, the two messages'."""
+def _demo_messages(cfg: TrainConfig, params: Any) -> tuple[int, int]:
+  """One worker's message bytes per step: ``(synchronous, overlapped)``."""
+  leaves = jax.tree.leaves(params)
   mask = synchronous_mask(cfg.synchronous_params)
-  groups = [params]
-  if mask is not None:
+  if not cfg.delayed_apply:
+    sync = [True] * len(leaves)
+  elif mask is None:
+    sync = [False] * len(leaves)
+  else:
     sync = jax.tree.leaves(mask(params))
-    leaves = jax.tree.leaves(params)
-    groups = [[x for x, s in zip(leaves, sync) if s], [x for x, s in zip(leaves, sync) if not s]]
-  return sum(
-    dj.wire_bytes(
+
+  def payload(group: list[Any]) -> int:
+    if not group:
+      return 0
+    return dj.wire_bytes(
       group,
       compression_topk=cfg.compression_topk,
       compression_chunk=cfg.compression_chunk,
       quantize_1bit=cfg.quantize_1bit,
     ).payload
-    for group in groups
-    if jax.tree.leaves(group)
+
+  return (
+    payload([x for x, s in zip(leaves, sync) if s]),
+    payload([x for x, s in zip(leaves, sync) if not s]),
   )
+
+
+def _demo_message(cfg: TrainConfig, params: Any) -> int:
+  """One worker's message bytes per step; with a partial overlap, the two messages'."""
+  return sum(_demo_messages(cfg, params))
+
+
+def _demo_overlapped_share(cfg: TrainConfig, params: Any) -> float:
+  sync, overlapped = _demo_messages(cfg, params)
+  return overlapped / (sync + overlapped)
 
 
 def _gradient_bytes(params: Any) -> int:
@@ -476,6 +497,14 @@ def _check_sparseloco(cfg: TrainConfig) -> None:
     )
 
 
+def overlapped_share(cfg: TrainConfig) -> float:
+  """The share of ``cfg``'s message sent during the next step's compute (the time model's)."""
+  from experiments import model, presets
+
+  params = model.abstract_params(presets.get_preset(cfg.preset))
+  return get(cfg.optimizer).overlapped_share(cfg, params)
+
+
 @functools.cache
 def largest_chunk(preset: str, compression_chunk: int) -> int:
   """Coefficients in the largest DCT chunk of ``preset``'s params at ``compression_chunk``."""
@@ -555,6 +584,7 @@ register(
     tuning={"learning_rate": (2e-3, 4e-3), "compression_decay": (0.95, 0.98)},
     check=_check_compression,
     gradient_point=_demo_gradient_point,
+    overlapped_share=_demo_overlapped_share,
     supports_cold_start=True,
   )
 )
@@ -571,6 +601,7 @@ register(
     supports_delayed_apply=True,
     excludes_nonfinite=True,
     check=_check_compression,
+    overlapped_share=_demo_overlapped_share,
     supports_cold_start=True,
   )
 )

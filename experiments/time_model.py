@@ -12,7 +12,12 @@ check it:
   are the headline (``step_seconds``, ``hours_to_train``); asymmetric consumer
   links favour the relay.
 - A step takes ``compute + max(up_bytes / up_rate, down_bytes / down_rate)``:
-  no overlap of communication with compute, no latency, no TCP overhead.
+  no latency, no TCP overhead, and no overlap of communication with compute,
+  except for an overlapped exchange (``delayed_apply``): the share ``f`` of
+  the bytes that its all-gather moves while the next forward and backward
+  pass runs costs ``max(compute, f * transfer) + (1 - f) * transfer``, the
+  rest (a partial overlap's synchronous message) waits as before. Whether
+  XLA does overlap them on a given backend is not modelled.
 - DiLoCo's all-reduce happens once every H steps; its time is amortized.
 
 ``compute`` is measured (the comparison's per-step time on this machine), or
@@ -126,18 +131,42 @@ def link_bytes(
   raise ValueError(f"unknown topology {topology!r}; use 'ring' or 'relay'.")
 
 
-def step_seconds(compute_seconds: float, up_bytes: float, down_bytes: float, link: Link) -> float:
-  """``compute + max(up, down)`` transfer time for one step."""
-  return compute_seconds + max(
-    up_bytes * 8 / link.up_bits_per_s, down_bytes * 8 / link.down_bits_per_s
-  )
+def step_seconds(
+  compute_seconds: float,
+  up_bytes: float,
+  down_bytes: float,
+  link: Link,
+  overlapped_share: float = 0.0,
+) -> float:
+  """One step's time: compute, then the transfer, except its overlapped share.
+
+  Args:
+    compute_seconds: the step's compute.
+    up_bytes: bytes up the worker's link.
+    down_bytes: bytes down it.
+    link: the link.
+    overlapped_share: the share of the bytes that moves during the next
+      step's compute (1 for ``delayed_apply``, the overlapped message's share
+      for a partial overlap, 0 otherwise).
+
+  Returns:
+    ``max(compute, f * transfer) + (1 - f) * transfer`` seconds, with
+    ``transfer = max(up / up_rate, down / down_rate)``.
+  """
+  if not 0.0 <= overlapped_share <= 1.0:
+    raise ValueError(f"overlapped_share must be in [0, 1], got {overlapped_share}.")
+  transfer = max(up_bytes * 8 / link.up_bits_per_s, down_bytes * 8 / link.down_bits_per_s)
+  hidden = overlapped_share * transfer
+  return max(compute_seconds, hidden) + transfer - hidden
 
 
-def _projection(name, collective, operand, compute, workers, steps, link) -> dict[str, Any]:
+def _projection(
+  name, collective, operand, compute, workers, steps, link, overlapped=0.0
+) -> dict[str, Any]:
   ring = link_bytes(collective, operand, workers, "ring")
   relay = link_bytes(collective, operand, workers, "relay")
-  t_ring = step_seconds(compute, *ring, link)
-  t_relay = step_seconds(compute, *relay, link)
+  t_ring = step_seconds(compute, *ring, link, overlapped)
+  t_relay = step_seconds(compute, *relay, link, overlapped)
   return {
     "method": name,
     "link": link.name,
@@ -167,7 +196,8 @@ def project(
 
   Args:
     rows: the comparison's rows; each needs ``method``, ``optimizer``,
-      ``payload_bytes_per_step`` and ``step_seconds`` (measured compute).
+      ``payload_bytes_per_step`` and ``step_seconds`` (measured compute),
+      and may have ``overlapped_share`` (see :func:`step_seconds`; 0 if absent).
     links: the links to project onto.
     steps: steps in the run being projected.
     workers: W.
@@ -186,6 +216,7 @@ def project(
       workers,
       steps,
       link,
+      row.get("overlapped_share", 0.0),
     )
     for row in rows
     for link in links

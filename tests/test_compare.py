@@ -106,6 +106,18 @@ def test_time_model_ring_and_relay_bytes():
     time_model.link_bytes("all-gather", 1, 2, "mesh")
 
 
+def test_time_model_hides_the_overlapped_share_under_compute():
+  link = time_model.Link("x", up_bits_per_s=8e6, down_bits_per_s=8e6)  # 1 MB/s
+  # Fully overlapped: the longer of compute and transfer.
+  assert time_model.step_seconds(0.5, 1e6, 1e6, link, 1.0) == pytest.approx(1.0)
+  assert time_model.step_seconds(2.0, 1e6, 1e6, link, 1.0) == pytest.approx(2.0)
+  # Half overlapped: 0.5 s hidden under 0.2 s of compute (0.3 s shows), 0.5 s waits.
+  assert time_model.step_seconds(0.2, 1e6, 1e6, link, 0.5) == pytest.approx(1.0)
+  assert time_model.step_seconds(0.6, 1e6, 1e6, link, 0.5) == pytest.approx(1.1)
+  with pytest.raises(ValueError, match=r"overlapped_share must be in \[0, 1\]"):
+    time_model.step_seconds(0.2, 1e6, 1e6, link, 1.5)
+
+
 def test_report_setting_reproduces_the_published_adamw_bytes():
   rows = time_model.report_setting()
   adamw = next(r for r in rows if r["method"] == "adamw")

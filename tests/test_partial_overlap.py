@@ -246,3 +246,22 @@ def test_the_trainers_partial_step_gathers_one_message_before_the_batch_and_one_
   assert sorted(got) == sorted(messages)
   # The driver's byte accounting is the two messages'.
   assert methods.get("demo").message_bytes(cfg, program.abstract) == sum(b for b, _ in messages)
+
+
+def test_the_time_model_sees_the_overlapped_share_of_the_message():
+  from experiments import config, methods, model, presets
+
+  params = model.abstract_params(presets.get_preset("small"))
+  share = lambda **flags: methods.overlapped_share(
+    config.TrainConfig(**{"preset": "small", "optimizer": "demo", **flags})
+  )
+  assert share() == 0.0
+  assert share(delayed_apply=True) == 1.0
+  partial = share(delayed_apply=True, synchronous_params=methods.PARTIAL_OVERLAP)
+  paths = model.param_paths(presets.get_preset("small"))
+  overlapped = [
+    x for p, x in zip(paths, jax.tree.leaves(params)) if not re.search(methods.PARTIAL_OVERLAP, p)
+  ]
+  assert partial == dj.wire_bytes(overlapped).payload / dj.wire_bytes(params).payload
+  assert 0.6 < partial < 0.7  # a third of the message stays synchronous
+  assert share(optimizer="adamw") == 0.0
