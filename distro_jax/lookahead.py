@@ -153,7 +153,9 @@ def gradient_point(
   """The params at which this worker should take its gradient.
 
   * A ``delayed_apply`` :func:`distro_jax.demo` state: the params moved by
-    :func:`lookahead_update` (the guess of the update in flight).
+    :func:`lookahead_update` (the guess of the update in flight). With
+    ``synchronous`` (a partial overlap), or under ``optax.masked``, only the
+    params that the overlapped exchange covers move.
   * A :func:`distro_jax.diloco` or :func:`distro_jax.sparseloco` state: the
     worker's inner params (:func:`distro_jax.inner_params`).
   * Anything else: ``params`` itself.

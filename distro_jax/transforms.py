@@ -587,6 +587,15 @@ def distro(
     >>> import jax.numpy as jnp, optax, distro_jax as dj
     >>> tx = dj.distro(optax.adamw(1e-3), 1e-3, axis_name=None)
     >>> state = tx.init({"w": jnp.ones((8,))})
+
+    A partial overlap: ``w`` exchanged in its own step, ``b`` one step late.
+
+    >>> params = {"w": jnp.ones((64, 64)), "b": jnp.ones((64,))}
+    >>> tx = dj.demo(1e-3, axis_name=None, delayed_apply=True, synchronous={"w": True, "b": False})
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(params, state, params)
+    >>> float(jnp.abs(updates["w"]).max()) > 0, float(jnp.abs(updates["b"]).max()) > 0
+    (True, False)
   """
   options = dict(
     compression_decay=compression_decay,
