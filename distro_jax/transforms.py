@@ -492,8 +492,8 @@ def demo(
       :func:`scale_by_demo`). Static.
     synchronous: with ``delayed_apply``, the params whose messages are still
       exchanged in the step that computes them, as without the delay (a
-      partial overlap): a tree of bools like the params, or a function of the
-      params that returns one, as ``optax.masked`` takes. ``None`` (the
+      partial overlap): a tree of bools like the params (or a prefix of it,
+      one bool for a subtree), or a function of the params that returns one. ``None`` (the
       default) overlaps every param. See :func:`distro`. Static.
 
   Returns:
@@ -576,8 +576,8 @@ def distro(
       :func:`scale_by_demo`). Static.
     synchronous: with ``delayed_apply``, the params whose messages are still
       exchanged in the step that computes them, as without the delay (a
-      partial overlap): a tree of bools like the params, or a function of the
-      params that returns one, as ``optax.masked`` takes. ``None`` (the
+      partial overlap): a tree of bools like the params (or a prefix of it,
+      one bool for a subtree), or a function of the params that returns one. ``None`` (the
       default) overlaps every param. See :func:`distro`. Static.
 
   Returns:
@@ -639,8 +639,8 @@ def _overlap_labels(synchronous: Any, params: Any) -> Any:
     return jax.tree.map(lambda sync, _: _SYNCHRONOUS if sync else _OVERLAPPED, mask, params)
   except ValueError as e:
     raise ValueError(
-      "synchronous= must be a tree of bools with the params' structure (or a function "
-      f"of the params that returns one): {e}"
+      "synchronous= must be a tree of bools with the params' structure, or a prefix of "
+      f"it (or a function of the params that returns one): {e}"
     ) from None
 
 
@@ -680,8 +680,8 @@ def distro_adamw(
       :func:`scale_by_demo`). Static.
     synchronous: with ``delayed_apply``, the params whose messages are still
       exchanged in the step that computes them, as without the delay (a
-      partial overlap): a tree of bools like the params, or a function of the
-      params that returns one, as ``optax.masked`` takes. ``None`` (the
+      partial overlap): a tree of bools like the params (or a prefix of it,
+      one bool for a subtree), or a function of the params that returns one. ``None`` (the
       default) overlaps every param. See :func:`distro`. Static.
 
   Returns:

@@ -168,6 +168,12 @@ def test_a_mask_function_and_a_mask_tree_agree():
   )
   shapes = lambda tx: jax.tree.map(jnp.shape, jax.eval_shape(tx.init, params))
   assert shapes(by_tree) == shapes(by_fn)
+  # A prefix: one bool for a whole subtree.
+  nested = {"ab": {"a": params["a"], "b": params["b"]}, "c": params["c"]}
+  tx = dj.demo(1e-2, axis_name=None, delayed_apply=True, synchronous={"ab": True, "c": False})
+  updates, _ = tx.update(nested, tx.init(nested), nested)
+  moved = jax.tree.map(lambda u: bool(jnp.any(u != 0)), updates)
+  assert moved == {"ab": {"a": True, "b": True}, "c": False}  # "c" waits a step
 
 
 def test_synchronous_without_delay_or_with_a_wrong_mask_is_refused():
@@ -175,7 +181,7 @@ def test_synchronous_without_delay_or_with_a_wrong_mask_is_refused():
   with pytest.raises(ValueError, match="Pass delayed_apply=True, or leave synchronous=None"):
     dj.demo(1e-2, axis_name=None, synchronous=SYNC)
   tx = dj.demo(1e-2, axis_name=None, delayed_apply=True, synchronous={"a": True})
-  with pytest.raises(ValueError, match="tree of bools with the params' structure"):
+  with pytest.raises(ValueError, match="tree of bools with the params' structure, or a prefix"):
     tx.init(params)
 
 
