@@ -164,3 +164,14 @@ def test_no_checkpoint_is_deleted_unless_asked(tmp_path):
     ck.save(step, _state(step), it)
   ck.close()
   assert sorted(os.listdir(tmp_path / "two")) == ["3", "4"]
+
+
+def test_a_setting_added_since_a_checkpoint_compares_as_its_default(tmp_path):
+  # A checkpoint written before --synchronous_params existed was made with
+  # every param overlapped: it resumes a run with the default, not another.
+  saved = {"optimizer": "demo", "delayed_apply": True}
+  now = dict(saved, synchronous_params="")
+  Checkpointer(str(tmp_path), fingerprint=now)._check_fingerprint(1, saved)
+  other = dict(saved, synchronous_params="'attn'")
+  with pytest.raises(CheckpointError, match="synchronous_params"):
+    Checkpointer(str(tmp_path), fingerprint=other)._check_fingerprint(1, saved)
