@@ -624,9 +624,7 @@ def distro(
     _SYNCHRONOUS: distro(inner, learning_rate, delayed_apply=False, **options),
     _OVERLAPPED: distro(inner, learning_rate, delayed_apply=True, **options),
   }
-  return optax.with_extra_args_support(
-    optax.multi_transform(groups, functools.partial(_overlap_labels, synchronous))
-  )
+  return optax.multi_transform(groups, functools.partial(_overlap_labels, synchronous))
 
 
 _SYNCHRONOUS, _OVERLAPPED = "synchronous", "overlapped"

@@ -34,6 +34,31 @@ def build(tx, params, mesh):
   return step, params, state
 
 
+def random_problem(shapes, workers, steps, seed):
+  """Params (normal, x0.1) and ``steps`` gradient trees, each with a leading worker axis.
+
+  The gradients do not depend on the params, so two modes of one exchange
+  can be compared message for message.
+  """
+  rng = np.random.default_rng(seed)
+  init = {k: jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32) for k, s in shapes.items()}
+  grads = [
+    {k: rng.normal(size=(workers, *s)).astype(np.float32) for k, s in shapes.items()}
+    for _ in range(steps)
+  ]
+  return init, grads
+
+
+def trajectory(tx, init, grads, mesh):
+  """``(params before each step and after the last, final state)`` of :func:`build`'s step."""
+  step, params, state = build(tx, init, mesh)
+  out = [params]
+  for g in grads:
+    params, state = step(params, state, place_grads(g, mesh))
+    out.append(params)
+  return out, state
+
+
 def place_grads(grads_W, mesh):
   return jax.tree.map(
     lambda g: jax.device_put(jnp.asarray(g), NamedSharding(mesh, P("data"))), grads_W

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from sharded_step import build, mesh_of, place_grads
+from jaxpr_gathers import gathers_fed_by
+from sharded_step import mesh_of, random_problem, trajectory
 
 import distro_jax as dj
 
@@ -23,24 +23,10 @@ def test_delayed_is_the_same_steps_one_step_later(make_tx):
   # Gradients that do not depend on the params make the two runs' messages
   # identical, so the delayed run must be the plain one shifted by one step.
   workers, steps = 4, 6
-  rng = np.random.default_rng(0)
-  init = {k: jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32) for k, s in SHAPES.items()}
-  grads = [
-    {k: rng.normal(size=(workers, *s)).astype(np.float32) for k, s in SHAPES.items()}
-    for _ in range(steps + 1)
-  ]
+  init, grads = random_problem(SHAPES, workers, steps + 1, seed=0)
   mesh = mesh_of(workers)
-
-  def trajectory(delayed, n):
-    step, params, state = build(make_tx(1e-2, delayed_apply=delayed), init, mesh)
-    out = [params]
-    for g in grads[:n]:
-      params, state = step(params, state, place_grads(g, mesh))
-      out.append(params)
-    return out, state
-
-  plain, _ = trajectory(False, steps)
-  delayed, state = trajectory(True, steps + 1)
+  plain, _ = trajectory(make_tx(1e-2), init, grads[:steps], mesh)
+  delayed, state = trajectory(make_tx(1e-2, delayed_apply=True), init, grads, mesh)
   for k in SHAPES:
     np.testing.assert_array_equal(np.asarray(delayed[1][k]), np.asarray(init[k]))
     for t in range(steps + 1):
@@ -52,31 +38,6 @@ def test_delayed_is_the_same_steps_one_step_later(make_tx):
   assert pending.shape[1] == layout.num_bytes
   _, valid = dj.codec.decode_message(jnp.asarray(pending), layout)
   assert np.asarray(valid).all()
-
-
-def _gathers_fed_by(jaxpr, tainted):
-  """For each all-gather in ``jaxpr``, whether its operand depends on a ``tainted`` var."""
-  found = []
-  for eqn in jaxpr.eqns:
-    hit = any(isinstance(v, jex_core.Var) and v in tainted for v in eqn.invars)
-    if eqn.primitive.name.startswith("all_gather"):
-      found.append(hit)
-    for sub in eqn.params.values():
-      inner = sub.jaxpr if isinstance(sub, jex_core.ClosedJaxpr) else sub
-      if not isinstance(inner, jex_core.Jaxpr):
-        continue
-      if len(inner.invars) == len(eqn.invars):
-        inner_tainted = {
-          iv
-          for iv, v in zip(inner.invars, eqn.invars)
-          if isinstance(v, jex_core.Var) and v in tainted
-        }
-      else:
-        inner_tainted = set(inner.invars) if hit else set()
-      found += _gathers_fed_by(inner, inner_tainted)
-    if hit:
-      tainted.update(eqn.outvars)
-  return found
 
 
 def _loss(params, x_BxD):
@@ -103,7 +64,7 @@ def test_the_all_gather_waits_on_the_gradient_only_without_delay(delayed):
   x = jax.device_put(jnp.ones((16, 32), jnp.float32), NamedSharding(mesh, P("data")))
   closed = jax.make_jaxpr(step)(params, state, x)
   batch = closed.jaxpr.invars[-1]
-  fed = _gathers_fed_by(closed.jaxpr, {batch})
+  fed = gathers_fed_by(closed.jaxpr, {batch})
   assert len(fed) == 1
   # Delayed, the payload in flight comes from the state alone, so it can
   # overlap this step's forward and backward pass.

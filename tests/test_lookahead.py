@@ -10,8 +10,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxpr_gathers import gathers_fed_by, trainer_step_jaxpr
 from sharded_step import mesh_of
-from test_delayed_apply import _gathers_fed_by
 
 import distro_jax as dj
 from distro_jax import dct, wire
@@ -129,7 +129,7 @@ def test_the_all_gather_still_waits_on_no_gradient():
   params = jax.device_put(params, NamedSharding(mesh, P()))
   x = jax.device_put(jnp.ones((16, 32), jnp.float32), NamedSharding(mesh, P("data")))
   closed = jax.make_jaxpr(step)(params, state, x)
-  assert _gathers_fed_by(closed.jaxpr, {closed.jaxpr.invars[-1]}) == [False]
+  assert gathers_fed_by(closed.jaxpr, {closed.jaxpr.invars[-1]}) == [False]
   # The one all-gather moves the message and nothing else.
   measured = dj.collective_bytes(jax.jit(step), params, state, x)
   assert [k for k, v in measured.by_kind.items() if v] == ["all-gather"]
@@ -156,31 +156,16 @@ def test_options_that_do_not_match_the_state_are_refused():
 @pytest.mark.slow
 @pytest.mark.parametrize("quantize_1bit", [False, True], ids=["fp32", "1bit"])
 def test_the_trainers_overlapped_step_looks_ahead_and_gathers_before_the_gradient(quantize_1bit):
-  from experiments import config, methods, trainer
+  from experiments import config, methods
 
-  cfg = config.resolve(
-    config.TrainConfig(
-      preset="tiny",
-      workers=4,
-      batch_size=8,
-      seq_len=32,
-      compression_topk=8,
-      quantize_1bit=quantize_1bit,
-      delayed_apply=True,
-    )
+  cfg, _, closed = trainer_step_jaxpr(
+    compression_topk=8, quantize_1bit=quantize_1bit, delayed_apply=True
   )
   point = methods.get("demo").gradient_point(cfg)
   assert point.func is dj.gradient_point
   assert point.keywords["quantize_1bit"] is quantize_1bit
   bare = config.resolve(dataclasses.replace(cfg, lookahead=False))
   assert methods.get("demo").gradient_point(bare) is dj.inner_params
-  program = trainer.build(cfg)
-  params = program.placed(program.abstract, program.fsdp_plan.specs)
-  state = dj.abstract_worker_state(
-    program.tx, program.abstract, program.mesh, "replica", param_specs=program.fsdp_plan.specs
-  )
-  rows = jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=program.sharding(program.rows))
-  closed = jax.make_jaxpr(program.train_step)(params, state, jnp.int32(1), rows, rows)
-  fed = _gathers_fed_by(closed.jaxpr, set(closed.jaxpr.invars[-2:]))
+  fed = gathers_fed_by(closed.jaxpr, set(closed.jaxpr.invars[-2:]))
   # The message all-gather (and any other) starts before the batch is read.
   assert fed and not any(fed)

@@ -8,25 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from sharded_step import build, mesh_of, place_grads
-from test_delayed_apply import _gathers_fed_by
+from jaxpr_gathers import gather_operand_bytes, gathers_fed_by, trainer_step_jaxpr
+from sharded_step import mesh_of, random_problem, trajectory
 
 import distro_jax as dj
 
 SHAPES = {"a": (64, 128), "b": (96,), "c": (32, 128)}
 SYNC = {"a": True, "b": False, "c": False}
-
-
-def _trajectory(tx, init, grads, mesh):
-  step, params, state = build(tx, init, mesh)
-  out = [params]
-  for g in grads:
-    params, state = step(params, state, place_grads(g, mesh))
-    out.append(params)
-  return out
 
 
 @pytest.mark.slow
@@ -36,16 +26,11 @@ def test_each_group_trains_as_its_own_mode(make_tx):
   # are its own: a synchronous tensor must follow the plain run bit for bit,
   # an overlapped one the plain run one step late.
   workers, steps = 4, 5
-  rng = np.random.default_rng(0)
-  init = {k: jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32) for k, s in SHAPES.items()}
-  grads = [
-    {k: rng.normal(size=(workers, *s)).astype(np.float32) for k, s in SHAPES.items()}
-    for _ in range(steps + 1)
-  ]
+  init, grads = random_problem(SHAPES, workers, steps + 1, seed=0)
   mesh = mesh_of(workers)
   make = functools.partial(make_tx, 1e-2, weight_decay=0.1, compression_topk=8)
-  plain = _trajectory(make(), init, grads, mesh)
-  partial = _trajectory(make(delayed_apply=True, synchronous=SYNC), init, grads, mesh)
+  plain, _ = trajectory(make(), init, grads, mesh)
+  partial, _ = trajectory(make(delayed_apply=True, synchronous=SYNC), init, grads, mesh)
   # DeMo's sign step is exact; AdamW's arithmetic, compiled into another
   # program, may fuse differently and round in the last bit.
   same = (
@@ -63,18 +48,13 @@ def test_each_group_trains_as_its_own_mode(make_tx):
 
 def test_every_param_synchronous_or_none_is_the_plain_or_the_delayed_exchange():
   workers, steps = 4, 3
-  rng = np.random.default_rng(1)
-  init = {k: jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32) for k, s in SHAPES.items()}
-  grads = [
-    {k: rng.normal(size=(workers, *s)).astype(np.float32) for k, s in SHAPES.items()}
-    for _ in range(steps)
-  ]
+  init, grads = random_problem(SHAPES, workers, steps, seed=1)
   mesh = mesh_of(workers)
   make = functools.partial(dj.demo, 1e-2, compression_topk=8)
   for synchronous, reference in ((True, make()), (False, make(delayed_apply=True))):
     mask = jax.tree.map(lambda _, s=synchronous: s, init)
-    got = _trajectory(make(delayed_apply=True, synchronous=mask), init, grads, mesh)
-    want = _trajectory(reference, init, grads, mesh)
+    got, _ = trajectory(make(delayed_apply=True, synchronous=mask), init, grads, mesh)
+    want, _ = trajectory(reference, init, grads, mesh)
     for g, w in zip(got, want):
       for k in SHAPES:
         np.testing.assert_array_equal(np.asarray(g[k]), np.asarray(w[k]))
@@ -110,8 +90,8 @@ def test_only_the_overlapped_gather_waits_on_no_gradient():
   params = jax.device_put(params, NamedSharding(mesh, P()))
   x = jax.device_put(jnp.ones((16, 64), jnp.float32), NamedSharding(mesh, P("data")))
   closed = jax.make_jaxpr(step)(params, state, x)
-  fed = _gathers_fed_by(closed.jaxpr, {closed.jaxpr.invars[-1]})
-  sizes = _gather_operand_bytes(closed.jaxpr)
+  fed = gathers_fed_by(closed.jaxpr, {closed.jaxpr.invars[-1]})
+  sizes = gather_operand_bytes(closed.jaxpr)
   sync = dj.wire_bytes([params[k] for k in SHAPES if SYNC[k]]).payload
   overlapped = dj.wire_bytes([params[k] for k in SHAPES if not SYNC[k]]).payload
   assert sync != overlapped  # so the sizes tell the two gathers apart
@@ -121,20 +101,6 @@ def test_only_the_overlapped_gather_waits_on_no_gradient():
   measured = dj.collective_bytes(jax.jit(step), params, state, x)
   assert [k for k, v in measured.by_kind.items() if v] == ["all-gather"]
   assert measured.total == sync + overlapped
-
-
-def _gather_operand_bytes(jaxpr):
-  """Each all-gather's operand bytes, in the order :func:`_gathers_fed_by` visits them."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name.startswith("all_gather"):
-      aval = eqn.invars[0].aval
-      found.append(int(np.prod(aval.shape)) * aval.dtype.itemsize)
-    for sub in eqn.params.values():
-      inner = sub.jaxpr if isinstance(sub, jex_core.ClosedJaxpr) else sub
-      if isinstance(inner, jex_core.Jaxpr):
-        found += _gather_operand_bytes(inner)
-  return found
 
 
 def test_the_lookahead_moves_only_the_overlapped_params():
@@ -216,28 +182,13 @@ def test_the_method_option_partial_names_the_measured_group():
 
 @pytest.mark.slow
 def test_the_trainers_partial_step_gathers_one_message_before_the_batch_and_one_after():
-  from experiments import config, methods, trainer
+  from experiments import methods
 
-  cfg = config.resolve(
-    config.TrainConfig(
-      preset="tiny",
-      workers=4,
-      batch_size=8,
-      seq_len=32,
-      compression_topk=8,
-      delayed_apply=True,
-      synchronous_params=methods.PARTIAL_OVERLAP,
-    )
+  cfg, program, closed = trainer_step_jaxpr(
+    compression_topk=8, delayed_apply=True, synchronous_params=methods.PARTIAL_OVERLAP
   )
-  program = trainer.build(cfg)
-  params = program.placed(program.abstract, program.fsdp_plan.specs)
-  state = dj.abstract_worker_state(
-    program.tx, program.abstract, program.mesh, "replica", param_specs=program.fsdp_plan.specs
-  )
-  rows = jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=program.sharding(program.rows))
-  closed = jax.make_jaxpr(program.train_step)(params, state, jnp.int32(1), rows, rows)
-  fed = _gathers_fed_by(closed.jaxpr, set(closed.jaxpr.invars[-2:]))
-  sizes = _gather_operand_bytes(closed.jaxpr)
+  fed = gathers_fed_by(closed.jaxpr, set(closed.jaxpr.invars[-2:]))
+  sizes = gather_operand_bytes(closed.jaxpr)
   leaves = jax.tree_util.tree_flatten_with_path(program.abstract)[0]
   pick = lambda sync: [
     x

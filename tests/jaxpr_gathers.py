@@ -1,0 +1,69 @@
+"""What a step's all-gathers read: walks of a jaxpr, and the trainer's step as one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+import distro_jax as dj
+
+
+def _sub_jaxprs(eqn):
+  for sub in eqn.params.values():
+    inner = sub.jaxpr if isinstance(sub, jex_core.ClosedJaxpr) else sub
+    if isinstance(inner, jex_core.Jaxpr):
+      yield inner
+
+
+def gathers_fed_by(jaxpr, tainted):
+  """For each all-gather in ``jaxpr``, whether its operand depends on a ``tainted`` var."""
+  found = []
+  for eqn in jaxpr.eqns:
+    hit = any(isinstance(v, jex_core.Var) and v in tainted for v in eqn.invars)
+    if eqn.primitive.name.startswith("all_gather"):
+      found.append(hit)
+    for inner in _sub_jaxprs(eqn):
+      if len(inner.invars) == len(eqn.invars):
+        inner_tainted = {
+          iv
+          for iv, v in zip(inner.invars, eqn.invars)
+          if isinstance(v, jex_core.Var) and v in tainted
+        }
+      else:
+        inner_tainted = set(inner.invars) if hit else set()
+      found += gathers_fed_by(inner, inner_tainted)
+    if hit:
+      tainted.update(eqn.outvars)
+  return found
+
+
+def gather_operand_bytes(jaxpr):
+  """Each all-gather's operand bytes, in the order :func:`gathers_fed_by` visits them."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name.startswith("all_gather"):
+      aval = eqn.invars[0].aval
+      found.append(int(np.prod(aval.shape)) * aval.dtype.itemsize)
+    for inner in _sub_jaxprs(eqn):
+      found += gather_operand_bytes(inner)
+  return found
+
+
+def trainer_step_jaxpr(**overrides):
+  """The driver's train step on ``tiny`` (4 workers, 8 x 32 tokens) as a jaxpr.
+
+  Returns:
+    ``(cfg, program, closed)``; the last two inputs of ``closed`` are the batch.
+  """
+  from experiments import config, trainer
+
+  fields = dict(preset="tiny", workers=4, batch_size=8, seq_len=32, **overrides)
+  cfg = config.resolve(config.TrainConfig(**fields))
+  program = trainer.build(cfg)
+  params = program.placed(program.abstract, program.fsdp_plan.specs)
+  state = dj.abstract_worker_state(
+    program.tx, program.abstract, program.mesh, "replica", param_specs=program.fsdp_plan.specs
+  )
+  rows = jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=program.sharding(program.rows))
+  closed = jax.make_jaxpr(program.train_step)(params, state, jnp.int32(1), rows, rows)
+  return cfg, program, closed
