@@ -37,6 +37,21 @@ def gathers_fed_by(jaxpr, tainted):
   return found
 
 
+def gather_branch_paths(jaxpr, path=()):
+  """Each all-gather's enclosing ``cond`` branches, outermost first, e.g. ``("cond[1]",)``."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name.startswith("all_gather"):
+      found.append(path)
+    if eqn.primitive.name == "cond":
+      for i, branch in enumerate(eqn.params["branches"]):
+        found += gather_branch_paths(branch.jaxpr, (*path, f"cond[{i}]"))
+    else:
+      for inner in _sub_jaxprs(eqn):
+        found += gather_branch_paths(inner, path)
+  return found
+
+
 def gather_operand_bytes(jaxpr):
   """Each all-gather's operand bytes, in the order :func:`gathers_fed_by` visits them."""
   found = []

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.extend import core as jex_core
+from jaxpr_gathers import gather_branch_paths
 from sharded_step import build, mesh_of, per_device_copies, place_grads
 from sparseloco_reference import ReferenceSparseLoCo
 from sparseloco_reference import quantize as np_quantize
@@ -193,22 +193,7 @@ def test_the_all_gather_runs_only_in_the_synchronizing_branch():
   # And in the jaxpr: exactly one all_gather, inside the true branch of a cond.
   closed = jax.make_jaxpr(step)(params, state, grads)
 
-  def gathers(jaxpr, path):
-    out = []
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name.startswith("all_gather"):
-        out.append(path)
-      if eqn.primitive.name == "cond":
-        for i, br in enumerate(eqn.params["branches"]):
-          out += gathers(br.jaxpr, (*path, f"cond[{i}]"))
-      else:
-        for sub in eqn.params.values():
-          inner = sub.jaxpr if isinstance(sub, jex_core.ClosedJaxpr) else sub
-          if isinstance(inner, jex_core.Jaxpr):
-            out += gathers(inner, path)
-    return out
-
-  found = gathers(closed.jaxpr, ())
+  found = gather_branch_paths(closed.jaxpr)
   assert len(found) == 1 and found[0][-1] == "cond[1]", found
 
 
