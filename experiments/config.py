@@ -98,7 +98,10 @@ class TrainConfig:
   sparseloco_sync_every: int = _field(
     30, "SparseLoCo: inner steps between synchronizations (H; the paper's 30)."
   )
-  sparseloco_topk: int = _field(64, "SparseLoCo: entries kept per 64x64 chunk (the paper's 64).")
+  sparseloco_topk: int = _field(64, "SparseLoCo: entries kept per chunk (the paper's 64 of 64x64).")
+  sparseloco_chunk: int = _field(
+    64, "SparseLoCo: chunk length target per axis of the last two (the paper's 64)."
+  )
   sparseloco_value_bits: int = _field(
     2, "SparseLoCo: bits per value sent, 1 or 2 (the paper's 2), or 0 for float values."
   )
@@ -428,6 +431,7 @@ _INT_FLOORS: dict[str, tuple[int, str]] = {
   "diloco_sync_every": (1, "use --diloco_sync_every=1 or more (DiLoCo's paper uses 500)"),
   "sparseloco_sync_every": (1, "use --sparseloco_sync_every=1 or more (the paper uses 30)"),
   "sparseloco_topk": (1, "use --sparseloco_topk=1 or more (the paper sends 64 of 4096)"),
+  "sparseloco_chunk": (1, "use --sparseloco_chunk=1 or more (the paper uses 64)"),
   "sparseloco_value_bits": (0, "use 2 (the paper's), 1, or 0 for float values"),
   "warmup_steps": (0, "use --warmup_steps=0 for no warmup"),
   "seed": (0, "use a seed in [0, 2**32)"),

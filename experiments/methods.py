@@ -464,6 +464,7 @@ def _build_sparseloco(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformat
     outer_learning_rate=cfg.sparseloco_outer_lr,
     error_decay=cfg.sparseloco_error_decay,
     compression_topk=cfg.sparseloco_topk,
+    compression_chunk=cfg.sparseloco_chunk,
     value_bits=_sparseloco_bits(cfg),
     clip_to_median_norm=cfg.sparseloco_clip,
     use_dct=cfg.sparseloco_dct,
@@ -476,6 +477,7 @@ def _sparseloco_message(cfg: TrainConfig, params: Any) -> int:
     params,
     sync_every=cfg.sparseloco_sync_every,
     compression_topk=cfg.sparseloco_topk,
+    compression_chunk=cfg.sparseloco_chunk,
     value_bits=_sparseloco_bits(cfg),
   ).payload
 
@@ -495,6 +497,7 @@ def _check_sparseloco(cfg: TrainConfig) -> None:
       f"--sparseloco_sync_every<={cfg.steps} (e.g. the method sparseloco-h"
       f"{max(cfg.steps // 4, 1)}), or more --steps."
     )
+  _check_topk_fits(cfg, "sparseloco", "the paper sends 64 of 4096")
 
 
 def overlapped_share(cfg: TrainConfig) -> float:
@@ -518,18 +521,23 @@ def largest_chunk(preset: str, compression_chunk: int) -> int:
 
 # A top-k above every chunk is clamped to the chunk: each chunk goes whole,
 # indices and all, so the "compressed" message outgrows the gradient.
-def _check_compression(cfg: TrainConfig) -> None:
+def _check_topk_fits(cfg: TrainConfig, prefix: str, usual: str) -> None:
+  """Refuses ``--{prefix}_topk`` above every chunk that ``--{prefix}_chunk`` plans."""
   from experiments.config import ConfigError
 
-  largest = largest_chunk(cfg.preset, cfg.compression_chunk)
-  if cfg.compression_topk > largest:
+  topk, chunk = getattr(cfg, f"{prefix}_topk"), getattr(cfg, f"{prefix}_chunk")
+  largest = largest_chunk(cfg.preset, chunk)
+  if topk > largest:
     raise ConfigError(
-      f"--compression_topk={cfg.compression_topk} is above the largest chunk of preset "
-      f"{cfg.preset!r} ({largest} coefficients at --compression_chunk="
-      f"{cfg.compression_chunk}), so every chunk would be sent whole and the message would "
-      f"be larger than the gradient; use --compression_topk<={largest} (the reference "
-      "sends 32 of 4096), or a larger --compression_chunk."
+      f"--{prefix}_topk={topk} is above the largest chunk of preset {cfg.preset!r} "
+      f"({largest} coefficients at --{prefix}_chunk={chunk}), so every chunk would be sent "
+      f"whole and the message would be larger than the gradient; use --{prefix}_topk<="
+      f"{largest} ({usual}), or a larger --{prefix}_chunk."
     )
+
+
+def _check_compression(cfg: TrainConfig) -> None:
+  _check_topk_fits(cfg, "compression", "the reference sends 32 of 4096")
 
 
 # The group whose exact gradient point closed most of the overlapped
@@ -651,6 +659,7 @@ register(
     options=(
       Option(r"h(\d+)", "sparseloco_sync_every", _int, "hH"),
       Option(r"k(\d+)", "sparseloco_topk", _int, "kK"),
+      Option(r"c(\d+)", "sparseloco_chunk", _int, "cC"),
       Option(r"([012])bit", "sparseloco_value_bits", _int, "Nbit"),
       Option(r"noclip", "sparseloco_clip", lambda m: False, "noclip"),
       Option(r"dct", "sparseloco_dct", lambda m: True, "dct"),

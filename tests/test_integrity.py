@@ -166,12 +166,22 @@ def test_no_checkpoint_is_deleted_unless_asked(tmp_path):
   assert sorted(os.listdir(tmp_path / "two")) == ["3", "4"]
 
 
-def test_a_setting_added_since_a_checkpoint_compares_as_its_default(tmp_path):
-  # A checkpoint written before --synchronous_params existed was made with
-  # every param overlapped: it resumes a run with the default, not another.
-  saved = {"optimizer": "demo", "delayed_apply": True}
-  now = dict(saved, synchronous_params="")
+@pytest.mark.parametrize(
+  "saved, field, default, other",
+  [
+    # Before --synchronous_params every param was overlapped.
+    ({"optimizer": "demo", "delayed_apply": True}, "synchronous_params", "", "'attn'"),
+    # Before --sparseloco_chunk SparseLoCo always chunked 64x64.
+    ({"optimizer": "sparseloco"}, "sparseloco_chunk", 64, 8),
+  ],
+)
+def test_a_setting_added_since_a_checkpoint_compares_as_its_default(
+  tmp_path, saved, field, default, other
+):
+  # A checkpoint that lacks the field was made with its default: it resumes a
+  # run with the default, and refuses one with another value.
+  now = dict(saved, **{field: default})
   Checkpointer(str(tmp_path), fingerprint=now)._check_fingerprint(1, saved)
-  other = dict(saved, synchronous_params="'attn'")
-  with pytest.raises(CheckpointError, match="synchronous_params"):
-    Checkpointer(str(tmp_path), fingerprint=other)._check_fingerprint(1, saved)
+  changed = dict(saved, **{field: other})
+  with pytest.raises(CheckpointError, match=field):
+    Checkpointer(str(tmp_path), fingerprint=changed)._check_fingerprint(1, saved)

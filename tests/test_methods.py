@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import distro_jax as dj
 from experiments import config, methods, model, presets
 from experiments.config import ConfigError, TrainConfig
 
@@ -38,6 +39,7 @@ def test_method_names_map_to_config_fields():
     "sparseloco_topk": 32,
     "sparseloco_value_bits": 1,
   }
+  assert parse("sparseloco-h15-k1-c8")["sparseloco_chunk"] == 8
   assert parse("sparseloco-noclip-dct") == {
     "optimizer": "sparseloco",
     "sparseloco_clip": False,
@@ -66,6 +68,27 @@ def test_sparseloco_dct_option_reaches_the_transformation():
   # Top-8 raw entries of one chunk touch 8 params; top-8 DCT coefficients touch all.
   assert int(jnp.sum(plain != 0)) == 8
   assert int(jnp.sum(dct != 0)) > 8
+
+
+def test_sparseloco_chunk_option_reaches_the_transformation_and_its_bytes():
+  """``sparseloco-...-c8`` keeps its top-k in each 8x8 chunk, and counts those bytes."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64)}
+  grads = {"w": jnp.cos(jnp.arange(64 * 64, dtype=jnp.float32)).reshape(64, 64)}
+  moved = {}
+  for name, chunk in (("sparseloco-h1-k1", 64), ("sparseloco-h1-k1-c8", 8)):
+    method, fields = methods.parse(name)
+    cfg = config.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
+    tx = method.build(cfg, methods.Axes(None, None))
+    update = jax.jit(tx.update)
+    _, state = update(grads, tx.init(params), params)
+    outer, _ = update(grads, state, params)
+    moved[name] = int(jnp.sum(outer["w"] != 0))
+    expected = dj.sparseloco_bytes(
+      params, sync_every=1, compression_topk=1, compression_chunk=chunk
+    ).payload
+    assert method.payload(cfg, params).message == expected
+  # One entry of the one 64x64 chunk, against one of each of 64 chunks of 8x8.
+  assert moved == {"sparseloco-h1-k1": 1, "sparseloco-h1-k1-c8": 64}
 
 
 @pytest.mark.parametrize("bad", ["sgd", "demo-k", "demo-x8", "diloco-k8", "adamw-1bit", "demo-"])

@@ -136,6 +136,20 @@ def test_the_hlo_all_gathers_exactly_the_payload_once(value_bits):
   assert computed.per_step == computed.payload / 30
 
 
+@pytest.mark.slow
+def test_the_hlo_all_gathers_the_payload_of_small_chunks():
+  params = {"w": jnp.zeros((128, 192), jnp.bfloat16), "b": jnp.zeros((40,), jnp.float32)}
+  options = dict(sync_every=30, compression_topk=1, compression_chunk=8)
+  step, params, state, grads = _step_parts(params, options)
+  measured = dj.collective_bytes(step, params, state, grads)
+  computed = dj.sparseloco_bytes(params, **options)
+  assert measured.total == computed.payload
+  # 16x24 chunks of 8x8 with 6-bit indices; 5 chunks of 8 entries with 3-bit ones.
+  idx = (16 * 24 * 6 + 7) // 8 + (5 * 3 + 7) // 8
+  values = (16 * 24 * 2 + 7) // 8 + 16 + (5 * 2 + 7) // 8 + 16
+  assert computed.payload == idx + values
+
+
 def _conditional_branches(hlo: str) -> list[list[str]]:
   return [
     [b.strip().lstrip("%") for b in m.group(1).split(",")]
