@@ -114,40 +114,41 @@ def _step_parts(params, options):
   return step, params, state, grads
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("value_bits", [2, 1, None])
-def test_the_hlo_all_gathers_exactly_the_payload_once(value_bits):
-  params = {"w": jnp.zeros((128, 192), jnp.bfloat16), "b": jnp.zeros((40,), jnp.float32)}
-  options = dict(sync_every=30, value_bits=value_bits)
-  step, params, state, grads = _step_parts(params, options)
-  measured = dj.collective_bytes(step, params, state, grads)
-  computed = dj.sparseloco_bytes(params, sync_every=30, value_bits=value_bits)
-  assert [k for k, v in measured.by_kind.items() if v] == ["all-gather"]
-  assert len(measured.ops) == 1
-  assert measured.total == computed.payload
-  # The message, counted by hand: 2x3 chunks of 64x64 and one of 40 entries.
-  idx = (6 * 64 * 12 + 7) // 8 + (40 * 6 + 7) // 8
-  values = {
-    2: (6 * 64 * 2 + 7) // 8 + 16 + (40 * 2 + 7) // 8 + 16,
-    1: (6 * 64 + 7) // 8 + 8 + (40 + 7) // 8 + 8,
-    None: 6 * 64 * 2 + 40 * 4,
-  }[value_bits]
-  assert computed.payload == idx + values
-  assert computed.per_step == computed.payload / 30
+# The message counted by hand for a (128, 192) bf16 and a (40,) f32 param.
+# 64x64 chunks, top-64: 2x3 chunks of 64x64 (12-bit indices) and one of 40
+# entries (6-bit). 8x8 chunks, top-1: 16x24 chunks (6-bit) and 5 of 8 entries
+# (3-bit). Quantized values carry a codebook per tensor, 16 bytes at 2 bits
+# and 8 at 1.
+_IDX_64 = (6 * 64 * 12 + 7) // 8 + (40 * 6 + 7) // 8
+_IDX_8 = (16 * 24 * 6 + 7) // 8 + (5 * 3 + 7) // 8
+_HAND_COUNTED = {
+  "chunk64-2bit": (
+    dict(value_bits=2),
+    _IDX_64 + (6 * 64 * 2 + 7) // 8 + 16 + (40 * 2 + 7) // 8 + 16,
+  ),
+  "chunk64-1bit": (dict(value_bits=1), _IDX_64 + (6 * 64 + 7) // 8 + 8 + (40 + 7) // 8 + 8),
+  "chunk64-float": (dict(value_bits=None), _IDX_64 + 6 * 64 * 2 + 40 * 4),
+  "chunk8-2bit": (
+    dict(value_bits=2, compression_topk=1, compression_chunk=8),
+    _IDX_8 + (16 * 24 * 2 + 7) // 8 + 16 + (5 * 2 + 7) // 8 + 16,
+  ),
+}
 
 
 @pytest.mark.slow
-def test_the_hlo_all_gathers_the_payload_of_small_chunks():
+@pytest.mark.parametrize("case", list(_HAND_COUNTED))
+def test_the_hlo_all_gathers_exactly_the_payload_once(case):
   params = {"w": jnp.zeros((128, 192), jnp.bfloat16), "b": jnp.zeros((40,), jnp.float32)}
-  options = dict(sync_every=30, compression_topk=1, compression_chunk=8)
+  options, by_hand = _HAND_COUNTED[case]
+  options = dict(sync_every=30, **options)
   step, params, state, grads = _step_parts(params, options)
   measured = dj.collective_bytes(step, params, state, grads)
   computed = dj.sparseloco_bytes(params, **options)
+  assert [k for k, v in measured.by_kind.items() if v] == ["all-gather"]
+  assert len(measured.ops) == 1
   assert measured.total == computed.payload
-  # 16x24 chunks of 8x8 with 6-bit indices; 5 chunks of 8 entries with 3-bit ones.
-  idx = (16 * 24 * 6 + 7) // 8 + (5 * 3 + 7) // 8
-  values = (16 * 24 * 2 + 7) // 8 + 16 + (5 * 2 + 7) // 8 + 16
-  assert computed.payload == idx + values
+  assert computed.payload == by_hand
+  assert computed.per_step == computed.payload / 30
 
 
 def _conditional_branches(hlo: str) -> list[list[str]]:
