@@ -47,24 +47,33 @@ def test_method_names_map_to_config_fields():
   }
 
 
+# One 64x64 param, and a gradient that does not depend on it.
+_W = {"w": jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64)}
+_G = {"w": jnp.cos(jnp.arange(64 * 64, dtype=jnp.float32)).reshape(64, 64)}
+
+
+def _first_outer_step(name):
+  """``(outer update, method, cfg)`` of the method ``name`` on one worker, H 1."""
+  method, fields = methods.parse(name)
+  cfg = config.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
+  tx = method.build(cfg, methods.Axes(None, None))
+  update = jax.jit(tx.update)
+  # The schedule's first rate is 0 (warmup); the second step moves.
+  _, state = update(_G, tx.init(_W), _W)
+  outer, _ = update(_G, state, _W)
+  return outer["w"], method, cfg
+
+
 def test_sparseloco_dct_option_reaches_the_transformation():
   """``sparseloco-dct`` selects in the DCT domain: same bytes, a different outer step."""
-  params = {"w": jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64)}
-  grads = {"w": jnp.cos(jnp.arange(64 * 64, dtype=jnp.float32)).reshape(64, 64)}
   outer = {}
   for name in ("sparseloco-h1-k8", "sparseloco-h1-k8-dct"):
-    method, fields = methods.parse(name)
-    cfg = config.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
-    tx = method.build(cfg, methods.Axes(None, None))
-    update = jax.jit(tx.update)
-    # The schedule's first rate is 0 (warmup); the second step moves.
-    _, state = update(grads, tx.init(params), params)
-    outer[name], _ = update(grads, state, params)
+    outer[name], method, cfg = _first_outer_step(name)
     assert (
-      method.payload(cfg, params).message
-      == method.payload(dataclasses.replace(cfg, sparseloco_dct=False), params).message
+      method.payload(cfg, _W).message
+      == method.payload(dataclasses.replace(cfg, sparseloco_dct=False), _W).message
     )
-  plain, dct = outer["sparseloco-h1-k8"]["w"], outer["sparseloco-h1-k8-dct"]["w"]
+  plain, dct = outer["sparseloco-h1-k8"], outer["sparseloco-h1-k8-dct"]
   # Top-8 raw entries of one chunk touch 8 params; top-8 DCT coefficients touch all.
   assert int(jnp.sum(plain != 0)) == 8
   assert int(jnp.sum(dct != 0)) > 8
@@ -72,21 +81,12 @@ def test_sparseloco_dct_option_reaches_the_transformation():
 
 def test_sparseloco_chunk_option_reaches_the_transformation_and_its_bytes():
   """``sparseloco-...-c8`` keeps its top-k in each 8x8 chunk, and counts those bytes."""
-  params = {"w": jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64)}
-  grads = {"w": jnp.cos(jnp.arange(64 * 64, dtype=jnp.float32)).reshape(64, 64)}
   moved = {}
   for name, chunk in (("sparseloco-h1-k1", 64), ("sparseloco-h1-k1-c8", 8)):
-    method, fields = methods.parse(name)
-    cfg = config.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
-    tx = method.build(cfg, methods.Axes(None, None))
-    update = jax.jit(tx.update)
-    _, state = update(grads, tx.init(params), params)
-    outer, _ = update(grads, state, params)
-    moved[name] = int(jnp.sum(outer["w"] != 0))
-    expected = dj.sparseloco_bytes(
-      params, sync_every=1, compression_topk=1, compression_chunk=chunk
-    ).payload
-    assert method.payload(cfg, params).message == expected
+    outer, method, cfg = _first_outer_step(name)
+    moved[name] = int(jnp.sum(outer != 0))
+    expected = dj.sparseloco_bytes(_W, sync_every=1, compression_topk=1, compression_chunk=chunk)
+    assert method.payload(cfg, _W).message == expected.payload
   # One entry of the one 64x64 chunk, against one of each of 64 chunks of 8x8.
   assert moved == {"sparseloco-h1-k1": 1, "sparseloco-h1-k1-c8": 64}
 
