@@ -52,6 +52,17 @@ BAD = [
     "--compression_topk<=64",
   ),
   (
+    {
+      "optimizer": "sparseloco",
+      "sparseloco_sync_every": 5,
+      "sparseloco_chunk": 8,
+      "sparseloco_topk": 65,
+    },
+    "--sparseloco_topk=65",
+    "--sparseloco_topk<=64",
+  ),
+  ({"sparseloco_chunk": 0}, "--sparseloco_chunk=0", "--sparseloco_chunk=1 or more"),
+  (
     {"optimizer": "diloco", "diloco_sync_every": 50},
     "--steps=10 is shorter than --diloco_sync_every=50",
     "--diloco_sync_every<=10",
