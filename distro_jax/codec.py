@@ -25,6 +25,11 @@ k's last value keeps its own bit. So a chunk sends ``ceil(k / 2)`` sign bits
 instead of k (at top-k 8 of a 64x64 chunk, 8 x 12 + 4 = 100 bits instead of
 104). The receiver reads each pair's order back into both signs.
 
+**Drawn positions.** With ``WireLayout.drawn_positions`` the positions are
+not chosen by magnitude but drawn at random from a key that every worker can
+build (:func:`draw_positions`), so the message has no indices: after its flag
+byte, one sign bit per value with ``quantize_1bit``, else the values alone.
+
 A message whose sender's values were not finite is all zeros, and receivers
 leave it out of the aggregate. A valid message can never look like that, since
 the first chunk of the first tensor that keeps two or more coefficients names
@@ -54,7 +59,9 @@ __all__ = [
   "aggregate",
   "aggregate_blocks",
   "decode_message",
+  "draw_positions",
   "encode_message",
+  "position_key",
   "gather_blocks",
   "index_bits",
   "index_dtype",
@@ -120,14 +127,20 @@ class WireLayout(NamedTuple):
   Attributes:
     tensors: one :class:`TensorWire` per leaf, in tree order.
     quantize_1bit: whether values travel as sign bits in the bit stream.
+    drawn_positions: the positions are drawn from a seed every worker knows
+      (:func:`draw_positions`), so the message carries no indices, and with
+      ``quantize_1bit`` one sign bit per value.
   """
 
   tensors: tuple[TensorWire, ...]
   quantize_1bit: bool
+  drawn_positions: bool = False
 
   @property
   def marker(self) -> int | None:
     """The tensor whose first chunk marks validity (two distinct indices), or ``None``."""
+    if self.drawn_positions:
+      return None
     return next((i for i, t in enumerate(self.tensors) if t.k >= 2), None)
 
   @property
@@ -137,13 +150,20 @@ class WireLayout(NamedTuple):
 
   @property
   def index_bits(self) -> int:
-    """Bits of all the indices."""
+    """Bits of all the indices (none when the positions are drawn)."""
+    if self.drawn_positions:
+      return 0
     return sum(t.entries * t.index_bits for t in self.tensors)
+
+  def tensor_sign_bits(self, t: TensorWire) -> int:
+    """Sign bits one tensor writes with ``quantize_1bit``."""
+    # Drawn positions are not sent, so no order can carry a sign.
+    return t.entries if self.drawn_positions else t.sign_bits
 
   @property
   def stream_bits(self) -> int:
     """Bits of the bit stream: the indices, then the signs with ``quantize_1bit``."""
-    signs = sum(t.sign_bits for t in self.tensors) if self.quantize_1bit else 0
+    signs = sum(self.tensor_sign_bits(t) for t in self.tensors) if self.quantize_1bit else 0
     return self.index_bits + signs
 
   @property
@@ -538,14 +558,19 @@ def encode_message(
   indices = [_unsharded(x) for x in indices]
   values = [_unsharded(x) for x in values]
   signs = []
-  if layout.quantize_1bit:
+  if layout.drawn_positions:
+    # Every receiver draws the positions itself; only the values travel.
+    if layout.quantize_1bit:
+      signs = [(v >= 0).reshape(-1).astype(jnp.uint8) for v in values]
+    indices = []
+  elif layout.quantize_1bit:
     ordered = [
       _signs_into_order(idx.reshape(t.rows, t.k), (v >= 0).reshape(t.rows, t.k))
       for t, idx, v in zip(layout.tensors, indices, values)
     ]
     indices = [idx for idx, _ in ordered]
     signs = [bits.reshape(-1).astype(jnp.uint8) for _, bits in ordered]
-  stream = [bitpack.to_bit_stream(idx, t.index_bits) for t, idx in zip(layout.tensors, indices)]
+  stream = [bitpack.to_bit_stream(i, t.index_bits) for t, i in zip(layout.tensors, indices)]
   stream += signs
   parts = []
   if layout.header_bytes:
@@ -560,13 +585,16 @@ def encode_message(
 
 
 def decode_message(
-  message: jax.Array, layout: WireLayout
+  message: jax.Array, layout: WireLayout, positions: list[jax.Array] | None = None
 ) -> tuple[list[tuple[jax.Array, jax.Array]], jax.Array]:
   """Parses messages back into (int32 indices, float32 values) per tensor.
 
   Args:
     message: ``uint8[..., layout.num_bytes]``; leading axes (the workers) are kept.
     layout: the :class:`WireLayout` of the tree.
+    positions: with ``layout.drawn_positions`` (and only then), the positions
+      each sender drew (:func:`draw_positions`), per tensor ``rows * k`` of
+      them for every message, with the message's leading axes first.
 
   Returns:
     ``(tensors, valid)``: per tensor, ``(indices, values)`` of shape
@@ -582,8 +610,17 @@ def decode_message(
     bitorder="little",
   )
   offset += layout.stream_bytes
+  if (positions is not None) != layout.drawn_positions:
+    raise ValueError(
+      "decode_message needs the drawn positions exactly when the layout says they are "
+      f"drawn (drawn_positions={layout.drawn_positions}); got positions="
+      f"{'a list' if positions is not None else None}."
+    )
   out_idx, start = [], 0
-  for t in layout.tensors:
+  for i, t in enumerate(layout.tensors):
+    if positions is not None:
+      out_idx.append(positions[i].astype(jnp.int32).reshape(*lead, t.rows, t.k))
+      continue
     n = t.entries * t.index_bits
     idx = bitpack.from_bit_stream(stream[..., start : start + n], t.index_bits, t.entries)
     out_idx.append(idx.astype(jnp.int32).reshape(*lead, t.rows, t.k))
@@ -591,10 +628,13 @@ def decode_message(
   out_val = []
   for t in layout.tensors:
     if layout.quantize_1bit:
-      bits = stream[..., start : start + t.sign_bits].reshape(*lead, t.rows, -1)
-      positive = _signs_from_order(out_idx[len(out_val)], bits.astype(bool))
+      n = layout.tensor_sign_bits(t)
+      bits = stream[..., start : start + n].reshape(*lead, t.rows, -1).astype(bool)
+      # Drawn positions carry no order, so every sign is a bit of its own.
+      drawn = layout.drawn_positions
+      positive = bits if drawn else _signs_from_order(out_idx[len(out_val)], bits)
       out_val.append(jnp.where(positive, 1.0, -1.0).astype(jnp.float32))
-      start += t.sign_bits
+      start += n
     else:
       dt = np.dtype(t.value_dtype)
       n = t.entries * dt.itemsize
@@ -607,6 +647,68 @@ def decode_message(
     first = out_idx[layout.marker]
     valid = first[..., 0, 0] != first[..., 0, 1]
   return list(zip(out_idx, out_val)), valid
+
+
+# Any fixed value works: every worker folds the same one.
+_POSITIONS_SEED = 0x5EED
+
+
+def position_key(
+  step: jax.Array | int,
+  tensor: int,
+  worker: jax.Array | int,
+  shard: jax.Array | int | None = None,
+) -> jax.Array:
+  """The key of one sender's drawn positions for one tensor at one step.
+
+  Built from what every worker knows, so that a receiver can draw a sender's
+  positions itself (:func:`draw_positions`).
+
+  Args:
+    step: the transformation's step count.
+    tensor: the tensor's index in the flattened tree.
+    worker: the sender's index on the workers' axis.
+    shard: for a tensor sharded within a site (FSDP), the device's index
+      along the axes that shard it; ``None`` otherwise.
+
+  Returns:
+    A ``jax.random`` key.
+  """
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(_POSITIONS_SEED), step), tensor)
+  if shard is not None:
+    key = jax.random.fold_in(key, shard)
+  return jax.random.fold_in(key, worker)
+
+
+def draw_positions(key: jax.Array, block_shape: tuple[int, ...], k: int) -> jax.Array:
+  """``k`` distinct chunk-local positions for every chunk of a block view, drawn at random.
+
+  The ``c1 * c2`` positions of a chunk are cut into ``k`` runs of (nearly)
+  equal length, ``[floor(j n / k), floor((j + 1) n / k))``, and one position
+  is drawn uniformly from each, so the k are distinct by construction and
+  spread over the chunk's frequencies; when k divides n every position is
+  drawn with probability k / n. A pure function of ``key``, so any worker
+  that knows the key (:func:`position_key`) draws the same positions on any
+  backend, and the message need not carry them. Each draw is elementwise,
+  so a sharded block view gets its positions where its chunks lie.
+
+  Args:
+    key: a ``jax.random`` key.
+    block_shape: the block view ``(*lead, A, c1, B, c2)``.
+    k: positions per chunk, ``1 <= k <= c1 * c2``.
+
+  Returns:
+    int32 ``(*lead, A, B, k)``, each in ``[0, c1 * c2)``, in ascending order
+    within a chunk.
+  """
+  *lead, a, c1, b, c2 = block_shape
+  n = c1 * c2
+  if not 1 <= k <= n:
+    raise ValueError(f"k={k} positions do not fit a chunk of {n}; use 1 <= k <= {n}.")
+  bounds = (np.arange(k + 1) * n) // k
+  return jax.random.randint(
+    key, (*lead, a, b, k), jnp.asarray(bounds[:-1]), jnp.asarray(bounds[1:]), dtype=jnp.int32
+  )
 
 
 def _mix32(h: jax.Array) -> jax.Array:

@@ -141,6 +141,33 @@ def _feed_back_pending(
   return out
 
 
+def _position_drawer(
+  count: jax.Array,
+  grads: list[jax.Array],
+  site_axes: list[Hashable],
+  blocks: list[jax.Array],
+  ks: list[int],
+) -> Callable[[jax.Array | int], list[jax.Array]]:
+  """Worker index -> that worker's drawn positions for every tensor, this step.
+
+  A tensor sharded within a site (FSDP) is a message per shard, so the
+  device's place along the axes that shard it enters the key; a tensor kept
+  whole on a site's devices gets the same positions on each of them.
+  """
+  shards = []
+  for g in grads:
+    axes = tuple(a for a in site_axes if exchange.varies_over(g, a))
+    shards.append(jax.lax.axis_index(axes) if axes else None)
+
+  def draw(worker: jax.Array | int) -> list[jax.Array]:
+    return [
+      codec.draw_positions(codec.position_key(count, i, worker, shard), b.shape, k)
+      for i, (shard, b, k) in enumerate(zip(shards, blocks, ks))
+    ]
+
+  return draw
+
+
 def _replace_rarely(pred: jax.Array, tree: Any, replacement: Callable[[], Any]) -> Any:
   """``replacement()`` where ``pred`` holds, else ``tree``, with no pass over ``tree``.
 
@@ -187,6 +214,7 @@ def scale_by_demo(
   use_dct: bool = True,
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
+  random_positions: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Decoupled momentum, compressed and exchanged; yields the aggregate ``Q``.
 
@@ -219,6 +247,15 @@ def scale_by_demo(
       The all-gather then depends on nothing computed from step t's gradient,
       so XLA may run it alongside the forward and backward pass. The first
       step returns zeros. Static.
+    random_positions: instead of the ``compression_topk`` largest
+      coefficients of a chunk, send the values at ``compression_topk``
+      positions drawn at random, different for every worker and step. The
+      draw is a function of the step count and the worker's index on
+      ``axis_name`` (and, under FSDP, of the device's index within its site),
+      so every receiver draws each sender's positions itself and the message
+      carries only the values: with ``quantize_1bit``, one bit per value. The
+      error feedback removes what was sent, as with the top-k. Not with
+      ``delayed_apply``. Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -252,6 +289,12 @@ def scale_by_demo(
   )
   quantize_1bit = bool(quantize_1bit)
   delayed_apply = bool(delayed_apply)
+  random_positions = bool(random_positions)
+  if random_positions and delayed_apply:
+    raise ValueError(
+      "random_positions=True is not supported with delayed_apply=True (the message in "
+      "flight would need the positions of the step before); use one of them."
+    )
   to_chunks, from_chunks = (dct.encode, dct.decode) if use_dct else (dct.to_chunks, dct.from_chunks)
 
   def init_fn(params):
@@ -287,6 +330,7 @@ def scale_by_demo(
       compression_topk=topk,
       compression_chunk=chunk,
       quantize_1bit=quantize_1bit,
+      random_positions=random_positions,
     )
     plans = wire.plan_tree(wire_dtypes, chunk)
     _check_momentum(updates, momenta, plans)
@@ -301,22 +345,29 @@ def scale_by_demo(
       g = dct.to_blocks(g, plan)
       coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
       blocks.append(compression_decay * m + lr * coeffs)
-    selections = codec.select_topk_many(blocks, [t.k for t in layout.tensors])
-    sel_idx = [idx for idx, _ in selections]
-    sel_val = [val for _, val in selections]
+    # Gradients that also vary over axes other than axis_name are sharded
+    # within a worker (FSDP over a site's devices).
+    site_axes = sorted(
+      frozenset().union(*(exchange.varying_axes(g) for g in grads)) - {axis_name}, key=str
+    )
+    if random_positions:
+      ks = [t.k for t in layout.tensors]
+      draw = _position_drawer(state.count, grads, site_axes, blocks, ks)
+      own = 0 if axis_name is None else jax.lax.axis_index(axis_name)
+      sel_idx = draw(own)
+      sel_val = [codec.gather_blocks(b, idx) for b, idx in zip(blocks, sel_idx)]
+    else:
+      selections = codec.select_topk_many(blocks, [t.k for t in layout.tensors])
+      sel_idx = [idx for idx, _ in selections]
+      sel_val = [val for _, val in selections]
     kept = [codec.zero_selected_blocks(m, idx) for m, idx in zip(blocks, sel_idx)]
 
     # A non-finite gradient anywhere in a chunk spreads over all its
     # coefficients, so checking what was selected catches it. Such a worker
     # sends a message marked invalid and restarts from zero momentum.
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in sel_val]))
-    # Gradients that also vary over axes other than axis_name are sharded
-    # within a worker (FSDP over a site's devices). The shards of one worker
-    # agree on the flag, so a worker is left out whole and the count of
-    # contributors is the same on every device.
-    site_axes = sorted(
-      frozenset().union(*(exchange.varying_axes(g) for g in grads)) - {axis_name}, key=str
-    )
+    # The shards of one worker agree on the flag, so a worker is left out
+    # whole and the count of contributors is the same on every device.
     if site_axes:
       finite = jax.lax.pmin(finite.astype(jnp.int32), tuple(site_axes)) > 0
     # A worker that holds its message back (contribute=False, a cold start)
@@ -350,7 +401,12 @@ def scale_by_demo(
         pending = None
       gathered = exchange.all_gather_messages(message, axis_name)
       assert gathered.shape == (num_workers, layout.num_bytes)
-      tensors, valid_W = codec.decode_message(gathered, layout)
+      positions = None
+      if random_positions:
+        # Each sender's positions, drawn again here: the all-gather orders
+        # the messages by the senders' indices on axis_name.
+        positions = jax.vmap(draw)(jnp.arange(num_workers))
+      tensors, valid_W = codec.decode_message(gathered, layout, positions)
       if axis_name is None:
         # One message and no collective (delayed_apply with one worker): its
         # mean is itself. (With an axis bound, even of size 1, the all-gather
@@ -466,6 +522,7 @@ def demo(
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
   synchronous: Any = None,
+  random_positions: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
 
@@ -495,6 +552,9 @@ def demo(
       partial overlap): a tree of bools like the params (or a prefix of it,
       one bool for a subtree), or a function of the params that returns one. ``None`` (the
       default) overlaps every param. See :func:`distro`. Static.
+    random_positions: send the values at positions drawn from a seed every
+      worker knows, instead of the largest and their indices (see
+      :func:`scale_by_demo`). Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -526,6 +586,7 @@ def demo(
     axis_name=axis_name,
     delayed_apply=delayed_apply,
     synchronous=synchronous,
+    random_positions=random_positions,
   )
 
 
@@ -541,6 +602,7 @@ def distro(
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
   synchronous: Any = None,
+  random_positions: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO: the compressed exchange of :func:`scale_by_demo`, then ``inner``.
 
@@ -579,6 +641,9 @@ def distro(
       partial overlap): a tree of bools like the params (or a prefix of it,
       one bool for a subtree), or a function of the params that returns one. ``None`` (the
       default) overlaps every param. See :func:`distro`. Static.
+    random_positions: send the values at positions drawn from a seed every
+      worker knows, instead of the largest and their indices (see
+      :func:`scale_by_demo`). Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -604,6 +669,7 @@ def distro(
     quantize_1bit=quantize_1bit,
     use_dct=use_dct,
     axis_name=axis_name,
+    random_positions=random_positions,
   )
   if synchronous is None:
     return _skip_when_nothing_received(
@@ -657,6 +723,7 @@ def distro_adamw(
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
   synchronous: Any = None,
+  random_positions: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO-AdamW: the compressed exchange followed by ``optax.adamw``.
 
@@ -681,6 +748,9 @@ def distro_adamw(
       partial overlap): a tree of bools like the params (or a prefix of it,
       one bool for a subtree), or a function of the params that returns one. ``None`` (the
       default) overlaps every param. See :func:`distro`. Static.
+    random_positions: send the values at positions drawn from a seed every
+      worker knows, instead of the largest and their indices (see
+      :func:`scale_by_demo`). Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -699,4 +769,5 @@ def distro_adamw(
     axis_name=axis_name,
     delayed_apply=delayed_apply,
     synchronous=synchronous,
+    random_positions=random_positions,
   )

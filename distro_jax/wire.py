@@ -26,14 +26,19 @@ def plan_chunk_leaf(x: Any, compression_chunk: int) -> dct.ChunkPlan:
 
 
 def wire_layout(
-  params: Any, *, compression_topk: int, compression_chunk: int, quantize_1bit: bool
+  params: Any,
+  *,
+  compression_topk: int,
+  compression_chunk: int,
+  quantize_1bit: bool,
+  random_positions: bool = False,
 ) -> codec.WireLayout:
   """The message layout for a params tree (arrays or ``jax.ShapeDtypeStruct``)."""
   tensors = []
   for x, plan in zip(jax.tree.leaves(params), plan_tree(params, compression_chunk)):
     k = min(compression_topk, plan.chunk_size)
     tensors.append(codec.TensorWire(plan.rows, k, plan.chunk_size, np.dtype(x.dtype).name))
-  return codec.WireLayout(tuple(tensors), bool(quantize_1bit))
+  return codec.WireLayout(tuple(tensors), bool(quantize_1bit), bool(random_positions))
 
 
 def ring_allreduce_factor(num_workers: int) -> float:
@@ -85,6 +90,7 @@ def wire_bytes(
   compression_chunk: int = 64,
   quantize_1bit: bool = False,
   num_workers: int = 8,
+  random_positions: bool = False,
 ) -> WireBytes:
   """Payload bytes per worker per step for ``params``, with the baselines.
 
@@ -95,6 +101,8 @@ def wire_bytes(
     compression_chunk: chunk target length per axis.
     quantize_1bit: whether values travel as sign bits.
     num_workers: W, for the ring all-reduce baseline.
+    random_positions: whether the positions are drawn from a shared seed
+      instead of sent (:func:`distro_jax.scale_by_demo`).
 
   Returns:
     A :class:`WireBytes`.
@@ -108,12 +116,19 @@ def wire_bytes(
     >>> psyche = dj.wire_bytes(params, compression_topk=8, quantize_1bit=True)
     >>> psyche.payload  # per 64x64 chunk 8 x 12 index bits + 4 sign bits (4 more in the order)
     51200
+    >>> drawn = dj.wire_bytes(
+    ...     params, compression_topk=1, compression_chunk=8, quantize_1bit=True,
+    ...     random_positions=True,
+    ... )
+    >>> drawn.payload  # a flag byte, then one sign bit per 8x8 chunk
+    32769
   """
   layout = wire_layout(
     params,
     compression_topk=compression_topk,
     compression_chunk=compression_chunk,
     quantize_1bit=quantize_1bit,
+    random_positions=random_positions,
   )
   leaves = jax.tree.leaves(params)
   numel = sum(int(np.prod(np.shape(x))) for x in leaves)

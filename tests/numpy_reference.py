@@ -52,10 +52,13 @@ class Chunker:
 class ReferenceDeMo:
   """DeMo for W workers: one momentum buffer per worker and tensor."""
 
-  def __init__(self, shapes, workers, lr, decay, topk, chunk, weight_decay):
+  def __init__(self, shapes, workers, lr, decay, topk, chunk, weight_decay, positions=None):
+    """``positions(name, worker, step, k)``, if given, names each chunk's k positions
+    (``(chunks, k)``) in place of the top-k by magnitude."""
     self.chunkers = {k: Chunker(s, chunk) for k, s in shapes.items()}
     self.m = [{k: np.zeros(s) for k, s in shapes.items()} for _ in range(workers)]
     self.lr, self.decay, self.topk, self.wd = lr, decay, topk, weight_decay
+    self.positions, self.count = positions, 0
 
   def step(self, params, grads_per_worker):
     new = {}
@@ -66,7 +69,10 @@ class ReferenceDeMo:
         m = self.decay * self.m[w][name] + self.lr * np.asarray(grads[name], np.float64)
         coeff = ch.forward(m)
         k = min(max(self.topk, 1), coeff.shape[1])
-        idx = np.argsort(-np.abs(coeff), axis=1, kind="stable")[:, :k]
+        if self.positions is not None:
+          idx = np.asarray(self.positions(name, w, self.count, k)).reshape(coeff.shape[0], k)
+        else:
+          idx = np.argsort(-np.abs(coeff), axis=1, kind="stable")[:, :k]
         vals = np.take_along_axis(coeff, idx, axis=1)
         sent = np.zeros_like(coeff)
         np.put_along_axis(sent, idx, vals, axis=1)
@@ -79,4 +85,5 @@ class ReferenceDeMo:
       q = ch.inverse(agg)
       p = np.asarray(p, np.float64) * (1 - self.lr * self.wd)
       new[name] = p - self.lr * np.sign(q)
+    self.count += 1
     return new

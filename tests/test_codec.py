@@ -150,6 +150,63 @@ def test_one_coefficient_per_chunk_carries_a_flag_byte():
   np.testing.assert_array_equal(tensors[0][0][0], idx)
 
 
+@pytest.mark.parametrize("quantize_1bit", [True, False], ids=["1bit", "fp32"])
+def test_drawn_positions_travel_as_values_alone(quantize_1bit):
+  rng = np.random.default_rng(5)
+  layout = codec.WireLayout(
+    (dj.codec.TensorWire(3, 2, 300, "float32"), dj.codec.TensorWire(2, 5, 7, "float32")),
+    quantize_1bit,
+    drawn_positions=True,
+  )
+  # A flag byte, then 16 sign bits (no pair carries a sign in its order: the
+  # positions are not sent), or the 16 fp32 values.
+  assert layout.index_bits == 0 and layout.header_bytes == 1
+  assert layout.num_bytes == 1 + (2 if quantize_1bit else 16 * 4)
+  idx, val = _selection(rng)
+  msgs = []
+  for valid in (True, False):
+    msgs.append(dj.codec.encode_message(idx, val, layout, valid=valid))
+  assert msgs[0].shape == (layout.num_bytes,)
+  positions = [jnp.stack([i, i]) for i in idx]
+  tensors, valid = dj.codec.decode_message(jnp.stack(msgs), layout, positions)
+  np.testing.assert_array_equal(valid, [True, False])
+  for (i, v), i0, v0 in zip(tensors, idx, val):
+    np.testing.assert_array_equal(i[0], i0)
+    want = np.where(np.asarray(v0) >= 0, 1.0, -1.0) if quantize_1bit else v0
+    np.testing.assert_array_equal(v[0], want)
+  with pytest.raises(ValueError, match="drawn positions"):
+    dj.codec.decode_message(msgs[0], layout)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_drawn_positions_are_distinct_uniform_and_a_function_of_the_key(k):
+  shape = (2, 8, 3, 8)  # a block view: 2 x 3 chunks of 8x8
+  draws = np.stack(
+    [
+      np.asarray(dj.codec.draw_positions(dj.codec.position_key(step, 0, 1), shape, k))
+      for step in range(600)
+    ]
+  )
+  assert draws.shape == (600, 2, 3, k) and draws.dtype == np.int32
+  assert draws.min() >= 0 and draws.max() < 64
+  # One from each run of 64 / k positions: distinct within every chunk.
+  np.testing.assert_array_equal(draws // (64 // k), np.broadcast_to(np.arange(k), draws.shape))
+  counts = np.bincount(draws.reshape(-1), minlength=64)
+  expected = draws.size / 64
+  # Uniform over the 64 positions: a chi-square of 63 degrees of freedom stays
+  # far below 130 unless some positions are favoured.
+  assert ((counts - expected) ** 2 / expected).sum() < 130
+  again = dj.codec.draw_positions(dj.codec.position_key(599, 0, 1), shape, k)
+  np.testing.assert_array_equal(again, draws[-1])
+  # Another worker, step or tensor draws other positions.
+  for key in (
+    dj.codec.position_key(599, 0, 2),
+    dj.codec.position_key(598, 0, 1),
+    dj.codec.position_key(599, 1, 1),
+  ):
+    assert not np.array_equal(dj.codec.draw_positions(key, shape, k), draws[-1])
+
+
 def test_psyche_message_is_12_and_a_half_bytes_per_64x64_chunk():
   # Top-k 8 of 4096 with 1-bit values: 8 x 12 index bits and 4 sign bits (the other 4
   # signs in the pairs' order), down from 8 x (16 + 1).

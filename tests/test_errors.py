@@ -30,6 +30,11 @@ def test_decay_outside_unit_interval(decay):
     dj.demo(1e-3, compression_decay=decay)
 
 
+def test_random_positions_refuse_the_delayed_exchange():
+  with pytest.raises(ValueError, match="random_positions=True is not supported with delayed"):
+    dj.demo(1e-3, random_positions=True, delayed_apply=True)
+
+
 def test_unbound_axis_name_inside_shard_map():
   mesh = mesh_of(2)
   params = {"w": jnp.zeros((8, 8))}

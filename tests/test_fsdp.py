@@ -45,6 +45,8 @@ def _make_tx(name, axis_name):
   kw = {"compression_chunk": CHUNK, "compression_topk": TOPK, "axis_name": axis_name}
   if name == "demo":
     return dj.demo(LR, weight_decay=0.01, **kw)
+  if name == "demo-random":
+    return dj.demo(LR, weight_decay=0.01, random_positions=True, **kw)
   return dj.distro_adamw(LR, weight_decay=0.01, **kw)
 
 
@@ -104,6 +106,48 @@ def _is_spec(x):
   return isinstance(x, P)
 
 
+def _assert_copies_identical(params, replicas, fsdp):
+  """Every device's copy of a given slice matches, to the bit.
+
+  Replicas hold ``replicas`` copies of a shard, and ``replicas * fsdp`` of a
+  param kept whole on every device of a site.
+  """
+  for leaf in jax.tree.leaves(params):
+    by_index = {}
+    for shard in leaf.addressable_shards:
+      by_index.setdefault(str(shard.index), []).append(np.asarray(shard.data).view(np.uint32))
+    assert all(len(c) in (replicas, replicas * fsdp) for c in by_index.values())
+    for copies in by_index.values():
+      for c in copies[1:]:
+        np.testing.assert_array_equal(c, copies[0])
+
+
+@pytest.mark.slow
+def test_fsdp_with_random_positions_keeps_every_copy_identical():
+  # Each shard draws its own positions (a message of its own), while a param
+  # kept whole on a site's devices must draw the same ones on each of them.
+  replicas, fsdp = 2, 4
+  rng = np.random.default_rng(1)
+  init = _init_params(rng)
+  mesh, _, step, params, state = _fsdp_setup("demo-random", init, replicas, fsdp)
+  rows = NamedSharding(mesh, P(("replica", "fsdp")))
+  for x, y in _batches(rng, replicas * fsdp):
+    params, state = step(params, state, jax.device_put(x, rows), jax.device_put(y, rows))
+  _assert_copies_identical(params, replicas, fsdp)
+  # The devices of a site hold the same momentum for a param kept whole there,
+  # so they sent the same positions (they would differ, and each zero
+  # others, had each device drawn its own).
+  for key in ("b2", "scale"):
+    by_device = {s.device: s.data for s in state[0].momentum[key].addressable_shards}
+    for site in mesh.devices:
+      first = np.asarray(by_device[site[0]]).view(np.uint32)
+      for device in site[1:]:
+        np.testing.assert_array_equal(np.asarray(by_device[device]).view(np.uint32), first)
+  # Sign steps of LR over 10 steps: every kind of param moved by several.
+  for key in ("w1", "b2", "scale"):
+    assert np.abs(np.asarray(params[key]) - np.asarray(init[key])).max() > 2.5 * LR, key
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
   ("name", "replicas", "fsdp"),
@@ -130,16 +174,7 @@ def test_fsdp_trajectory_equals_unsharded(name, replicas, fsdp):
   # Sign steps of LR: the params moved far beyond the tolerance.
   assert np.abs(np.asarray(params["w1"]) - np.asarray(init["w1"])).max() > 5 * LR
 
-  # Replicas hold bit-identical shards: every device's copy of a given slice
-  # matches (replicas copies of a shard, replicas * fsdp of a whole param).
-  for leaf in jax.tree.leaves(params):
-    by_index = {}
-    for shard in leaf.addressable_shards:
-      by_index.setdefault(str(shard.index), []).append(np.asarray(shard.data).view(np.uint32))
-    assert all(len(c) in (replicas, replicas * fsdp) for c in by_index.values())
-    for copies in by_index.values():
-      for c in copies[1:]:
-        np.testing.assert_array_equal(c, copies[0])
+  _assert_copies_identical(params, replicas, fsdp)
 
   # Each device holds 1/fsdp of the sharded params and of their momentum.
   whole = {path for path, _ in plan.whole}

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from numpy_reference import ReferenceDeMo
 from sharded_step import build, mesh_of, place_grads
 
@@ -18,13 +19,30 @@ def _grads(rng, params, workers):
   ]
 
 
-def test_demo_matches_numpy_reference_over_12_steps():
+def _drawn(name, worker, step, k):
+  """The positions dj.demo(random_positions=True) draws, from its documented key."""
+  plan = dj.dct.plan_chunks(SHAPES[name], 64)
+  key = dj.codec.position_key(step, sorted(SHAPES).index(name), worker)
+  return dj.codec.draw_positions(key, plan.block_shape, k)
+
+
+@pytest.mark.parametrize("random_positions", [False, True], ids=["topk", "random-positions"])
+def test_demo_matches_numpy_reference_over_12_steps(random_positions):
   workers, lr, wd = 4, 1e-3, 0.1
   rng = np.random.default_rng(0)
   init = {k: rng.normal(size=s).astype(np.float32) * 0.1 for k, s in SHAPES.items()}
-  ref = ReferenceDeMo(SHAPES, workers, lr=lr, decay=0.999, topk=32, chunk=64, weight_decay=wd)
+  ref = ReferenceDeMo(
+    SHAPES,
+    workers,
+    lr=lr,
+    decay=0.999,
+    topk=32,
+    chunk=64,
+    weight_decay=wd,
+    positions=_drawn if random_positions else None,
+  )
   mesh = mesh_of(workers)
-  tx = dj.demo(lr, weight_decay=wd)
+  tx = dj.demo(lr, weight_decay=wd, random_positions=random_positions)
   step, params, state = build(tx, {k: jax.numpy.asarray(v) for k, v in init.items()}, mesh)
 
   ref_params = {k: v.astype(np.float64) for k, v in init.items()}

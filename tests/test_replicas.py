@@ -25,6 +25,8 @@ def _mlp_loss(params, x_BxD, y_B):
   [
     lambda: dj.demo(3e-3, weight_decay=0.01),
     lambda: dj.demo(3e-3, compression_topk=4, quantize_1bit=True),
+    # Positions drawn on every worker from the step and the sender's index.
+    lambda: dj.demo(3e-3, compression_topk=2, compression_chunk=8, random_positions=True),
     lambda: dj.distro_adamw(3e-3, weight_decay=0.01, compression_topk=8),
     lambda: dj.sparseloco(optax.adamw(3e-3), sync_every=3, compression_topk=16),
     # A partial overlap: the weights exchanged in their own step, the rest
@@ -33,7 +35,14 @@ def _mlp_loss(params, x_BxD, y_B):
       3e-3, delayed_apply=True, synchronous=lambda p: {k: k.startswith("w") for k in p}
     ),
   ],
-  ids=["demo", "demo-k4-1bit", "distro_adamw", "sparseloco-h3", "demo-partial"],
+  ids=[
+    "demo",
+    "demo-k4-1bit",
+    "demo-k2-c8-random",
+    "distro_adamw",
+    "sparseloco-h3",
+    "demo-partial",
+  ],
 )
 def test_params_bit_identical_on_8_workers_after_20_steps(make_tx, request):
   workers = 8

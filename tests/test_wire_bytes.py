@@ -9,15 +9,25 @@ import distro_jax as dj
 
 
 @pytest.mark.parametrize(
-  "quantize_1bit, expected",
+  "quantize_1bit, random_positions, expected",
   # 4096 chunks of 64x64, 32 coefficients each: 12-bit indices, then fp32 values or sign bits
-  # (16 per chunk: the other 16 signs travel in the order of the index pairs).
-  [(False, 4096 * 32 * (12 / 8 + 4)), (True, 4096 * (32 * 12 + 16) / 8)],
+  # (16 per chunk: the other 16 signs travel in the order of the index pairs). Drawn
+  # positions send no indices: a flag byte, then the values or one sign bit each.
+  [
+    (False, False, 4096 * 32 * (12 / 8 + 4)),
+    (True, False, 4096 * (32 * 12 + 16) / 8),
+    (False, True, 1 + 4096 * 32 * 4),
+    (True, True, 1 + 4096 * 32 / 8),
+  ],
+  ids=["fp32", "1bit", "fp32-random", "1bit-random"],
 )
-def test_measured_collective_bytes_equal_computed_payload(quantize_1bit, expected):
+def test_measured_collective_bytes_equal_computed_payload(
+  quantize_1bit, random_positions, expected
+):
   mesh = mesh_of(8)
   params = {"w": jnp.zeros((4096, 4096), jnp.float32)}
-  tx = dj.demo(1e-3, compression_topk=32, compression_chunk=64, quantize_1bit=quantize_1bit)
+  options = dict(quantize_1bit=quantize_1bit, random_positions=random_positions)
+  tx = dj.demo(1e-3, compression_topk=32, compression_chunk=64, **options)
   step, p, state = build(tx, params, mesh)
   grads_abstract = {
     "w": jax.ShapeDtypeStruct(
@@ -25,7 +35,7 @@ def test_measured_collective_bytes_equal_computed_payload(quantize_1bit, expecte
     )
   }
   measured = dj.collective_bytes(step, p, state, grads_abstract)
-  computed = dj.wire_bytes(params, quantize_1bit=quantize_1bit, num_workers=8).payload
+  computed = dj.wire_bytes(params, num_workers=8, **options).payload
 
   assert computed == expected
   assert measured.total == computed
