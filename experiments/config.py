@@ -92,6 +92,11 @@ class TrainConfig:
   )
   quantize_1bit: bool = _field(False, "Send 1-bit values.")
   use_dct: bool = _field(True, "DCT before top-k; --nouse_dct is the no-transform ablation.")
+  random_positions: bool = _field(
+    False,
+    "Send the values at --compression_topk positions per chunk drawn from a seed every "
+    "worker shares, instead of the largest and their indices (no index bits).",
+  )
   diloco_sync_every: int = _field(50, "DiLoCo: inner steps between synchronizations (H).")
   diloco_outer_lr: float = _field(0.7, "DiLoCo: outer Nesterov learning rate.")
   diloco_outer_momentum: float = _field(0.9, "DiLoCo: outer Nesterov momentum.")

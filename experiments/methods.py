@@ -334,6 +334,7 @@ def _compression(cfg: TrainConfig, axes: Axes) -> dict[str, Any]:
     "compression_chunk": cfg.compression_chunk,
     "quantize_1bit": cfg.quantize_1bit,
     "use_dct": cfg.use_dct,
+    "random_positions": cfg.random_positions,
     "axis_name": axes.replica,
     "delayed_apply": cfg.delayed_apply,
     "synchronous": synchronous_mask(cfg.synchronous_params),
@@ -359,6 +360,7 @@ def _demo_messages(cfg: TrainConfig, params: Any) -> tuple[int, int]:
       compression_topk=cfg.compression_topk,
       compression_chunk=cfg.compression_chunk,
       quantize_1bit=cfg.quantize_1bit,
+      random_positions=cfg.random_positions,
     ).payload
 
   return (
@@ -537,7 +539,14 @@ def _check_topk_fits(cfg: TrainConfig, prefix: str, usual: str) -> None:
 
 
 def _check_compression(cfg: TrainConfig) -> None:
+  from experiments.config import ConfigError
+
   _check_topk_fits(cfg, "compression", "the reference sends 32 of 4096")
+  if cfg.random_positions and cfg.delayed_apply:
+    raise ConfigError(
+      "--random_positions is not supported with --delayed_apply (the message in flight "
+      "would need the positions of the step before); drop one of them."
+    )
 
 
 # The group whose exact gradient point closed most of the overlapped
@@ -550,6 +559,7 @@ _COMPRESSION_OPTIONS = (
   Option(r"c(\d+)", "compression_chunk", _int, "cC"),
   Option(r"1bit", "quantize_1bit", lambda m: True, "1bit"),
   Option(r"nodct", "use_dct", lambda m: False, "nodct"),
+  Option(r"rand", "random_positions", lambda m: True, "rand"),
   Option(r"stateless", "compression_decay", lambda m: 0.0, "stateless"),
   Option(r"delayed", "delayed_apply", lambda m: True, "delayed"),
   Option(r"partial", "synchronous_params", lambda m: PARTIAL_OVERLAP, "partial"),
