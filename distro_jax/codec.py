@@ -680,22 +680,29 @@ def position_key(
   return jax.random.fold_in(key, worker)
 
 
-def draw_positions(key: jax.Array, block_shape: tuple[int, ...], k: int) -> jax.Array:
+def draw_positions(
+  key: jax.Array, block_shape: tuple[int, ...], k: int, frequency_bias: float = 0.0
+) -> jax.Array:
   """``k`` distinct chunk-local positions for every chunk of a block view, drawn at random.
 
-  The ``c1 * c2`` positions of a chunk are cut into ``k`` runs of (nearly)
-  equal length, ``[floor(j n / k), floor((j + 1) n / k))``, and one position
-  is drawn uniformly from each, so the k are distinct by construction and
-  spread over the chunk's frequencies; when k divides n every position is
-  drawn with probability k / n. A pure function of ``key``, so any worker
-  that knows the key (:func:`position_key`) draws the same positions on any
-  backend, and the message need not carry them. Each draw is elementwise,
-  so a sharded block view gets its positions where its chunks lie.
+  The ``n = c1 * c2`` positions of a chunk are cut into ``k`` runs of
+  (nearly) equal length, ``[floor(j n / k), floor((j + 1) n / k))``, and one
+  position is drawn from each, so the k are distinct by construction and
+  spread over the chunk's frequencies. Within a run, position ``i * c2 + j``
+  (frequency ``i`` along the chunk's first axis, ``j`` along its second) is
+  drawn with probability proportional to ``((1 + i) (1 + j)) ** -frequency_bias``:
+  uniformly at 0, more often at low frequencies above it. The draw is in
+  integers (the weights are rounded to integers that sum to about 2**24, each
+  at least 1), so it is the same on every backend; any worker that knows the
+  key (:func:`position_key`) draws the same positions, and the message need
+  not carry them. Each draw is elementwise, so a sharded block view gets its
+  positions where its chunks lie.
 
   Args:
     key: a ``jax.random`` key.
     block_shape: the block view ``(*lead, A, c1, B, c2)``.
     k: positions per chunk, ``1 <= k <= c1 * c2``.
+    frequency_bias: the exponent of the preference for low frequencies, 0 or more.
 
   Returns:
     int32 ``(*lead, A, B, k)``, each in ``[0, c1 * c2)``, in ascending order
@@ -706,9 +713,20 @@ def draw_positions(key: jax.Array, block_shape: tuple[int, ...], k: int) -> jax.
   if not 1 <= k <= n:
     raise ValueError(f"k={k} positions do not fit a chunk of {n}; use 1 <= k <= {n}.")
   bounds = (np.arange(k + 1) * n) // k
-  return jax.random.randint(
-    key, (*lead, a, b, k), jnp.asarray(bounds[:-1]), jnp.asarray(bounds[1:]), dtype=jnp.int32
-  )
+  shape = (*lead, a, b, k)
+  if not frequency_bias:
+    lo, hi = jnp.asarray(bounds[:-1]), jnp.asarray(bounds[1:])
+    return jax.random.randint(key, shape, lo, hi, dtype=jnp.int32)
+  freq = (1.0 + np.arange(c1)[:, None]) * (1.0 + np.arange(c2)[None, :])
+  weight = freq.reshape(-1) ** -float(frequency_bias)
+  counts = np.maximum(np.round(weight / weight.sum() * 2**24), 1).astype(np.int64)
+  # Position p owns the tickets [ends[p - 1], ends[p]); a ticket drawn within
+  # a run's tickets names one of the run's positions.
+  ends = np.cumsum(counts)
+  starts = np.concatenate([[0], ends])
+  lo, hi = jnp.asarray(starts[bounds[:-1]], jnp.int32), jnp.asarray(ends[bounds[1:] - 1], jnp.int32)
+  ticket = jax.random.randint(key, shape, lo, hi, dtype=jnp.int32)
+  return jnp.searchsorted(jnp.asarray(ends, jnp.int32), ticket, side="right").astype(jnp.int32)
 
 
 def _mix32(h: jax.Array) -> jax.Array:

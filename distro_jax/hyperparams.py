@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["StaticInt", "check_decay", "static_positive_int"]
+__all__ = ["StaticInt", "check_decay", "static_nonnegative_float", "static_positive_int"]
 
 
 class StaticInt:
@@ -102,3 +102,28 @@ def check_decay(name: str, value: Any, *, one_allowed: bool, hint: str) -> None:
   if not ok:
     interval = "[0, 1]" if one_allowed else "[0, 1)"
     raise ValueError(f"{name} must be in {interval}, got {concrete}. {hint}")
+
+
+def static_nonnegative_float(name: str, value: Any, example: float) -> float:
+  """``value`` as a finite Python float of 0 or more, or an error naming ``name`` and the fix.
+
+  For numbers that shape what a step computes at trace time (not injected).
+
+  Raises:
+    TypeError: a traced value, or anything that is not a real number (bools included).
+    ValueError: a negative or non-finite number.
+  """
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+      f"{name} is a traced value; it must be a static Python float. Under "
+      f"optax.inject_hyperparams, pass static_args=({name!r},) when you set it."
+    )
+  if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
+    value = value.item()
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{name} must be a number, got {value!r}; use e.g. {name}={example}.")
+  if not np.isfinite(value) or value < 0:
+    raise ValueError(
+      f"{name} must be a finite number of 0 or more, got {value}; use e.g. {name}={example}."
+    )
+  return float(value)

@@ -16,7 +16,12 @@ import numpy as np
 import optax
 
 from distro_jax import codec, dct, exchange, wire
-from distro_jax.hyperparams import StaticInt, check_decay, static_positive_int
+from distro_jax.hyperparams import (
+  StaticInt,
+  check_decay,
+  static_nonnegative_float,
+  static_positive_int,
+)
 
 __all__ = [
   "DemoState",
@@ -147,6 +152,7 @@ def _position_drawer(
   site_axes: list[Hashable],
   blocks: list[jax.Array],
   ks: list[int],
+  frequency_bias: float,
 ) -> Callable[[jax.Array | int], list[jax.Array]]:
   """Worker index -> that worker's drawn positions for every tensor, this step.
 
@@ -161,7 +167,7 @@ def _position_drawer(
 
   def draw(worker: jax.Array | int) -> list[jax.Array]:
     return [
-      codec.draw_positions(codec.position_key(count, i, worker, shard), b.shape, k)
+      codec.draw_positions(codec.position_key(count, i, worker, shard), b.shape, k, frequency_bias)
       for i, (shard, b, k) in enumerate(zip(shards, blocks, ks))
     ]
 
@@ -215,6 +221,7 @@ def scale_by_demo(
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
   random_positions: bool = False,
+  frequency_bias: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Decoupled momentum, compressed and exchanged; yields the aggregate ``Q``.
 
@@ -256,6 +263,11 @@ def scale_by_demo(
       carries only the values: with ``quantize_1bit``, one bit per value. The
       error feedback removes what was sent, as with the top-k. Not with
       ``delayed_apply``. Static.
+    frequency_bias: with ``random_positions``, how much the draw prefers a
+      chunk's low frequencies: DCT coefficient ``(i, j)`` is drawn with
+      probability proportional to ``((1 + i) (1 + j)) ** -frequency_bias``
+      (see :func:`distro_jax.codec.draw_positions`). ``None`` (or 0) draws
+      uniformly. Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -295,6 +307,14 @@ def scale_by_demo(
       "random_positions=True is not supported with delayed_apply=True (the message in "
       "flight would need the positions of the step before); use one of them."
     )
+  bias = 0.0
+  if frequency_bias is not None:
+    bias = static_nonnegative_float("frequency_bias", frequency_bias, example=1.0)
+    if not random_positions:
+      raise ValueError(
+        f"frequency_bias={frequency_bias} shapes the draw of random_positions=True; pass "
+        "random_positions=True, or leave frequency_bias=None."
+      )
   to_chunks, from_chunks = (dct.encode, dct.decode) if use_dct else (dct.to_chunks, dct.from_chunks)
 
   def init_fn(params):
@@ -352,7 +372,7 @@ def scale_by_demo(
     )
     if random_positions:
       ks = [t.k for t in layout.tensors]
-      draw = _position_drawer(state.count, grads, site_axes, blocks, ks)
+      draw = _position_drawer(state.count, grads, site_axes, blocks, ks, bias)
       own = 0 if axis_name is None else jax.lax.axis_index(axis_name)
       sel_idx = draw(own)
       sel_val = [codec.gather_blocks(b, idx) for b, idx in zip(blocks, sel_idx)]
@@ -523,6 +543,7 @@ def demo(
   delayed_apply: bool = False,
   synchronous: Any = None,
   random_positions: bool = False,
+  frequency_bias: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
 
@@ -555,6 +576,8 @@ def demo(
     random_positions: send the values at positions drawn from a seed every
       worker knows, instead of the largest and their indices (see
       :func:`scale_by_demo`). Static.
+    frequency_bias: with ``random_positions``, the draw's preference for low
+      frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -587,6 +610,7 @@ def demo(
     delayed_apply=delayed_apply,
     synchronous=synchronous,
     random_positions=random_positions,
+    frequency_bias=frequency_bias,
   )
 
 
@@ -603,6 +627,7 @@ def distro(
   delayed_apply: bool = False,
   synchronous: Any = None,
   random_positions: bool = False,
+  frequency_bias: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO: the compressed exchange of :func:`scale_by_demo`, then ``inner``.
 
@@ -644,6 +669,8 @@ def distro(
     random_positions: send the values at positions drawn from a seed every
       worker knows, instead of the largest and their indices (see
       :func:`scale_by_demo`). Static.
+    frequency_bias: with ``random_positions``, the draw's preference for low
+      frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -670,6 +697,7 @@ def distro(
     use_dct=use_dct,
     axis_name=axis_name,
     random_positions=random_positions,
+    frequency_bias=frequency_bias,
   )
   if synchronous is None:
     return _skip_when_nothing_received(
@@ -724,6 +752,7 @@ def distro_adamw(
   delayed_apply: bool = False,
   synchronous: Any = None,
   random_positions: bool = False,
+  frequency_bias: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO-AdamW: the compressed exchange followed by ``optax.adamw``.
 
@@ -751,6 +780,8 @@ def distro_adamw(
     random_positions: send the values at positions drawn from a seed every
       worker knows, instead of the largest and their indices (see
       :func:`scale_by_demo`). Static.
+    frequency_bias: with ``random_positions``, the draw's preference for low
+      frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -770,4 +801,5 @@ def distro_adamw(
     delayed_apply=delayed_apply,
     synchronous=synchronous,
     random_positions=random_positions,
+    frequency_bias=frequency_bias,
   )

@@ -42,7 +42,12 @@ _ITEMS = ("state", "data", "meta")
 _OPTIONAL = ("data_identity",)
 # Settings added since checkpoints were first written: a checkpoint that lacks
 # one was made with its default.
-_ADDED_LATER = {"synchronous_params": "", "sparseloco_chunk": 64, "random_positions": False}
+_ADDED_LATER = {
+  "synchronous_params": "",
+  "sparseloco_chunk": 64,
+  "random_positions": False,
+  "frequency_bias": 0.0,
+}
 
 
 class CheckpointError(RuntimeError):

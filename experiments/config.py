@@ -97,6 +97,11 @@ class TrainConfig:
     "Send the values at --compression_topk positions per chunk drawn from a seed every "
     "worker shares, instead of the largest and their indices (no index bits).",
   )
+  frequency_bias: float = _field(
+    0.0,
+    "With --random_positions, draw DCT coefficient (i, j) of a chunk with probability "
+    "proportional to ((1 + i)(1 + j))^-bias; 0 draws uniformly.",
+  )
   diloco_sync_every: int = _field(50, "DiLoCo: inner steps between synchronizations (H).")
   diloco_outer_lr: float = _field(0.7, "DiLoCo: outer Nesterov learning rate.")
   diloco_outer_momentum: float = _field(0.9, "DiLoCo: outer Nesterov momentum.")
@@ -461,6 +466,7 @@ _FLOAT_RANGES: dict[str, tuple[float, bool, float, str]] = {
   "diloco_outer_momentum": (0.0, True, 1.0, "DiLoCo's paper uses 0.9; 0 is plain averaging"),
   "sparseloco_error_decay": (0.0, True, 1.0, "the paper uses 0.95; 0 keeps no error"),
   "sparseloco_outer_lr": (0.0, False, math.inf, "the paper uses 1.0"),
+  "frequency_bias": (0.0, True, math.inf, "0 draws uniformly; e.g. 1.0 prefers low frequencies"),
 }
 
 

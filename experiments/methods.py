@@ -335,6 +335,7 @@ def _compression(cfg: TrainConfig, axes: Axes) -> dict[str, Any]:
     "quantize_1bit": cfg.quantize_1bit,
     "use_dct": cfg.use_dct,
     "random_positions": cfg.random_positions,
+    "frequency_bias": cfg.frequency_bias or None,
     "axis_name": axes.replica,
     "delayed_apply": cfg.delayed_apply,
     "synchronous": synchronous_mask(cfg.synchronous_params),
@@ -547,6 +548,11 @@ def _check_compression(cfg: TrainConfig) -> None:
       "--random_positions is not supported with --delayed_apply (the message in flight "
       "would need the positions of the step before); drop one of them."
     )
+  if cfg.frequency_bias and not cfg.random_positions:
+    raise ConfigError(
+      f"--frequency_bias={cfg.frequency_bias:g} shapes the draw of --random_positions; add "
+      "--random_positions, or drop --frequency_bias."
+    )
 
 
 # The group whose exact gradient point closed most of the overlapped
@@ -560,6 +566,7 @@ _COMPRESSION_OPTIONS = (
   Option(r"1bit", "quantize_1bit", lambda m: True, "1bit"),
   Option(r"nodct", "use_dct", lambda m: False, "nodct"),
   Option(r"rand", "random_positions", lambda m: True, "rand"),
+  Option(r"fb(\d+(?:\.\d+)?)", "frequency_bias", lambda m: float(m.group(1)), "fbB"),
   Option(r"stateless", "compression_decay", lambda m: 0.0, "stateless"),
   Option(r"delayed", "delayed_apply", lambda m: True, "delayed"),
   Option(r"partial", "synchronous_params", lambda m: PARTIAL_OVERLAP, "partial"),

@@ -178,12 +178,23 @@ def test_drawn_positions_travel_as_values_alone(quantize_1bit):
     dj.codec.decode_message(msgs[0], layout)
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_drawn_positions_are_distinct_uniform_and_a_function_of_the_key(k):
+def _expected_share(k, bias):
+  """Each of an 8x8 chunk's 64 positions' share of the draws, from the documented rule."""
+  i, j = np.meshgrid(np.arange(8), np.arange(8), indexing="ij")
+  weight = (((1.0 + i) * (1.0 + j)) ** -bias).reshape(-1)
+  share = np.zeros(64)
+  for run in range(k):
+    sl = slice(run * 64 // k, (run + 1) * 64 // k)
+    share[sl] = weight[sl] / weight[sl].sum() / k
+  return share
+
+
+@pytest.mark.parametrize("k, bias", [(1, 0.0), (4, 0.0), (1, 1.0), (4, 1.0)])
+def test_drawn_positions_follow_the_rule_and_are_a_function_of_the_key(k, bias):
   shape = (2, 8, 3, 8)  # a block view: 2 x 3 chunks of 8x8
   draws = np.stack(
     [
-      np.asarray(dj.codec.draw_positions(dj.codec.position_key(step, 0, 1), shape, k))
+      np.asarray(dj.codec.draw_positions(dj.codec.position_key(step, 0, 1), shape, k, bias))
       for step in range(600)
     ]
   )
@@ -192,11 +203,12 @@ def test_drawn_positions_are_distinct_uniform_and_a_function_of_the_key(k):
   # One from each run of 64 / k positions: distinct within every chunk.
   np.testing.assert_array_equal(draws // (64 // k), np.broadcast_to(np.arange(k), draws.shape))
   counts = np.bincount(draws.reshape(-1), minlength=64)
-  expected = draws.size / 64
-  # Uniform over the 64 positions: a chi-square of 63 degrees of freedom stays
-  # far below 130 unless some positions are favoured.
+  expected = _expected_share(k, bias) * draws.size
+  # A chi-square of 63 degrees of freedom stays far below 130 unless the
+  # draws favour other positions than the rule says (at bias 1 the lowest
+  # frequency is drawn 64 times as often as the highest).
   assert ((counts - expected) ** 2 / expected).sum() < 130
-  again = dj.codec.draw_positions(dj.codec.position_key(599, 0, 1), shape, k)
+  again = dj.codec.draw_positions(dj.codec.position_key(599, 0, 1), shape, k, bias)
   np.testing.assert_array_equal(again, draws[-1])
   # Another worker, step or tensor draws other positions.
   for key in (
@@ -204,7 +216,7 @@ def test_drawn_positions_are_distinct_uniform_and_a_function_of_the_key(k):
     dj.codec.position_key(598, 0, 1),
     dj.codec.position_key(599, 1, 1),
   ):
-    assert not np.array_equal(dj.codec.draw_positions(key, shape, k), draws[-1])
+    assert not np.array_equal(dj.codec.draw_positions(key, shape, k, bias), draws[-1])
 
 
 def test_psyche_message_is_12_and_a_half_bytes_per_64x64_chunk():

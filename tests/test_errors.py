@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -33,6 +34,19 @@ def test_decay_outside_unit_interval(decay):
 def test_random_positions_refuse_the_delayed_exchange():
   with pytest.raises(ValueError, match="random_positions=True is not supported with delayed"):
     dj.demo(1e-3, random_positions=True, delayed_apply=True)
+
+
+def test_frequency_bias_needs_random_positions_and_a_static_non_negative_number():
+  with pytest.raises(ValueError, match="pass random_positions=True"):
+    dj.demo(1e-3, frequency_bias=1.0)
+  with pytest.raises(ValueError, match="frequency_bias must be a finite number of 0 or more"):
+    dj.demo(1e-3, random_positions=True, frequency_bias=-1.0)
+  tx = optax.inject_hyperparams(dj.demo)(
+    learning_rate=1e-3, random_positions=True, frequency_bias=1.0
+  )
+  # Injected, it would be traced under jit.
+  with pytest.raises(TypeError, match=r"static_args=\('frequency_bias',\)"):
+    jax.jit(tx.init)({"w": jnp.zeros((8, 8))})
 
 
 def test_unbound_axis_name_inside_shard_map():

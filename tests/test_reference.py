@@ -1,5 +1,7 @@
 """dj.demo against the plain-NumPy reference of DESIGN.md section 1."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -19,15 +21,19 @@ def _grads(rng, params, workers):
   ]
 
 
-def _drawn(name, worker, step, k):
+def _drawn(name, worker, step, k, bias=None):
   """The positions dj.demo(random_positions=True) draws, from its documented key."""
   plan = dj.dct.plan_chunks(SHAPES[name], 64)
   key = dj.codec.position_key(step, sorted(SHAPES).index(name), worker)
-  return dj.codec.draw_positions(key, plan.block_shape, k)
+  return dj.codec.draw_positions(key, plan.block_shape, k, bias or 0.0)
 
 
-@pytest.mark.parametrize("random_positions", [False, True], ids=["topk", "random-positions"])
-def test_demo_matches_numpy_reference_over_12_steps(random_positions):
+@pytest.mark.parametrize(
+  "random_positions, bias",
+  [(False, None), (True, None), (True, 1.0)],
+  ids=["topk", "random-positions", "random-positions-bias1"],
+)
+def test_demo_matches_numpy_reference_over_12_steps(random_positions, bias):
   workers, lr, wd = 4, 1e-3, 0.1
   rng = np.random.default_rng(0)
   init = {k: rng.normal(size=s).astype(np.float32) * 0.1 for k, s in SHAPES.items()}
@@ -39,10 +45,10 @@ def test_demo_matches_numpy_reference_over_12_steps(random_positions):
     topk=32,
     chunk=64,
     weight_decay=wd,
-    positions=_drawn if random_positions else None,
+    positions=functools.partial(_drawn, bias=bias) if random_positions else None,
   )
   mesh = mesh_of(workers)
-  tx = dj.demo(lr, weight_decay=wd, random_positions=random_positions)
+  tx = dj.demo(lr, weight_decay=wd, random_positions=random_positions, frequency_bias=bias)
   step, params, state = build(tx, {k: jax.numpy.asarray(v) for k, v in init.items()}, mesh)
 
   ref_params = {k: v.astype(np.float64) for k, v in init.items()}
