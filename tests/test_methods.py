@@ -7,6 +7,7 @@ import pathlib
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import distro_jax as dj
@@ -29,6 +30,14 @@ def test_method_names_map_to_config_fields():
   assert parse("demo-stateless")["compression_decay"] == 0.0
   assert parse("demo-delayed")["delayed_apply"] is True
   assert parse("demo-k8-1bit-delayed")["quantize_1bit"] is True
+  assert parse("demo-k1-c8-1bit-rand-fb1.5") == {
+    "optimizer": "demo",
+    "compression_topk": 1,
+    "compression_chunk": 8,
+    "quantize_1bit": True,
+    "random_positions": True,
+    "frequency_bias": 1.5,
+  }
   assert parse("distro_adamw-k8") == {"optimizer": "distro_adamw", "compression_topk": 8}
   assert parse("diloco") == {"optimizer": "diloco"}
   assert parse("diloco-h100")["diloco_sync_every"] == 100
@@ -62,6 +71,20 @@ def _first_outer_step(name):
   _, state = update(_G, tx.init(_W), _W)
   outer, _ = update(_G, state, _W)
   return outer["w"], method, cfg
+
+
+def test_drawn_positions_reach_the_transformation_and_its_bytes():
+  # One sign bit per 8x8 chunk and a flag byte: no index bits.
+  _, method, cfg = _first_outer_step("demo-k1-c8-1bit-rand-fb1")
+  assert method.payload(cfg, _W).message == 1 + 64 // 8
+  # A 64x64 param has 64 chunks of 8x8; the update moves every entry by the
+  # rate (a sign step) once a drawn coefficient of its chunk was sent.
+  for name in ("demo-k1-c8-1bit-rand", "demo-k1-c8-1bit-rand-fb1"):
+    outer, _, _ = _first_outer_step(name)
+    assert np.count_nonzero(np.asarray(outer)) == 64 * 64, name
+  drawn, _, _ = _first_outer_step("demo-k1-c8-1bit-rand")
+  top, _, _ = _first_outer_step("demo-k1-c8-1bit")
+  assert not np.array_equal(np.asarray(drawn), np.asarray(top))
 
 
 def test_sparseloco_dct_option_reaches_the_transformation():
