@@ -173,6 +173,9 @@ def test_no_checkpoint_is_deleted_unless_asked(tmp_path):
     ({"optimizer": "demo", "delayed_apply": True}, "synchronous_params", "", "'attn'"),
     # Before --sparseloco_chunk SparseLoCo always chunked 64x64.
     ({"optimizer": "sparseloco"}, "sparseloco_chunk", 64, 8),
+    # Before --random_positions every message carried its top-k's indices.
+    ({"optimizer": "demo"}, "random_positions", False, True),
+    ({"optimizer": "demo", "random_positions": True}, "frequency_bias", 0.0, 1.0),
   ],
 )
 def test_a_setting_added_since_a_checkpoint_compares_as_its_default(
