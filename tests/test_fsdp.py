@@ -102,6 +102,15 @@ def _fsdp_setup(name, params, replicas, fsdp):
   return mesh, plan, step, params, state
 
 
+def _fsdp_run(name, init, data, replicas, fsdp):
+  """``(mesh, plan, params, state)`` after :func:`_fsdp_setup`'s step over ``data``."""
+  mesh, plan, step, params, state = _fsdp_setup(name, init, replicas, fsdp)
+  rows = NamedSharding(mesh, P(("replica", "fsdp")))
+  for x, y in data:
+    params, state = step(params, state, jax.device_put(x, rows), jax.device_put(y, rows))
+  return mesh, plan, params, state
+
+
 def _is_spec(x):
   return isinstance(x, P)
 
@@ -129,10 +138,8 @@ def test_fsdp_with_random_positions_keeps_every_copy_identical():
   replicas, fsdp = 2, 4
   rng = np.random.default_rng(1)
   init = _init_params(rng)
-  mesh, _, step, params, state = _fsdp_setup("demo-random", init, replicas, fsdp)
-  rows = NamedSharding(mesh, P(("replica", "fsdp")))
-  for x, y in _batches(rng, replicas * fsdp):
-    params, state = step(params, state, jax.device_put(x, rows), jax.device_put(y, rows))
+  data = _batches(rng, replicas * fsdp)
+  mesh, _, params, state = _fsdp_run("demo-random", init, data, replicas, fsdp)
   _assert_copies_identical(params, replicas, fsdp)
   # The devices of a site hold the same momentum for a param kept whole there,
   # so they sent the same positions (they would differ, and each zero
@@ -159,10 +166,7 @@ def test_fsdp_trajectory_equals_unsharded(name, replicas, fsdp):
   data = list(_batches(rng, replicas * fsdp))
   want = _unsharded_run(name, init, replicas, data)
 
-  mesh, plan, step, params, state = _fsdp_setup(name, init, replicas, fsdp)
-  rows = NamedSharding(mesh, P(("replica", "fsdp")))
-  for x, y in data:
-    params, state = step(params, state, jax.device_put(x, rows), jax.device_put(y, rows))
+  _, plan, params, state = _fsdp_run(name, init, data, replicas, fsdp)
 
   total = bad = 0
   for key in init:
