@@ -55,8 +55,9 @@ class WireBytes(NamedTuple):
 
   Attributes:
     payload: the DisTrO message, the bytes one worker puts on the wire:
-      indices bit-packed at ``ceil(log2(chunk size))`` bits, then values (or
-      sign bits); see :mod:`distro_jax.codec`.
+      indices bit-packed at ``ceil(log2(chunk size))`` bits (none when the
+      positions are drawn), then values (or sign bits); see
+      :mod:`distro_jax.codec`.
     grad_bf16: the full gradient in bf16, the DisTrO report's baseline.
     grad_fp32: the full gradient in fp32.
     grad: the full gradient in the parameters' own dtypes.
