@@ -64,6 +64,7 @@ __all__ = [
   "gather_blocks",
   "index_bits",
   "index_dtype",
+  "message_valid",
   "position_key",
   "scatter_blocks",
   "select_topk",
@@ -642,11 +643,28 @@ def decode_message(
       out_val.append(bitpack.from_bytes(raw, dt, (t.rows, t.k)).astype(jnp.float32))
       offset += n
   if layout.marker is None:
-    valid = message[..., 0] == 1
+    valid = message_valid(message, layout)
   else:
     first = out_idx[layout.marker]
     valid = first[..., 0, 0] != first[..., 0, 1]
   return list(zip(out_idx, out_val)), valid
+
+
+def message_valid(message: jax.Array, layout: WireLayout) -> jax.Array:
+  """The validity flag of each message, without decoding its values.
+
+  Args:
+    message: ``uint8[..., layout.num_bytes]``; leading axes are kept.
+    layout: the :class:`WireLayout` of the tree.
+
+  Returns:
+    ``bool[...]``: whether each message was sent valid.
+  """
+  if layout.marker is None:
+    return message[..., 0] == 1
+  # The flag is the marker tensor's first two indices: equal means invalid.
+  _, valid = decode_message(message, layout)
+  return valid
 
 
 # Any fixed value works: every worker folds the same one.

@@ -68,6 +68,12 @@ __all__ = [
 # has accumulated and not yet put into any message. DeMo's momentum is its
 # error-feedback buffer; SparseLoCo's is ``error_feedback``.
 RESIDUAL_FIELDS = ("momentum", "error_feedback")
+# Fields that hold a message in flight (DeMo's ``pending`` with delayed_apply).
+# Drawn positions are keyed by the sender's index, so a worker that moves to
+# another index cannot send the message it made under the old one. It is
+# marked invalid instead; nothing is lost, since the momentum is kept before
+# that message's error feedback and still holds what it would have sent.
+IN_FLIGHT_FIELDS = ("pending",)
 # What happens to a leaving worker's residual.
 LEAVING = ("drop", "fold")
 
@@ -98,7 +104,9 @@ def _is_residual(path: tuple[Any, ...], residual_fields: Sequence[str]) -> bool:
 class _Leaf:
   """How one state leaf is laid out: shared, or per worker with its axis-0 split."""
 
-  def __init__(self, spec: P, axis_name: Hashable, mesh: Mesh, residual: bool):
+  def __init__(
+    self, spec: P, axis_name: Hashable, mesh: Mesh, residual: bool, in_flight: bool = False
+  ):
     axes = _axis0(spec)
     others = [a for e in tuple(spec)[1:] for a in (e if isinstance(e, tuple) else (e,)) if a]
     if axis_name in others:
@@ -111,6 +119,7 @@ class _Leaf:
     self.position = axes.index(axis_name) if self.per_worker else None
     self.sizes = [mesh.shape[a] for a in axes]
     self.residual = residual and self.per_worker
+    self.in_flight = in_flight and self.per_worker
 
   def block(self, new_rows: int) -> int:
     """Rows of axis 0 that one worker holds (all its devices' pieces together)."""
@@ -140,7 +149,10 @@ def _layout(tx, params, mesh, axis_name, param_specs, residual_fields):
   specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
   abstract = abstract_worker_state(tx, params, mesh, axis_name, param_specs=param_specs)
   flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
-  leaves = [_Leaf(s, axis_name, mesh, _is_residual(p, residual_fields)) for p, s in flat]
+  leaves = [
+    _Leaf(s, axis_name, mesh, _is_residual(p, residual_fields), _is_residual(p, IN_FLIGHT_FIELDS))
+    for p, s in flat
+  ]
   return leaves, treedef, abstract
 
 
@@ -298,7 +310,10 @@ def resize_worker_state(
   ``residual_fields``) is dropped with the rest of their state
   (``leaving="drop"``) or folded into the workers that stay
   (``leaving="fold"``: each stayer ``s`` becomes ``r_s - mean(stayers) +
-  mean(all W)``, so the mean is preserved). Shared leaves carry over unchanged. See
+  mean(all W)``, so the mean is preserved). A message in flight
+  (``delayed_apply``'s ``pending``) stays with its worker if it keeps its
+  index, and is marked invalid if it moves (``keep[i] != i``); the momentum
+  still holds what it would have sent. Shared leaves carry over unchanged. See
   :mod:`distro_jax.elastic`.
 
   Args:
@@ -374,6 +389,11 @@ def resize_worker_state(
         continue
       o_w, f_w = leaf.split(o, before), leaf.split(f, after)
       kept = o_w[np.asarray(keep, np.int32)]
+      moved = np.asarray(keep) != np.arange(len(keep))
+      if leaf.in_flight and moved.any():
+        # A fresh message is all zeros, the invalid marker.
+        moved = moved.reshape(-1, *[1] * (kept.ndim - 1))
+        kept = jnp.where(moved, f_w[: len(keep)], kept)
       if leaf.residual and leaving == "fold" and left:
         # Every process runs this same program on the same replicated inputs,
         # so the fold is bit-identical everywhere.

@@ -70,6 +70,7 @@ def lookahead_update(
   quantize_1bit: bool = False,
   use_dct: bool = True,
   weight_decay: float = 0.0,
+  random_positions: bool = False,
   guess: str = "momentum",
   scale: float = 1.0,
   axis_name: Hashable | None = None,
@@ -86,6 +87,8 @@ def lookahead_update(
     quantize_1bit: as given to :func:`distro_jax.demo`.
     use_dct: as given to :func:`distro_jax.demo`.
     weight_decay: as given to :func:`distro_jax.demo`.
+    random_positions: as given to :func:`distro_jax.demo`. Drawn positions
+      work with ``guess="momentum"`` only.
     guess: ``"momentum"`` (Psyche's: the momentum before error feedback) or
       ``"message"`` (this worker's own message, as sent).
     scale: a factor on the whole guess.
@@ -100,12 +103,18 @@ def lookahead_update(
   """
   if guess not in _GUESSES:
     raise ValueError(f"guess must be one of {_GUESSES}, got {guess!r}.")
+  if random_positions and guess == "message":
+    raise ValueError(
+      'guess="message" decodes the pending message at its sent positions, which '
+      'random_positions=True does not keep; use the default guess="momentum".'
+    )
   leaves, treedef = jax.tree.flatten(params)
   layout = wire.wire_layout(
     leaves,
     compression_topk=compression_topk,
     compression_chunk=compression_chunk,
     quantize_1bit=quantize_1bit,
+    random_positions=random_positions,
   )
   if state.pending.shape != (layout.num_bytes,):
     raise ValueError(
@@ -115,7 +124,10 @@ def lookahead_update(
     )
   plans = wire.plan_tree(leaves, compression_chunk)
   from_chunks = dct.decode if use_dct else dct.from_chunks
-  tensors, valid = codec.decode_message(state.pending, layout)
+  if guess == "message":
+    tensors, valid = codec.decode_message(state.pending, layout)
+  else:
+    tensors, valid = [(None, None)] * len(leaves), codec.message_valid(state.pending, layout)
   momenta = treedef.flatten_up_to(state.momentum)
   # The update in flight is applied with the rate of the step that made it.
   lr = learning_rate(jnp.maximum(state.count - 1, 0)) if callable(learning_rate) else learning_rate

@@ -125,18 +125,22 @@ def _check_momentum(updates: Any, momenta: list[Any], plans: list[dct.ChunkPlan]
 
 
 def _feed_back_pending(
-  momentum_blocks: list[jax.Array], pending: jax.Array | None, layout: codec.WireLayout
+  momentum_blocks: list[jax.Array],
+  pending: jax.Array | None,
+  layout: codec.WireLayout,
+  positions: list[jax.Array] | None = None,
 ) -> list[jax.Array]:
   """Error feedback of the message in flight: what it sends leaves the momentum.
 
   With ``delayed_apply`` the state keeps the momentum as it was before the
   message was cut from it, and this step removes the sent coefficients, read
-  back from the worker's own pending message. A message marked invalid (the
-  first step, a worker that failed) sent nothing, so nothing is removed.
+  back from the worker's own pending message (whose drawn ``positions`` are
+  passed when the layout draws them). A message marked invalid (the first
+  step, a worker that failed) sent nothing, so nothing is removed.
   """
   if pending is None or pending.shape != (layout.num_bytes,):
     return momentum_blocks  # update_fn refuses this state with a clear message
-  tensors, valid = codec.decode_message(pending, layout)
+  tensors, valid = codec.decode_message(pending, layout, positions)
   out = []
   for m, (idx, _) in zip(momentum_blocks, tensors):
     idx = idx.reshape(*m.shape[:-3], m.shape[-2], idx.shape[-1])
@@ -261,8 +265,9 @@ def scale_by_demo(
       ``axis_name`` (and, under FSDP, of the device's index within its site),
       so every receiver draws each sender's positions itself and the message
       carries only the values: with ``quantize_1bit``, one bit per value. The
-      error feedback removes what was sent, as with the top-k. Not with
-      ``delayed_apply``. Static.
+      error feedback removes what was sent, as with the top-k. With
+      ``delayed_apply`` the message in flight is decoded with the positions
+      drawn at the step that made it. Static.
     frequency_bias: with ``random_positions``, how much the draw prefers a
       chunk's low frequencies: DCT coefficient ``(i, j)`` is drawn with
       probability proportional to ``((1 + i) (1 + j)) ** -frequency_bias``
@@ -302,11 +307,6 @@ def scale_by_demo(
   quantize_1bit = bool(quantize_1bit)
   delayed_apply = bool(delayed_apply)
   random_positions = bool(random_positions)
-  if random_positions and delayed_apply:
-    raise ValueError(
-      "random_positions=True is not supported with delayed_apply=True (the message in "
-      "flight would need the positions of the step before); use one of them."
-    )
   bias = 0.0
   if frequency_bias is not None:
     bias = static_nonnegative_float("frequency_bias", frequency_bias, example=1.0)
@@ -324,7 +324,11 @@ def scale_by_demo(
     pending = None
     if delayed_apply:
       layout = wire.wire_layout(
-        params, compression_topk=topk, compression_chunk=chunk, quantize_1bit=quantize_1bit
+        params,
+        compression_topk=topk,
+        compression_chunk=chunk,
+        quantize_1bit=quantize_1bit,
+        random_positions=random_positions,
       )
       pending = jnp.zeros((layout.num_bytes,), jnp.uint8)
     return DemoState(count=zero, momentum=momentum, contributors=zero, pending=pending)
@@ -358,22 +362,31 @@ def scale_by_demo(
     # Everything param-sized stays in each tensor's block view, where both DCT
     # stages, top-k's first stage and the scatters read the data in place.
     momentum_blocks = [dct.to_blocks(m, plan) for m, plan in zip(momenta, plans)]
-    if delayed_apply:
-      momentum_blocks = _feed_back_pending(momentum_blocks, state.pending, layout)
-    blocks = []
-    for g, m, plan in zip(grads, momentum_blocks, plans):
-      g = dct.to_blocks(g, plan)
-      coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
-      blocks.append(compression_decay * m + lr * coeffs)
     # Gradients that also vary over axes other than axis_name are sharded
     # within a worker (FSDP over a site's devices).
     site_axes = sorted(
       frozenset().union(*(exchange.varying_axes(g) for g in grads)) - {axis_name}, key=str
     )
+    draw = draw_sent = None
     if random_positions:
-      ks = [t.k for t in layout.tensors]
-      draw = _position_drawer(state.count, grads, site_axes, blocks, ks, bias)
       own = 0 if axis_name is None else jax.lax.axis_index(axis_name)
+      ks = [t.k for t in layout.tensors]
+      draw = _position_drawer(state.count, grads, site_axes, momentum_blocks, ks, bias)
+      # The message in flight was drawn at the step that made it: with
+      # delayed_apply every update replaces it and counts one, so at count-1.
+      draw_sent = draw
+      if delayed_apply:
+        made_at = jnp.maximum(state.count - 1, 0)
+        draw_sent = _position_drawer(made_at, grads, site_axes, momentum_blocks, ks, bias)
+    if delayed_apply:
+      own_sent = draw_sent(own) if random_positions else None
+      momentum_blocks = _feed_back_pending(momentum_blocks, state.pending, layout, own_sent)
+    blocks = []
+    for g, m, plan in zip(grads, momentum_blocks, plans):
+      g = dct.to_blocks(g, plan)
+      coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
+      blocks.append(compression_decay * m + lr * coeffs)
+    if random_positions:
       sel_idx = draw(own)
       sel_val = [codec.gather_blocks(b, idx) for b, idx in zip(blocks, sel_idx)]
     else:
@@ -425,7 +438,7 @@ def scale_by_demo(
       if random_positions:
         # Each sender's positions, drawn again here: the all-gather orders
         # the messages by the senders' indices on axis_name.
-        positions = jax.vmap(draw)(jnp.arange(num_workers))
+        positions = jax.vmap(draw_sent)(jnp.arange(num_workers))
       tensors, valid_W = codec.decode_message(gathered, layout, positions)
       if axis_name is None:
         # One message and no collective (delayed_apply with one worker): its

@@ -408,6 +408,7 @@ def _demo_gradient_point(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
     quantize_1bit=cfg.quantize_1bit,
     use_dct=cfg.use_dct,
     weight_decay=cfg.weight_decay,
+    random_positions=cfg.random_positions,
     axis_name=REPLICA,
   )
 
@@ -543,11 +544,6 @@ def _check_compression(cfg: TrainConfig) -> None:
   from experiments.config import ConfigError
 
   _check_topk_fits(cfg, "compression", "the reference sends 32 of 4096")
-  if cfg.random_positions and cfg.delayed_apply:
-    raise ConfigError(
-      "--random_positions is not supported with --delayed_apply (the message in flight "
-      "would need the positions of the step before); drop one of them."
-    )
   if cfg.frequency_bias and not cfg.random_positions:
     raise ConfigError(
       f"--frequency_bias={cfg.frequency_bias:g} shapes the draw of --random_positions; add "

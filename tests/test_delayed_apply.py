@@ -17,16 +17,25 @@ import distro_jax as dj
 SHAPES = {"a": (64, 128), "b": (96,), "c": ()}
 
 
+# Drawn positions: the message in flight must be decoded, and fed back, at
+# the positions drawn at the step that made it.
+DRAWN = dict(compression_topk=2, compression_chunk=8, quantize_1bit=True, random_positions=True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("make_tx", [dj.demo, dj.distro_adamw], ids=["demo", "distro_adamw"])
-def test_delayed_is_the_same_steps_one_step_later(make_tx):
+@pytest.mark.parametrize(
+  "make_tx, opts",
+  [(dj.demo, {}), (dj.distro_adamw, {}), (dj.demo, DRAWN)],
+  ids=["demo", "distro_adamw", "demo-drawn-1bit"],
+)
+def test_delayed_is_the_same_steps_one_step_later(make_tx, opts):
   # Gradients that do not depend on the params make the two runs' messages
   # identical, so the delayed run must be the plain one shifted by one step.
   workers, steps = 4, 6
   init, grads = random_problem(SHAPES, workers, steps + 1, seed=0)
   mesh = mesh_of(workers)
-  plain, _ = trajectory(make_tx(1e-2), init, grads[:steps], mesh)
-  delayed, state = trajectory(make_tx(1e-2, delayed_apply=True), init, grads, mesh)
+  plain, _ = trajectory(make_tx(1e-2, **opts), init, grads[:steps], mesh)
+  delayed, state = trajectory(make_tx(1e-2, delayed_apply=True, **opts), init, grads, mesh)
   for k in SHAPES:
     np.testing.assert_array_equal(np.asarray(delayed[1][k]), np.asarray(init[k]))
     for t in range(steps + 1):
@@ -34,10 +43,11 @@ def test_delayed_is_the_same_steps_one_step_later(make_tx):
   assert not np.array_equal(np.asarray(plain[-1]["a"]), np.asarray(init["a"]))
   # The last message is still pending, one per worker, and valid.
   pending = np.asarray(state[0].pending).reshape(workers, -1)
-  layout = dj.wire.wire_layout(init, compression_topk=32, compression_chunk=64, quantize_1bit=False)
+  wire_opts = dict(compression_topk=32, compression_chunk=64, quantize_1bit=False)
+  wire_opts.update({k: v for k, v in opts.items() if k in wire_opts or k == "random_positions"})
+  layout = dj.wire.wire_layout(init, **wire_opts)
   assert pending.shape[1] == layout.num_bytes
-  _, valid = dj.codec.decode_message(jnp.asarray(pending), layout)
-  assert np.asarray(valid).all()
+  assert np.asarray(dj.codec.message_valid(jnp.asarray(pending), layout)).all()
 
 
 def _loss(params, x_BxD):

@@ -31,9 +31,13 @@ def test_decay_outside_unit_interval(decay):
     dj.demo(1e-3, compression_decay=decay)
 
 
-def test_random_positions_refuse_the_delayed_exchange():
-  with pytest.raises(ValueError, match="random_positions=True is not supported with delayed"):
-    dj.demo(1e-3, random_positions=True, delayed_apply=True)
+def test_the_message_guess_refuses_drawn_positions():
+  # The pending message of a drawn-position exchange carries no positions.
+  params = {"w": jnp.ones((16, 16))}
+  opts = dict(compression_topk=1, compression_chunk=8, random_positions=True)
+  state = dj.demo(1e-3, axis_name=None, delayed_apply=True, **opts).init(params)
+  with pytest.raises(ValueError, match='use the default guess="momentum"'):
+    dj.gradient_point(state, params, 1e-3, guess="message", **opts)
 
 
 def test_frequency_bias_needs_random_positions_and_a_static_non_negative_number():

@@ -110,10 +110,39 @@ def test_psyche_guess_is_the_momentum_before_error_feedback(quantize_1bit):
   np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
-def test_the_all_gather_still_waits_on_no_gradient():
+def test_drawn_positions_leave_the_momentum_at_the_step_after_they_were_drawn():
+  opts = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
+  params = {"w": jnp.zeros((16, 16))}
+  tx = dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **opts)
+  state = tx.init(params)
+  rng = np.random.default_rng(2)
+  g1, g2 = ({"w": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32)} for _ in range(2))
+  _, state = tx.update(g1, state, params)
+  at = dj.gradient_point(state, params, 0.1, **opts)
+  np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * np.sign(np.asarray(g1["w"])), atol=1e-7)
+  _, state = tx.update(g2, state, params)
+  # The first message went out at the positions drawn for step 0 (worker 0,
+  # tensor 0), and only those left the momentum.
+  plan = wire.plan_tree([params["w"]], 8)[0]
+  key = dj.codec.position_key(0, 0, 0)
+  sent = np.asarray(dj.codec.draw_positions(key, plan.block_shape, 1)).reshape(plan.rows, 1)
+  m1 = np.array(dct.encode(0.1 * g1["w"], plan))
+  np.put_along_axis(m1, sent, 0.0, axis=-1)
+  expected = 0.9 * m1 + np.asarray(dct.encode(0.1 * g2["w"], plan))
+  (demo_state,) = [s for s in state if isinstance(s, dj.DemoState)]
+  got = np.asarray(dct.to_chunks(demo_state.momentum["w"], plan))
+  np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "opts",
+  [{}, dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)],
+  ids=["topk", "drawn-1bit"],
+)
+def test_the_all_gather_still_waits_on_no_gradient(opts):
   mesh = mesh_of(4)
   params = {"w": jnp.ones((32, 64), jnp.float32) * 0.1}
-  tx = dj.demo(1e-3, delayed_apply=True)
+  tx = dj.demo(1e-3, delayed_apply=True, **opts)
   specs = dj.worker_state_specs(tx, params, mesh)
   state = dj.init_worker_state(tx, params, mesh)
 
@@ -121,7 +150,7 @@ def test_the_all_gather_still_waits_on_no_gradient():
     jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)
   )
   def step(params, state, x):
-    at = dj.gradient_point(state, params, 1e-3)
+    at = dj.gradient_point(state, params, 1e-3, **opts)
     _, grads = dj.local_value_and_grad(lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2))(at, x)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
@@ -133,7 +162,7 @@ def test_the_all_gather_still_waits_on_no_gradient():
   # The one all-gather moves the message and nothing else.
   measured = dj.collective_bytes(jax.jit(step), params, state, x)
   assert [k for k, v in measured.by_kind.items() if v] == ["all-gather"]
-  assert measured.total == dj.wire_bytes(params).payload
+  assert measured.total == dj.wire_bytes(params, **opts).payload
 
 
 def test_other_optimizers_look_from_their_own_point():
@@ -154,16 +183,27 @@ def test_options_that_do_not_match_the_state_are_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantize_1bit", [False, True], ids=["fp32", "1bit"])
-def test_the_trainers_overlapped_step_looks_ahead_and_gathers_before_the_gradient(quantize_1bit):
+@pytest.mark.parametrize(
+  "quantize_1bit, drawn",
+  [(False, False), (True, False), (True, True)],
+  ids=["fp32", "1bit", "drawn"],
+)
+def test_the_trainers_overlapped_step_looks_ahead_and_gathers_before_the_gradient(
+  quantize_1bit, drawn
+):
   from experiments import config, methods
 
   cfg, _, closed = trainer_step_jaxpr(
-    compression_topk=8, quantize_1bit=quantize_1bit, delayed_apply=True
+    compression_topk=1 if drawn else 8,
+    compression_chunk=8 if drawn else 64,
+    quantize_1bit=quantize_1bit,
+    random_positions=drawn,
+    delayed_apply=True,
   )
   point = methods.get("demo").gradient_point(cfg)
   assert point.func is dj.gradient_point
   assert point.keywords["quantize_1bit"] is quantize_1bit
+  assert point.keywords["random_positions"] is drawn
   bare = config.resolve(dataclasses.replace(cfg, lookahead=False))
   assert methods.get("demo").gradient_point(bare) is dj.inner_params
   fed = gathers_fed_by(closed.jaxpr, set(closed.jaxpr.invars[-2:]))

@@ -20,6 +20,11 @@ def _mlp_loss(params, x_BxD, y_B):
   return jnp.mean((pred - y_B) ** 2)
 
 
+DRAWN = dict(compression_topk=2, compression_chunk=8, quantize_1bit=True, random_positions=True)
+# The compression options each run's lookahead needs (those of its dj.demo).
+LOOKAHEAD = {"demo-delayed-drawn": DRAWN}
+
+
 @pytest.mark.parametrize(
   "make_tx",
   [
@@ -34,6 +39,9 @@ def _mlp_loss(params, x_BxD, y_B):
     lambda: dj.demo(
       3e-3, delayed_apply=True, synchronous=lambda p: {k: k.startswith("w") for k in p}
     ),
+    # Overlapped with drawn positions: the message in flight is decoded at the
+    # positions its senders drew a step before.
+    lambda: dj.demo(3e-3, delayed_apply=True, **DRAWN),
   ],
   ids=[
     "demo",
@@ -42,6 +50,7 @@ def _mlp_loss(params, x_BxD, y_B):
     "distro_adamw",
     "sparseloco-h3",
     "demo-partial",
+    "demo-delayed-drawn",
   ],
 )
 def test_params_bit_identical_on_8_workers_after_20_steps(make_tx, request):
@@ -55,6 +64,7 @@ def test_params_bit_identical_on_8_workers_after_20_steps(make_tx, request):
     "scale": jnp.ones((), jnp.float32),
   }
   tx = make_tx()
+  look = LOOKAHEAD.get(request.node.callspec.id, {})
   if "sparseloco" in request.node.callspec.id:
     # Per-worker inner params cannot hold a scalar (see init_worker_state's error).
     params["scale"] = jnp.ones((1,), jnp.float32)
@@ -72,7 +82,7 @@ def test_params_bit_identical_on_8_workers_after_20_steps(make_tx, request):
   def train_step(params, opt_state, x_BxD, y_B):
     # SparseLoCo's workers take their gradients at their own inner params, an
     # overlapped exchange's at its own lookahead.
-    at = dj.worker_local(dj.gradient_point(opt_state, params, 3e-3))
+    at = dj.worker_local(dj.gradient_point(opt_state, params, 3e-3, **look))
     loss, grads = dj.local_value_and_grad(_mlp_loss)(at, x_BxD, y_B)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")

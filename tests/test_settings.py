@@ -46,7 +46,6 @@ BAD = [
   ({"inject_nan_step": 11}, "--inject_nan_step=11", "[1, 10]"),
   ({"batch_size": 6}, "--batch_size=6 does not divide by --workers=4", "--batch_size=4 or 8"),
   ({"compression_topk": 5000}, "--compression_topk=5000", "--compression_topk<=4096"),
-  ({"random_positions": True, "delayed_apply": True}, "--random_positions", "drop one of them"),
   ({"frequency_bias": 1.0}, "--frequency_bias=1", "add --random_positions"),
   ({"frequency_bias": -1.0}, "--frequency_bias=-1.0", "0 draws uniformly"),
   (
