@@ -68,12 +68,19 @@ def preset_params(name: str, dtype: Any) -> Any:
   return jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.02, dtype), abstract)
 
 
+# One drawn position of every 8x8 chunk, one sign bit each (docs/results.md).
+DRAWN = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
+DRAWN_NAME = "dj.demo (1 drawn of 8x8, 1-bit)"
+
+
 def methods(learning_rate: float = 1e-3) -> dict[str, optax.GradientTransformation]:
-  """The updates compared: the all-reduce baseline, DeMo's defaults, Psyche's message."""
+  """The updates compared: the all-reduce baseline, DeMo's defaults, Psyche's message, and
+  the smallest message that trained within a few percent of AdamW (drawn positions)."""
   return {
     "AdamW + grad pmean": optax.chain(dj.pmean_gradients("data"), optax.adamw(learning_rate)),
     "dj.demo (defaults)": dj.demo(learning_rate),
     "dj.demo (top-k 8, 1-bit)": dj.demo(learning_rate, compression_topk=8, quantize_1bit=True),
+    DRAWN_NAME: dj.demo(learning_rate, **DRAWN),
   }
 
 
@@ -228,6 +235,7 @@ def run(
   for name, kw in [
     ("defaults: top-k 32, chunk 64", {}),
     ("top-k 8, 1-bit", {"compression_topk": 8, "quantize_1bit": True}),
+    ("1 drawn of 8x8, 1-bit", DRAWN),
   ]:
     b = dj.wire_bytes(params, num_workers=workers, **kw)
     print(f"{name:<34}{b.payload:>12,}{b.ratio_vs_bf16:>13.0f}x{b.ratio_vs_ring:>9.0f}x")

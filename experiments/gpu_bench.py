@@ -5,9 +5,9 @@ of the gradient (the data-parallel baseline), timed in interleaved rounds on
 every visible device:
 
 1. **Update.** One optimizer update on the preset's params tree, from a
-   different gradient per worker: DeMo at the defaults and at Psyche's top-k 8
-   with 1-bit values, against ``pmean`` + AdamW (``experiments.bench_update``'s
-   step).
+   different gradient per worker: DeMo at the defaults, at Psyche's top-k 8
+   with 1-bit values and with one drawn position of each 8x8 chunk, against
+   ``pmean`` + AdamW (``experiments.bench_update``'s step).
 2. **Train step.** A full step of the Llama model (forward, backward, exchange,
    update) against the same step without the optimizer; the optimizer's share
    is ``1 - gradient time / step time``.

@@ -45,8 +45,9 @@ def _make_tx(name, axis_name):
   kw = {"compression_chunk": CHUNK, "compression_topk": TOPK, "axis_name": axis_name}
   if name == "demo":
     return dj.demo(LR, weight_decay=0.01, **kw)
-  if name == "demo-random":
-    return dj.demo(LR, weight_decay=0.01, random_positions=True, **kw)
+  if name.startswith("demo-random"):
+    delayed = name.endswith("-delayed")
+    return dj.demo(LR, weight_decay=0.01, random_positions=True, delayed_apply=delayed, **kw)
   return dj.distro_adamw(LR, weight_decay=0.01, **kw)
 
 
@@ -132,14 +133,16 @@ def _assert_copies_identical(params, replicas, fsdp):
 
 
 @pytest.mark.slow
-def test_fsdp_with_random_positions_keeps_every_copy_identical():
+@pytest.mark.parametrize("name", ["demo-random", "demo-random-delayed"])
+def test_fsdp_with_random_positions_keeps_every_copy_identical(name):
   # Each shard draws its own positions (a message of its own), while a param
-  # kept whole on a site's devices must draw the same ones on each of them.
+  # kept whole on a site's devices must draw the same ones on each of them;
+  # overlapped, the message in flight is decoded at the step before's draw.
   replicas, fsdp = 2, 4
   rng = np.random.default_rng(1)
   init = _init_params(rng)
   data = _batches(rng, replicas * fsdp)
-  mesh, _, params, state = _fsdp_run("demo-random", init, data, replicas, fsdp)
+  mesh, _, params, state = _fsdp_run(name, init, data, replicas, fsdp)
   _assert_copies_identical(params, replicas, fsdp)
   # The devices of a site hold the same momentum for a param kept whole there,
   # so they sent the same positions (they would differ, and each zero

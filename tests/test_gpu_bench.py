@@ -36,6 +36,7 @@ def test_bench_update_takes_a_preset_and_times_the_parts(capsys):
   )
   names = set(out["ms"])
   assert {"AdamW + grad pmean", "dj.demo (defaults)", "dj.demo (top-k 8, 1-bit)"} <= names
+  assert bench_update.DRAWN_NAME in names
   for part in ("transform", "top-k", "aggregate", "decode"):
     assert f"  {part} (defaults)" in names and f"  {part} (top-k 8, 1-bit)" in names
   assert out["ratio"]["AdamW + grad pmean"] == 1.0
