@@ -3,7 +3,7 @@
 import pytest
 from absl import flags
 
-from experiments import gpu_bench
+from experiments import bench_update, gpu_bench
 
 
 @pytest.mark.slow
@@ -14,7 +14,12 @@ def test_gpu_bench_runs_on_cpu_at_a_tiny_size(capsys):
   assert tiny["params"] > 0
   update, train = tiny["update"], tiny["train_step"]
   assert update[gpu_bench.BASELINE]["x_adamw"] == 1.0
-  assert set(update) == {gpu_bench.BASELINE, "dj.demo (defaults)", "dj.demo (top-k 8, 1-bit)"}
+  assert set(update) == {
+    gpu_bench.BASELINE,
+    "dj.demo (defaults)",
+    "dj.demo (top-k 8, 1-bit)",
+    bench_update.DRAWN_NAME,
+  }
   assert all(row["ms"] > 0 for row in update.values())
   assert set(train) == set(gpu_bench.TRAIN_METHODS)
   assert all(0.0 <= row["optimizer_share"] < 1.0 for row in train.values())
@@ -28,8 +33,6 @@ def test_importing_it_defines_no_flags():
 
 @pytest.mark.slow
 def test_bench_update_takes_a_preset_and_times_the_parts(capsys):
-  from experiments import bench_update
-
   assert "repeats" not in flags.FLAGS  # flags only when run as a command
   out = bench_update.run(
     workers=2, preset="tiny", d_model=0, layers=0, vocab=0, repeats=1, dtype="float32"
