@@ -378,6 +378,8 @@ def resize_worker_state(
   fresh = jax.tree.leaves(init_worker_state(tx, params, mesh, axis_name, param_specs=param_specs))
 
   replicated = NamedSharding(mesh, P())
+  # Stayers that take another index: their message in flight is marked invalid.
+  moved = np.asarray(keep) != np.arange(len(keep))
 
   def rearrange(old, fresh):
     # Worker blocks are cut and joined replicated; the result is placed at the end.
@@ -389,11 +391,10 @@ def resize_worker_state(
         continue
       o_w, f_w = leaf.split(o, before), leaf.split(f, after)
       kept = o_w[np.asarray(keep, np.int32)]
-      moved = np.asarray(keep) != np.arange(len(keep))
       if leaf.in_flight and moved.any():
         # A fresh message is all zeros, the invalid marker.
-        moved = moved.reshape(-1, *[1] * (kept.ndim - 1))
-        kept = jnp.where(moved, f_w[: len(keep)], kept)
+        rows = moved.reshape(-1, *[1] * (kept.ndim - 1))
+        kept = jnp.where(rows, f_w[: len(keep)], kept)
       if leaf.residual and leaving == "fold" and left:
         # Every process runs this same program on the same replicated inputs,
         # so the fold is bit-identical everywhere.

@@ -367,7 +367,6 @@ def scale_by_demo(
     site_axes = sorted(
       frozenset().union(*(exchange.varying_axes(g) for g in grads)) - {axis_name}, key=str
     )
-    draw = draw_sent = None
     if random_positions:
       own = 0 if axis_name is None else jax.lax.axis_index(axis_name)
       ks = [t.k for t in layout.tensors]

@@ -43,8 +43,8 @@ def test_delayed_is_the_same_steps_one_step_later(make_tx, opts):
   assert not np.array_equal(np.asarray(plain[-1]["a"]), np.asarray(init["a"]))
   # The last message is still pending, one per worker, and valid.
   pending = np.asarray(state[0].pending).reshape(workers, -1)
-  wire_opts = dict(compression_topk=32, compression_chunk=64, quantize_1bit=False)
-  wire_opts.update({k: v for k, v in opts.items() if k in wire_opts or k == "random_positions"})
+  # The defaults' wire options, with the run's own over them.
+  wire_opts = {**dict(compression_topk=32, compression_chunk=64, quantize_1bit=False), **opts}
   layout = dj.wire.wire_layout(init, **wire_opts)
   assert pending.shape[1] == layout.num_bytes
   assert np.asarray(dj.codec.message_valid(jnp.asarray(pending), layout)).all()

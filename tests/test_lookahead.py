@@ -17,6 +17,8 @@ import distro_jax as dj
 from distro_jax import dct, wire
 
 SHAPES = {"a": (64, 128), "b": (96,)}
+# One drawn position of each 8x8 chunk, one sign bit each.
+DRAWN = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
 
 
 def _loss(params, x_BxD):
@@ -111,7 +113,7 @@ def test_psyche_guess_is_the_momentum_before_error_feedback(quantize_1bit):
 
 
 def test_drawn_positions_leave_the_momentum_at_the_step_after_they_were_drawn():
-  opts = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
+  opts = DRAWN
   params = {"w": jnp.zeros((16, 16))}
   tx = dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **opts)
   state = tx.init(params)
@@ -136,7 +138,7 @@ def test_drawn_positions_leave_the_momentum_at_the_step_after_they_were_drawn():
 
 @pytest.mark.parametrize(
   "opts",
-  [{}, dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)],
+  [{}, DRAWN],
   ids=["topk", "drawn-1bit"],
 )
 def test_the_all_gather_still_waits_on_no_gradient(opts):
