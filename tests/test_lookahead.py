@@ -113,21 +113,21 @@ def test_psyche_guess_is_the_momentum_before_error_feedback(quantize_1bit):
 
 
 def test_drawn_positions_leave_the_momentum_at_the_step_after_they_were_drawn():
-  opts = DRAWN
   params = {"w": jnp.zeros((16, 16))}
-  tx = dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **opts)
+  tx = dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **DRAWN)
   state = tx.init(params)
   rng = np.random.default_rng(2)
   g1, g2 = ({"w": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32)} for _ in range(2))
   _, state = tx.update(g1, state, params)
-  at = dj.gradient_point(state, params, 0.1, **opts)
+  at = dj.gradient_point(state, params, 0.1, **DRAWN)
   np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * np.sign(np.asarray(g1["w"])), atol=1e-7)
   _, state = tx.update(g2, state, params)
   # The first message went out at the positions drawn for step 0 (worker 0,
   # tensor 0), and only those left the momentum.
-  plan = wire.plan_tree([params["w"]], 8)[0]
+  plan = wire.plan_tree([params["w"]], DRAWN["compression_chunk"])[0]
   key = dj.codec.position_key(0, 0, 0)
-  sent = np.asarray(dj.codec.draw_positions(key, plan.block_shape, 1)).reshape(plan.rows, 1)
+  k = DRAWN["compression_topk"]
+  sent = np.asarray(dj.codec.draw_positions(key, plan.block_shape, k)).reshape(plan.rows, k)
   m1 = np.array(dct.encode(0.1 * g1["w"], plan))
   np.put_along_axis(m1, sent, 0.0, axis=-1)
   expected = 0.9 * m1 + np.asarray(dct.encode(0.1 * g2["w"], plan))
