@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from distro_jax import codec, dct, exchange, wire
+from distro_jax import codec, dct, exchange, unit_rms, wire
 from distro_jax.diloco import inner_params
 from distro_jax.transforms import DemoState
 
@@ -71,6 +71,7 @@ def lookahead_update(
   use_dct: bool = True,
   weight_decay: float = 0.0,
   random_positions: bool = False,
+  normalize: str = "sign",
   guess: str = "momentum",
   scale: float = 1.0,
   axis_name: Hashable | None = None,
@@ -89,6 +90,8 @@ def lookahead_update(
     weight_decay: as given to :func:`distro_jax.demo`.
     random_positions: as given to :func:`distro_jax.demo`. Drawn positions
       work with ``guess="momentum"`` only.
+    normalize: as given to :func:`distro_jax.demo`: the guess takes the
+      sign of ``IDCT(c)``, or scales it to unit RMS, as the update does.
     guess: ``"momentum"`` (Psyche's: the momentum before error feedback) or
       ``"message"`` (this worker's own message, as sent).
     scale: a factor on the whole guess.
@@ -99,8 +102,10 @@ def lookahead_update(
 
   Returns:
     A tree like ``params``: zero before the first message (or after a message
-    marked invalid), else ``-scale * lr_prev * (sign(IDCT(c)) + wd * p)``.
+    marked invalid), else ``-scale * lr_prev * (sign(IDCT(c)) + wd * p)``
+    (with ``normalize="rms"``, ``IDCT(c)`` at unit RMS in place of its sign).
   """
+  unit_rms.check_normalize(normalize)
   if guess not in _GUESSES:
     raise ValueError(f"guess must be one of {_GUESSES}, got {guess!r}.")
   if random_positions and guess == "message":
@@ -139,7 +144,14 @@ def lookahead_update(
     else:
       rows = jnp.arange(plan.rows)[:, None]
       coeffs = jnp.zeros(plan.coeff_shape, jnp.float32).at[rows, idx].add(val, unique_indices=True)
-    direction = jnp.sign(from_chunks(coeffs, plan)).astype(x.dtype)
+    q = from_chunks(coeffs, plan)
+    if normalize == "rms":
+      # Without axis_name the tensor is whole here; with it, every other axis
+      # that q varies over holds another block of it (FSDP).
+      blocks = () if axis_name is None else exchange.varying_axes(q) - {axis_name}
+      direction = unit_rms.to_unit_rms(q, blocks).astype(x.dtype)
+    else:
+      direction = jnp.sign(q).astype(x.dtype)
     if weight_decay:
       direction = direction + weight_decay * x
     delta = (-step * direction).astype(x.dtype)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from distro_jax import codec, dct, exchange, wire
+from distro_jax import codec, dct, exchange, unit_rms, wire
 from distro_jax.hyperparams import (
   StaticInt,
   check_decay,
@@ -556,10 +556,12 @@ def demo(
   synchronous: Any = None,
   random_positions: bool = False,
   frequency_bias: float | None = None,
+  normalize: str = "sign",
 ) -> optax.GradientTransformationExtraArgs:
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
 
-  A short ``optax.chain`` of :func:`scale_by_demo`, ``optax.scale_by_sign``,
+  A short ``optax.chain`` of :func:`scale_by_demo`, ``optax.scale_by_sign``
+  (or :func:`scale_to_unit_rms`, with ``normalize="rms"``),
   ``optax.add_decayed_weights`` and ``optax.scale_by_learning_rate`` (built
   with :func:`distro`, so a step in which every worker's message was left out
   for non-finite values changes nothing). Call its
@@ -590,6 +592,10 @@ def demo(
       :func:`scale_by_demo`). Static.
     frequency_bias: with ``random_positions``, the draw's preference for low
       frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
+    normalize: how ``Q`` becomes a step: ``"sign"`` (DeMo's: every entry
+      moves by the learning rate) or ``"rms"`` (each tensor's ``Q`` scaled to
+      a root mean square of one, so entries keep their relative sizes; the
+      better step for a message of drawn positions, docs/results.md). Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -606,9 +612,13 @@ def demo(
     >>> updates, state = tx.update({"w": jnp.ones((64, 64))}, state, params)
     >>> params = optax.apply_updates(params, updates)
   """
+  if unit_rms.check_normalize(normalize) == "rms":
+    step = unit_rms.scale_to_unit_rms(axis_name)
+  else:
+    step = optax.scale_by_sign()
   return distro(
     optax.chain(
-      optax.scale_by_sign(),
+      step,
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate),
     ),

@@ -47,6 +47,7 @@ _ADDED_LATER = {
   "sparseloco_chunk": 64,
   "random_positions": False,
   "frequency_bias": 0.0,
+  "normalize": "sign",
 }
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from absl import flags
 
 from distro_jax.elastic import LEAVING
+from distro_jax.unit_rms import NORMALIZE
 
 # Flags defined through define_flags belong to the command that calls it, so --help lists them.
 flags.disclaim_key_flags()
@@ -101,6 +102,11 @@ class TrainConfig:
     0.0,
     "With --random_positions, draw DCT coefficient (i, j) of a chunk with probability "
     "proportional to ((1 + i)(1 + j))^-bias; 0 draws uniformly.",
+  )
+  normalize: str = _field(
+    "sign",
+    "How DeMo turns its decoded aggregate into a step: 'sign' (DeMo's, every entry moves "
+    "by the learning rate) or 'rms' (each tensor scaled to unit RMS).",
   )
   diloco_sync_every: int = _field(50, "DiLoCo: inner steps between synchronizations (H).")
   diloco_outer_lr: float = _field(0.7, "DiLoCo: outer Nesterov learning rate.")
@@ -590,6 +596,13 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
     raise ConfigError(
       f"--optimizer={method.name} runs with one device per site only; drop --fsdp "
       "(or use --fsdp=1)."
+    )
+  if cfg.normalize not in NORMALIZE:
+    raise ConfigError(f"--normalize={cfg.normalize!r}; use --normalize=sign or --normalize=rms.")
+  if cfg.normalize != "sign" and not method.supports_normalize:
+    raise ConfigError(
+      f"--normalize={cfg.normalize} shapes DeMo's step from its aggregate; it needs "
+      f"--optimizer={_supporting('supports_normalize')}, not {method.name}. Drop --normalize."
     )
   if cfg.leaving not in LEAVING:
     raise ConfigError(f"--leaving={cfg.leaving!r}; use --leaving=drop or --leaving=fold.")

@@ -161,6 +161,8 @@ class Method:
       method's name.
     supports_cold_start: a joining worker's message can be marked invalid
       (``--cold_start_steps``, an elastic resume onto more workers).
+    supports_normalize: ``--normalize`` chooses how its aggregate becomes a
+      step (DeMo's sign, or unit RMS per tensor).
   """
 
   name: str
@@ -185,6 +187,7 @@ class Method:
   gradient_point: Callable[[TrainConfig], Callable[[Any, Any], Any]] = lambda cfg: dj.inner_params
   overlapped_share: Callable[[TrainConfig, Any], float] = lambda cfg, params: 0.0
   supports_cold_start: bool = False
+  supports_normalize: bool = False
 
   def recipe_for(self, preset: str, steps: int) -> Recipe:
     """The defaults for this method on ``preset``, for a run of ``steps`` steps."""
@@ -390,7 +393,12 @@ def _gradient_bytes_fp32(params: Any) -> int:
 
 # DisTrO clips each worker's own gradient before it enters the momentum.
 def _build_demo(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
-  tx = dj.demo(lr_schedule(cfg), weight_decay=cfg.weight_decay, **_compression(cfg, axes))
+  tx = dj.demo(
+    lr_schedule(cfg),
+    weight_decay=cfg.weight_decay,
+    normalize=cfg.normalize,
+    **_compression(cfg, axes),
+  )
   return optax.chain(_clip(cfg, axes), tx)
 
 
@@ -409,6 +417,7 @@ def _demo_gradient_point(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
     use_dct=cfg.use_dct,
     weight_decay=cfg.weight_decay,
     random_positions=cfg.random_positions,
+    normalize=cfg.normalize,
     axis_name=REPLICA,
   )
 
@@ -567,6 +576,7 @@ _COMPRESSION_OPTIONS = (
   Option(r"delayed", "delayed_apply", lambda m: True, "delayed"),
   Option(r"partial", "synchronous_params", lambda m: PARTIAL_OVERLAP, "partial"),
 )
+_DEMO_OPTIONS = (*_COMPRESSION_OPTIONS, Option(r"rms", "normalize", lambda m: "rms", "rms"))
 # The DisTrO report's 1.2B run used 4e-4 with 250 warmup steps.
 _REPORT_RECIPE = Recipe(learning_rate=4e-4, warmup_steps=250)
 
@@ -599,7 +609,7 @@ register(
     # demo-k8-1bit: 1.9982 at 1.5e-3, 2.0185 at 7.5e-4; the defaults are flat
     # there (1.8829, 1.8816), so the family takes 1.5e-3.
     long_recipes=_from_1000_steps(_DEMO_RECIPE, 1.5e-3),
-    options=_COMPRESSION_OPTIONS,
+    options=_DEMO_OPTIONS,
     supports_delayed_apply=True,
     excludes_nonfinite=True,
     tuning={"learning_rate": (2e-3, 4e-3), "compression_decay": (0.95, 0.98)},
@@ -607,6 +617,7 @@ register(
     gradient_point=_demo_gradient_point,
     overlapped_share=_demo_overlapped_share,
     supports_cold_start=True,
+    supports_normalize=True,
   )
 )
 register(

@@ -52,13 +52,17 @@ class Chunker:
 class ReferenceDeMo:
   """DeMo for W workers: one momentum buffer per worker and tensor."""
 
-  def __init__(self, shapes, workers, lr, decay, topk, chunk, weight_decay, positions=None):
+  def __init__(
+    self, shapes, workers, lr, decay, topk, chunk, weight_decay, positions=None, normalize="sign"
+  ):
     """``positions(name, worker, step, k)``, if given, names each chunk's k positions
-    (``(chunks, k)``) in place of the top-k by magnitude."""
+    (``(chunks, k)``) in place of the top-k by magnitude. ``normalize="rms"`` steps
+    along the decoded aggregate divided by its root mean square instead of its sign."""
     self.chunkers = {k: Chunker(s, chunk) for k, s in shapes.items()}
     self.m = [{k: np.zeros(s) for k, s in shapes.items()} for _ in range(workers)]
     self.lr, self.decay, self.topk, self.wd = lr, decay, topk, weight_decay
     self.positions, self.count = positions, 0
+    self.normalize = normalize
 
   def step(self, params, grads_per_worker):
     new = {}
@@ -84,6 +88,11 @@ class ReferenceDeMo:
       agg = np.where(count > 0, total / np.maximum(count, 1), 0.0)
       q = ch.inverse(agg)
       p = np.asarray(p, np.float64) * (1 - self.lr * self.wd)
-      new[name] = p - self.lr * np.sign(q)
+      if self.normalize == "rms":
+        rms = np.sqrt(np.mean(q * q))
+        step = q / rms if rms > 0 else np.zeros_like(q)
+      else:
+        step = np.sign(q)
+      new[name] = p - self.lr * step
     self.count += 1
     return new

@@ -46,6 +46,12 @@ TRANSFORMATIONS: list[tuple[str, Factory]] = [
     functools.partial(dj.demo, random_positions=True, quantize_1bit=True, axis_name=None),
   ),
   ("demo-delayed", functools.partial(dj.demo, delayed_apply=True, axis_name=None)),
+  (
+    "demo-random-1bit-rms",
+    functools.partial(
+      dj.demo, random_positions=True, quantize_1bit=True, normalize="rms", axis_name=None
+    ),
+  ),
   ("distro_adamw", functools.partial(dj.distro_adamw, axis_name=None)),
   ("scale_by_demo", functools.partial(dj.scale_by_demo, axis_name=None)),
   (

@@ -16,6 +16,7 @@ MODULES = [
   "distro_jax.lookahead",
   "distro_jax.sparseloco",
   "distro_jax.transforms",
+  "distro_jax.unit_rms",
   "distro_jax.wire",
   "distro_jax.worker_state",
 ]

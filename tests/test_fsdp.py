@@ -43,8 +43,9 @@ def _batches(rng, devices):
 
 def _make_tx(name, axis_name):
   kw = {"compression_chunk": CHUNK, "compression_topk": TOPK, "axis_name": axis_name}
-  if name == "demo":
-    return dj.demo(LR, weight_decay=0.01, **kw)
+  if name in ("demo", "demo-rms"):
+    normalize = "rms" if name == "demo-rms" else "sign"
+    return dj.demo(LR, weight_decay=0.01, normalize=normalize, **kw)
   if name.startswith("demo-random"):
     delayed = name.endswith("-delayed")
     return dj.demo(LR, weight_decay=0.01, random_positions=True, delayed_apply=delayed, **kw)
@@ -161,7 +162,8 @@ def test_fsdp_with_random_positions_keeps_every_copy_identical(name):
 @pytest.mark.slow
 @pytest.mark.parametrize(
   ("name", "replicas", "fsdp"),
-  [("demo", 2, 4), ("demo", 4, 2), ("distro_adamw", 2, 4)],
+  # demo-rms: each tensor's step at the RMS of the whole tensor, not of a shard.
+  [("demo", 2, 4), ("demo", 4, 2), ("distro_adamw", 2, 4), ("demo-rms", 2, 4)],
 )
 def test_fsdp_trajectory_equals_unsharded(name, replicas, fsdp):
   rng = np.random.default_rng(0)

@@ -176,6 +176,8 @@ def test_no_checkpoint_is_deleted_unless_asked(tmp_path):
     # Before --random_positions every message carried its top-k's indices.
     ({"optimizer": "demo"}, "random_positions", False, True),
     ({"optimizer": "demo", "random_positions": True}, "frequency_bias", 0.0, 1.0),
+    # Before --normalize every DeMo step was the sign.
+    ({"optimizer": "demo"}, "normalize", "sign", "rms"),
   ],
 )
 def test_a_setting_added_since_a_checkpoint_compares_as_its_default(

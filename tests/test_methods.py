@@ -38,6 +38,7 @@ def test_method_names_map_to_config_fields():
     "random_positions": True,
     "frequency_bias": 1.5,
   }
+  assert parse("demo-k1-c8-1bit-rand-fb1-rms")["normalize"] == "rms"
   assert parse("distro_adamw-k8") == {"optimizer": "distro_adamw", "compression_topk": 8}
   assert parse("diloco") == {"optimizer": "diloco"}
   assert parse("diloco-h100")["diloco_sync_every"] == 100

@@ -29,11 +29,17 @@ def _drawn(name, worker, step, k, bias=None):
 
 
 @pytest.mark.parametrize(
-  "random_positions, bias",
-  [(False, None), (True, None), (True, 1.0)],
-  ids=["topk", "random-positions", "random-positions-bias1"],
+  "random_positions, bias, normalize",
+  [
+    (False, None, "sign"),
+    (True, None, "sign"),
+    (True, 1.0, "sign"),
+    (False, None, "rms"),
+    (True, 1.0, "rms"),
+  ],
+  ids=["topk", "random-positions", "random-positions-bias1", "topk-rms", "random-bias1-rms"],
 )
-def test_demo_matches_numpy_reference_over_12_steps(random_positions, bias):
+def test_demo_matches_numpy_reference_over_12_steps(random_positions, bias, normalize):
   workers, lr, wd = 4, 1e-3, 0.1
   rng = np.random.default_rng(0)
   init = {k: rng.normal(size=s).astype(np.float32) * 0.1 for k, s in SHAPES.items()}
@@ -46,9 +52,16 @@ def test_demo_matches_numpy_reference_over_12_steps(random_positions, bias):
     chunk=64,
     weight_decay=wd,
     positions=functools.partial(_drawn, bias=bias) if random_positions else None,
+    normalize=normalize,
   )
   mesh = mesh_of(workers)
-  tx = dj.demo(lr, weight_decay=wd, random_positions=random_positions, frequency_bias=bias)
+  tx = dj.demo(
+    lr,
+    weight_decay=wd,
+    random_positions=random_positions,
+    frequency_bias=bias,
+    normalize=normalize,
+  )
   step, params, state = build(tx, {k: jax.numpy.asarray(v) for k, v in init.items()}, mesh)
 
   ref_params = {k: v.astype(np.float64) for k, v in init.items()}

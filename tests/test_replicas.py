@@ -42,6 +42,8 @@ LOOKAHEAD = {"demo-delayed-drawn": DRAWN}
     # Overlapped with drawn positions: the message in flight is decoded at the
     # positions its senders drew a step before.
     lambda: dj.demo(3e-3, delayed_apply=True, **DRAWN),
+    # Each tensor's step at unit RMS: a mean over the tensor, on every worker.
+    lambda: dj.demo(3e-3, normalize="rms", **DRAWN),
   ],
   ids=[
     "demo",
@@ -51,6 +53,7 @@ LOOKAHEAD = {"demo-delayed-drawn": DRAWN}
     "sparseloco-h3",
     "demo-partial",
     "demo-delayed-drawn",
+    "demo-drawn-rms",
   ],
 )
 def test_params_bit_identical_on_8_workers_after_20_steps(make_tx, request):

@@ -48,6 +48,8 @@ BAD = [
   ({"compression_topk": 5000}, "--compression_topk=5000", "--compression_topk<=4096"),
   ({"frequency_bias": 1.0}, "--frequency_bias=1", "add --random_positions"),
   ({"frequency_bias": -1.0}, "--frequency_bias=-1.0", "0 draws uniformly"),
+  ({"normalize": "l2"}, "--normalize='l2'", "--normalize=rms"),
+  ({"optimizer": "adamw", "normalize": "rms"}, "--normalize=rms", "--optimizer=demo"),
   (
     {"compression_topk": 100, "compression_chunk": 8},
     "--compression_topk=100",

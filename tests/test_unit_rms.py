@@ -1,0 +1,95 @@
+"""dj.scale_to_unit_rms and DeMo's normalize="rms": each tensor's step at unit RMS."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import distro_jax as dj
+from distro_jax import dct, wire
+
+
+def test_each_tensor_gets_unit_rms_and_keeps_its_shape_of_sizes():
+  rng = np.random.default_rng(0)
+  tree = {
+    "a": jnp.asarray(rng.normal(size=(16, 8)) * 3.0, jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(5,)) * 1e-4, jnp.float32),
+    "zero": jnp.zeros((4, 4), jnp.float32),
+  }
+  tx = dj.scale_to_unit_rms()
+  out, _ = jax.jit(tx.update)(tree, tx.init(tree))
+  for key in ("a", "b"):
+    got, x = np.asarray(out[key], np.float64), np.asarray(tree[key], np.float64)
+    np.testing.assert_allclose(np.sqrt(np.mean(got**2)), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(got, x / np.sqrt(np.mean(x**2)), rtol=1e-5)
+  # Nothing to scale (every message left out): a zero step, not a NaN.
+  np.testing.assert_array_equal(out["zero"], 0.0)
+  assert jax.eval_shape(tx.init, tree) == tx.init(tree)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_the_dtype_is_kept(dtype):
+  tx = dj.scale_to_unit_rms()
+  x = {"w": jnp.asarray([3.0, -1.0, 1.0, 1.0], dtype)}
+  out, _ = tx.update(x, tx.init(x))
+  assert out["w"].dtype == dtype
+  np.testing.assert_allclose(np.asarray(out["w"], np.float32), [1.732, -0.577, 0.577, 0.577], 2e-2)
+
+
+def test_a_tensor_sharded_within_a_worker_takes_the_whole_tensors_rms():
+  # Blocks over "fsdp" of a tensor every "data" worker holds whole: each block
+  # is scaled by the RMS of the whole, the same factor on every block.
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(32, 8)) * np.arange(1, 33)[:, None])
+  tx = dj.scale_to_unit_rms("data")
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))
+  def scaled(block):
+    return tx.update({"w": block}, tx.init(None))[0]["w"]
+
+  got = np.asarray(scaled(jax.device_put(x, NamedSharding(mesh, P("fsdp")))))
+  whole = tx.update({"w": x}, tx.init(None))[0]["w"]
+  np.testing.assert_allclose(got, np.asarray(whole), rtol=1e-6)
+  # Each block alone would have had its own RMS, far from the whole's.
+  first = np.asarray(x[:8])
+  assert not np.allclose(got[:8], first / np.sqrt(np.mean(first**2)), rtol=1e-2)
+
+
+def test_demo_refuses_an_unknown_normalize():
+  with pytest.raises(ValueError, match="normalize='l2'; use normalize='sign'"):
+    dj.demo(1e-3, normalize="l2")
+  with pytest.raises(ValueError, match="normalize='rms'"):
+    dj.lookahead_update(None, {}, 1e-3, normalize="RMS")
+
+
+def test_demo_rms_steps_along_the_aggregate_at_unit_rms():
+  # One worker and a gradient whose every coefficient is sent: Q is the
+  # gradient itself, so the step is -lr * g / rms(g), not -lr * sign(g).
+  rng = np.random.default_rng(2)
+  g = {"w": jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)}
+  params = {"w": jnp.zeros((8, 8), jnp.float32)}
+  tx = dj.demo(0.1, compression_topk=64, compression_chunk=8, normalize="rms", axis_name=None)
+  updates, _ = tx.update(g, tx.init(params), params)
+  w = np.asarray(g["w"], np.float64)
+  np.testing.assert_allclose(np.asarray(updates["w"]), -0.1 * w / np.sqrt(np.mean(w**2)), 1e-5)
+
+
+def test_the_lookahead_guesses_with_the_same_normalize():
+  opts = dict(compression_topk=4, normalize="rms")
+  params = {"w": jnp.zeros((16, 16))}
+  tx = dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **opts)
+  g = {"w": jnp.asarray(np.random.default_rng(3).normal(size=(16, 16)), jnp.float32)}
+  _, state = tx.update(g, tx.init(params), params)
+  at = dj.gradient_point(state, params, 0.1, **opts)
+  # The momentum before error feedback is lr * g: the guess is g at unit RMS.
+  w = np.asarray(g["w"], np.float64)
+  np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * w / np.sqrt(np.mean(w**2)), atol=1e-6)
+  # The same state read as a sign step guesses the sign.
+  sign = dj.gradient_point(state, params, 0.1, compression_topk=4)
+  np.testing.assert_allclose(np.asarray(sign["w"]), -0.1 * np.sign(w), atol=1e-7)
+  assert wire.plan_tree([params["w"]], 64)[0].rows == dct.plan_chunks((16, 16), 64).rows
