@@ -594,8 +594,9 @@ def demo(
       frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
     normalize: how ``Q`` becomes a step: ``"sign"`` (DeMo's: every entry
       moves by the learning rate) or ``"rms"`` (each tensor's ``Q`` scaled to
-      a root mean square of one, so entries keep their relative sizes; the
-      better step for a message of drawn positions, docs/results.md). Static.
+      a root mean square of one, so entries keep their relative sizes). With
+      drawn positions ``"rms"`` trained better at some seeds and as well at
+      the others; with the top-k it trained worse (docs/results.md). Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.

@@ -10,7 +10,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
-from distro_jax import dct, wire
 
 
 def test_each_tensor_gets_unit_rms_and_keeps_its_shape_of_sizes():
@@ -92,4 +91,3 @@ def test_the_lookahead_guesses_with_the_same_normalize():
   # The same state read as a sign step guesses the sign.
   sign = dj.gradient_point(state, params, 0.1, compression_topk=4)
   np.testing.assert_allclose(np.asarray(sign["w"]), -0.1 * np.sign(w), atol=1e-7)
-  assert wire.plan_tree([params["w"]], 64)[0].rows == dct.plan_chunks((16, 16), 64).rows
