@@ -11,7 +11,7 @@ import pytest
 from tiny_runs import TINY, read_metrics
 
 import distro_jax as dj
-from experiments import compare, model, presets, time_model, trainer
+from experiments import compare, config, methods, model, presets, time_model, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,3 +146,18 @@ def test_abstract_params_need_no_devices():
   # The accounting above runs on shapes only, as it must for report-1.2b.
   params = model.abstract_params(presets.get_preset("tiny"))
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+
+
+def test_the_default_methods_include_one_past_1000x_on_small():
+  # The default comparison shows the promise's setting, not only the families.
+  params = model.abstract_params(presets.get_preset("small"))
+  bf16 = sum(2 * int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  ratios = {}
+  for name in compare.DEFAULT_METHODS:
+    method, fields = methods.parse(name)
+    cfg = config.resolve(trainer.TrainConfig(preset="small", steps=1000, **fields))
+    ratios[name] = bf16 / method.payload(cfg, params).per_step
+  past = {name: r for name, r in ratios.items() if r >= 1000}
+  # 1,811 bytes: a flag byte and one sign bit per 8x8 chunk.
+  assert past.keys() >= {"demo-k1-c8-1bit-rand-fb1-rms"}, ratios
+  assert int(ratios["demo-k1-c8-1bit-rand-fb1-rms"]) == 1014
