@@ -70,6 +70,7 @@ __all__ = [
   "select_topk",
   "select_topk_blocks",
   "select_topk_many",
+  "unsharded",
   "zero_selected",
   "zero_selected_blocks",
 ]
@@ -486,7 +487,7 @@ def zero_selected(coeffs: jax.Array, idx: jax.Array) -> jax.Array:
   return out.reshape(coeffs.shape)
 
 
-def _unsharded(x: jax.Array) -> jax.Array:
+def unsharded(x: jax.Array) -> jax.Array:
   """``x`` replicated, when its type shards it over explicit mesh axes.
 
   A message is one byte vector, so a selection sharded with its param (one
@@ -556,8 +557,8 @@ def encode_message(
   Returns:
     ``uint8[layout.num_bytes]``.
   """
-  indices = [_unsharded(x) for x in indices]
-  values = [_unsharded(x) for x in values]
+  indices = [unsharded(x) for x in indices]
+  values = [unsharded(x) for x in values]
   signs = []
   if layout.drawn_positions:
     # Every receiver draws the positions itself; only the values travel.

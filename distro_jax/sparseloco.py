@@ -93,8 +93,11 @@ class SparseLocoState(NamedTuple):
     inner_state: this worker's inner optimizer state; it carries on across
       synchronizations.
     error_feedback: per parameter, the decayed error-feedback buffer ``e``,
-      float32 ``(rows, chunk_size)`` in the chunk domain (DCT coefficients with
-      ``use_dct``; see :mod:`distro_jax.dct`).
+      float32, in the param's own shape (``(1,)`` for a scalar): each chunk's
+      entries (its DCT coefficients with ``use_dct``) in that chunk's own
+      place, as DeMo keeps its momentum, so any sharding of the param that
+      does not cut a chunk places it too (``optax.tree_map_params`` gives it
+      the param's spec).
   """
 
   count: jax.Array
@@ -211,9 +214,11 @@ def quantize(values: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
     width = _RANGE_IN_SIGMAS * sigma / bins
     width = jnp.where((width > 0) & jnp.isfinite(width), width, 1.0)
     codes = jnp.clip(jnp.round(c / width + bins // 2), 0, bins - 1).astype(jnp.uint32)
-  members = codes.reshape(-1)[None, :] == jnp.arange(bins, dtype=jnp.uint32)[:, None]
-  sums = jnp.sum(jnp.where(members, c.reshape(-1)[None, :], 0.0), axis=1)
-  counts = jnp.sum(members, axis=1)
+  # No reshape: values sharded with their param (under jax.jit) stay so.
+  members = codes[..., None] == jnp.arange(bins, dtype=jnp.uint32)
+  every = tuple(range(codes.ndim))
+  sums = jnp.sum(jnp.where(members, c[..., None], 0.0), axis=every)
+  counts = jnp.sum(members, axis=every)
   codebook = mu + jnp.where(counts > 0, sums / jnp.maximum(counts, 1), 0.0)
   return codes, codebook
 
@@ -230,6 +235,13 @@ def dequantize(codes: jax.Array, codebook: jax.Array) -> jax.Array:
   """
   book = codebook.astype(jnp.float32)
   lead = book.shape[:-1]
+  if not lead:
+    # A select per entry of the codebook, not a gather: elementwise, so codes
+    # sharded with their param (under jax.jit) stay so.
+    out = jnp.broadcast_to(book[0], codes.shape)
+    for q in range(1, book.shape[0]):
+      out = jnp.where(codes == q, book[q], out)
+    return out
   flat = codes.reshape(*lead, -1).astype(jnp.int32)
   return jnp.take_along_axis(book, flat, axis=-1).reshape(codes.shape)
 
@@ -283,20 +295,59 @@ def _lower_median(x_W: jax.Array) -> jax.Array:
   return jnp.sort(x_W)[(x_W.shape[0] - 1) // 2]
 
 
-def _sum_in_worker_order(idx_WxRxK: jax.Array, val_WxRxK: jax.Array, chunk_size: int) -> jax.Array:
-  """Dense ``(rows, chunk_size)`` sum of every worker's sparse message, worker 0 first.
+def _sum_in_worker_order(
+  zeros_blocks: jax.Array, idx_WxRxK: jax.Array, val_WxRxK: jax.Array
+) -> jax.Array:
+  """Every worker's sparse message summed into a block view, worker 0 first.
 
   A fixed order of float additions makes the sum bit-identical on every
   worker. Within one worker an index occurs at most once per chunk, so each
-  scatter writes a location once and needs no atomics.
+  scatter writes a location once and needs no atomics. ``zeros_blocks``
+  carries the param's sharding, so a sharded param's sum stays sharded.
   """
-  num_workers, rows, _ = idx_WxRxK.shape
-  row_ids = jnp.arange(rows)[:, None]
+  lead = zeros_blocks.shape[:-4]
+  a, b = zeros_blocks.shape[-4], zeros_blocks.shape[-2]
+  num_workers, k = idx_WxRxK.shape[0], idx_WxRxK.shape[-1]
+  want = (num_workers, *lead, a, b, k)
+  idx_W = idx_WxRxK if idx_WxRxK.shape == want else idx_WxRxK.reshape(want)
+  val_W = val_WxRxK if val_WxRxK.shape == want else val_WxRxK.reshape(want)
 
   def add(w, dense):
-    return dense.at[row_ids, idx_WxRxK[w]].add(val_WxRxK[w], unique_indices=True)
+    here = codec.gather_blocks(dense, idx_W[w])
+    return codec.scatter_blocks(dense, idx_W[w], here + val_W[w])
 
-  return jax.lax.fori_loop(0, num_workers, add, jnp.zeros((rows, chunk_size), jnp.float32))
+  return jax.lax.fori_loop(0, num_workers, add, zeros_blocks)
+
+
+def _refuse_complex(params: Any) -> None:
+  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = getattr(p, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+      raise ValueError(
+        f"Parameter {jax.tree_util.keystr(path)} is complex ({dtype}). SparseLoCo's top-k by "
+        "magnitude and its quantizer are defined for real values only. Keep it as two real "
+        "parameters (e.g. jnp.stack([z.real, z.imag]), recombined in the model), or leave it "
+        "out of SparseLoCo with optax.masked or optax.multi_transform."
+      )
+
+
+def _zero_error(p: Any) -> jax.Array:
+  if np.ndim(p) == 0:
+    return jnp.zeros((1,), jnp.float32)
+  # zeros_like keeps the param's sharding where its type carries one (explicit meshes).
+  return jnp.zeros_like(p, dtype=jnp.float32)
+
+
+def _check_errors(errors: list[Any], plans: list[dct.ChunkPlan]) -> None:
+  for i, (e, plan) in enumerate(zip(errors, plans)):
+    if np.shape(e) != plan.state_shape:
+      raise ValueError(
+        f"SparseLocoState.error_feedback leaf {i} has shape {np.shape(e)}, but its parameter "
+        f"needs {plan.state_shape} (the param's own shape, (1,) for a scalar). The state was "
+        "built for other params, or by an older distro_jax that kept one row per chunk; build "
+        "it again with tx.init(params) (or dj.init_worker_state), or convert an old buffer e "
+        "with dj.dct.from_chunks(e, dj.dct.plan_chunks(shape, chunk))."
+      )
 
 
 def _check_value_bits(value_bits: Any) -> int | None:
@@ -393,37 +444,43 @@ def sparseloco(
     )
   use_dct = bool(use_dct)
   clip = bool(clip_to_median_norm)
-  to_chunks, from_chunks = (dct.encode, dct.decode) if use_dct else (dct.to_chunks, dct.from_chunks)
 
   def init_fn(params):
+    _refuse_complex(params)
     return SparseLocoState(
       count=jnp.zeros([], jnp.int32),
       local_params=jax.tree.map(jnp.asarray, params),
       inner_state=inner.init(params),
-      error_feedback=jax.tree.map(
-        lambda p: jnp.zeros(_plan(p, chunk).coeff_shape, jnp.float32), params
-      ),
+      error_feedback=jax.tree.map(_zero_error, params),
     )
 
   def compress(pseudo_grads, errors, layout, plans):
-    """Error feedback, top-k and quantization of one worker's pseudo-gradient."""
-    indices, codes, books, new_errors = [], [], [], []
+    """Error feedback, top-k and quantization of one worker's pseudo-gradient.
+
+    Returns, per tensor, the block-view indices, the codes (or values), the
+    codebook, the values as receivers decode them, and the new buffer.
+    """
+    out = []
     for d, e, plan, t in zip(pseudo_grads, errors, plans, layout.tensors):
-      e = error_decay * e + to_chunks(d, plan)
-      idx, val = codec.select_topk(e, t.k)
+      # Everything param-sized stays in its block view, sharded as the param is.
+      d_blocks = dct.to_blocks(d, plan)
+      coeffs = dct.forward_blocks(d_blocks, plan) if use_dct else d_blocks
+      e_blocks = error_decay * dct.to_blocks(e, plan) + coeffs
+      idx, val = codec.select_topk_blocks(e_blocks, t.k)
       if bits is None:
         code, book = val.astype(t.value_dtype), None
         sent = code.astype(jnp.float32)
       else:
         code, book = quantize(val, bits)
         sent = dequantize(code, book)
-      rows = jnp.arange(plan.rows)[:, None]
       # What was sent, as the receivers decode it, leaves the buffer.
-      new_errors.append(e.at[rows, idx].add(-sent, unique_indices=True))
-      indices.append(idx)
-      codes.append(code)
-      books.append(book)
-    return _encode(indices, codes, books, layout), new_errors
+      e_blocks = codec.scatter_blocks(e_blocks, idx, val - sent)
+      out.append((idx, code, book, sent, dct.from_blocks(e_blocks, plan, plan.state_shape, like=e)))
+    return out
+
+  def clip_factors(norms_W):
+    """Each worker's scale for one tensor: at most the lower median of the norms."""
+    return jnp.minimum(1.0, _lower_median(norms_W) / (norms_W + _CLIP_EPS))
 
   def update_fn(updates, state, params=None):
     if params is None:
@@ -435,27 +492,60 @@ def sparseloco(
     local = optax.apply_updates(state.local_params, steps)
     count = optax.safe_increment(state.count)
     leaves, treedef = jax.tree.flatten(params)
+    if not leaves:
+      # Nothing to exchange (an empty tree, or optax.masked selecting nothing).
+      return updates, SparseLocoState(count, local, inner_state, state.error_feedback)
     layout = sparseloco_layout(
       leaves, compression_topk=topk, compression_chunk=chunk, value_bits=bits
     )
     plans = [_plan(x, chunk) for x in leaves]
+    _check_errors(treedef.flatten_up_to(state.error_feedback), plans)
 
     def synchronize(local, errors):
       pseudo = [
         p.astype(jnp.float32) - q.astype(jnp.float32)
         for p, q in zip(leaves, treedef.flatten_up_to(local))
       ]
-      message, errors = compress(pseudo, treedef.flatten_up_to(errors), layout, plans)
-      gathered = exchange.all_gather_messages(message, axis_name)
-      assert gathered.shape == (num_workers, layout.num_bytes)
+      selected = compress(pseudo, treedef.flatten_up_to(errors), layout, plans)
+      errors = [e for *_, e in selected]
+      if axis_name is None:
+        # One worker and no collective: the mean of one message is its own
+        # selection as the receivers would decode it, so skip the bytes (and,
+        # for params sharded under jax.jit, any gathering of the selection).
+        received = []
+        for idx, _, _, sent, _ in selected:
+          if clip:
+            sent = sent * clip_factors(jnp.sqrt(jnp.sum(jnp.square(sent)))[None])[0]
+          received.append((idx[None], sent[None]))
+      else:
+        message = _encode(
+          # The message is one byte vector: a selection sharded with its
+          # param is gathered onto every device first, never the param.
+          [
+            codec.unsharded(idx).reshape(t.rows, t.k)
+            for (idx, *_), t in zip(selected, layout.tensors)
+          ],
+          [
+            codec.unsharded(code).reshape(t.rows, t.k)
+            for (_, code, *_), t in zip(selected, layout.tensors)
+          ],
+          [book for _, _, book, _, _ in selected],
+          layout,
+        )
+        gathered = exchange.all_gather_messages(message, axis_name)
+        assert gathered.shape == (num_workers, layout.num_bytes)
+        received = []
+        for idx, val in _decode(gathered, layout):
+          if clip:
+            val = val * clip_factors(jnp.sqrt(jnp.sum(jnp.square(val), axis=(1, 2))))[:, None, None]
+          received.append((idx, val))
       outer = []
-      for (idx, val), plan, x in zip(_decode(gathered, layout), plans, leaves):
-        if clip:
-          norms = jnp.sqrt(jnp.sum(jnp.square(val), axis=(1, 2)))
-          factor = jnp.minimum(1.0, _lower_median(norms) / (norms + _CLIP_EPS))
-          val = val * factor[:, None, None]
-        mean = _sum_in_worker_order(idx, val, plan.chunk_size) / num_workers
-        outer.append((-outer_learning_rate * from_chunks(mean, plan)).astype(x.dtype))
+      for (idx, val), plan, x in zip(received, plans, leaves):
+        zeros = dct.to_blocks(jnp.zeros_like(x, dtype=jnp.float32), plan)
+        mean = _sum_in_worker_order(zeros, idx, val) / num_workers
+        step = dct.inverse_blocks(mean, plan) if use_dct else mean
+        step = dct.from_blocks(step, plan, like=x)
+        outer.append((-outer_learning_rate * step).astype(x.dtype))
       outer = treedef.unflatten(outer)
       restart = exchange.worker_local(optax.apply_updates(params, outer), axis_name)
       return outer, restart, treedef.unflatten(errors)

@@ -62,6 +62,12 @@ TRANSFORMATIONS: list[tuple[str, Factory]] = [
     "diloco",
     lambda learning_rate: dj.diloco(optax.adamw(learning_rate), sync_every=2, axis_name=None),
   ),
+  (
+    "sparseloco",
+    lambda learning_rate: dj.sparseloco(
+      optax.adamw(learning_rate), sync_every=2, compression_topk=8, axis_name=None
+    ),
+  ),
 ]
 
 # Transformations that compress with DeMo's codec (complex params are refused there).

@@ -80,7 +80,7 @@ def test_matches_numpy_reference_and_replicas_stay_identical(value_bits, use_dct
     assert not np.array_equal(np.asarray(params["a"]), start["a"])
     start = {k: np.asarray(v) for k, v in params.items()}
   # The error feedback is per worker and carries what was not sent.
-  errors = np.asarray(state.error_feedback["a"]).reshape(workers, 2, 4096)
+  errors = np.asarray(state.error_feedback["a"]).reshape(workers, -1)
   assert np.abs(errors).max() > 0
   assert not np.array_equal(errors[0], errors[1])
 
@@ -251,8 +251,19 @@ def test_init_is_shape_only():
   tx = dj.sparseloco(optax.adamw(1e-3), use_dct=True)
   shapes = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((128, 96), jnp.bfloat16)})
   assert shapes.local_params["w"].dtype == jnp.bfloat16
-  assert shapes.error_feedback["w"].shape == (2 * 2, 64 * 48)
+  # In the param's own shape (its 2x2 chunks of 64x48 in place), so the
+  # param's sharding places it.
+  assert shapes.error_feedback["w"].shape == (128, 96)
   assert shapes.error_feedback["w"].dtype == jnp.float32
+
+
+def test_a_state_in_the_old_row_layout_is_refused_with_the_fix():
+  tx = dj.sparseloco(optax.sgd(0.1), sync_every=1, axis_name=None)
+  params = {"w": jnp.zeros((128, 96))}
+  # Before the buffer took the param's shape it held one row per 64x48 chunk.
+  old = tx.init(params)._replace(error_feedback={"w": jnp.zeros((4, 64 * 48))})
+  with pytest.raises(ValueError, match=r"\(128, 96\).*one row per chunk.*from_chunks"):
+    tx.update(params, old, params)
 
 
 def test_numeric_options_work_under_inject_hyperparams():
