@@ -48,6 +48,7 @@ _ADDED_LATER = {
   "random_positions": False,
   "frequency_bias": 0.0,
   "normalize": "sign",
+  "compression_groups": "",
 }
 
 

@@ -108,6 +108,13 @@ class TrainConfig:
     "How DeMo turns its decoded aggregate into a step: 'sign' (DeMo's, every entry moves "
     "by the learning rate) or 'rms' (each tensor scaled to unit RMS).",
   )
+  compression_groups: str = _field(
+    "",
+    "DeMo: message sizes per group of params, 'REGEX=CHUNK:TOPK;...': the params whose "
+    "path the first REGEX matches get that chunk and top-k, in a message of their own; "
+    "the rest keep --compression_chunk and --compression_topk, e.g. "
+    "\"'attn'=8:2;'mlp'=16:1\". Empty: one group.",
+  )
   diloco_sync_every: int = _field(50, "DiLoCo: inner steps between synchronizations (H).")
   diloco_outer_lr: float = _field(0.7, "DiLoCo: outer Nesterov learning rate.")
   diloco_outer_momentum: float = _field(0.9, "DiLoCo: outer Nesterov momentum.")
@@ -603,6 +610,12 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
     raise ConfigError(
       f"--normalize={cfg.normalize} shapes DeMo's step from its aggregate; it needs "
       f"--optimizer={_supporting('supports_normalize')}, not {method.name}. Drop --normalize."
+    )
+  if cfg.compression_groups and not method.supports_compression_groups:
+    raise ConfigError(
+      "--compression_groups gives groups of params DeMo messages of their own sizes; it "
+      f"needs --optimizer={_supporting('supports_compression_groups')}, not {method.name}. "
+      "Drop --compression_groups."
     )
   if cfg.leaving not in LEAVING:
     raise ConfigError(f"--leaving={cfg.leaving!r}; use --leaving=drop or --leaving=fold.")

@@ -39,10 +39,12 @@ __all__ = [
   "ALL_REDUCE",
   "BASELINE",
   "Axes",
+  "CompressionGroup",
   "Method",
   "Option",
   "Payload",
   "Recipe",
+  "compression_groups",
   "get",
   "grammar",
   "largest_chunk",
@@ -163,6 +165,8 @@ class Method:
       (``--cold_start_steps``, an elastic resume onto more workers).
     supports_normalize: ``--normalize`` chooses how its aggregate becomes a
       step (DeMo's sign, or unit RMS per tensor).
+    supports_compression_groups: ``--compression_groups`` gives groups of
+      params messages of their own sizes.
   """
 
   name: str
@@ -188,6 +192,7 @@ class Method:
   overlapped_share: Callable[[TrainConfig, Any], float] = lambda cfg, params: 0.0
   supports_cold_start: bool = False
   supports_normalize: bool = False
+  supports_compression_groups: bool = False
 
   def recipe_for(self, preset: str, steps: int) -> Recipe:
     """The defaults for this method on ``preset``, for a run of ``steps`` steps."""
@@ -330,6 +335,66 @@ def synchronous_mask(pattern: str) -> Callable[[Any], Any] | None:
   return mask
 
 
+class CompressionGroup(NamedTuple):
+  """One entry of ``--compression_groups``: the params it takes and their message sizes.
+
+  Attributes:
+    pattern: a regular expression searched in each param's path.
+    chunk: the chunk length target per axis for those params.
+    topk: coefficients sent per chunk for those params.
+  """
+
+  pattern: str
+  chunk: int
+  topk: int
+
+
+def compression_groups(spec: str) -> tuple[CompressionGroup, ...]:
+  """``--compression_groups`` (``REGEX=CHUNK:TOPK;...``) as :class:`CompressionGroup` s.
+
+  Raises:
+    ConfigError: for an entry that is not ``REGEX=CHUNK:TOPK`` with a valid
+      regular expression and positive integers.
+  """
+  from experiments.config import ConfigError
+
+  example = "e.g. --compression_groups=\"'attn'=8:2;'mlp'=16:1\""
+  groups = []
+  for entry in (e.strip() for e in spec.split(";")):
+    if not entry:
+      continue
+    pattern, equals, sizes = entry.rpartition("=")
+    chunk, colon, topk = sizes.partition(":")
+    if not (pattern and equals and colon and chunk.isdigit() and topk.isdigit()):
+      raise ConfigError(
+        f"--compression_groups: {entry!r} is not REGEX=CHUNK:TOPK with whole numbers; {example}."
+      )
+    if int(chunk) < 1 or int(topk) < 1:
+      raise ConfigError(
+        f"--compression_groups: {entry!r} sends nothing; CHUNK and TOPK are 1 or more, {example}."
+      )
+    try:
+      re.compile(pattern)
+    except re.error as e:
+      raise ConfigError(
+        f"--compression_groups: {pattern!r} is not a regular expression ({e}); {example}."
+      ) from None
+    groups.append(CompressionGroup(pattern, int(chunk), int(topk)))
+  return tuple(groups)
+
+
+def _group_labels(groups: tuple[CompressionGroup, ...], params: Any) -> Any:
+  """Each param's group, ``"group<i>"`` of the first pattern found in its path, else ``"rest"``."""
+  compiled = [re.compile(g.pattern) for g in groups]
+
+  def label(path: Any, _: Any) -> str:
+    key = jax.tree_util.keystr(path)
+    found = next((i for i, c in enumerate(compiled) if c.search(key)), None)
+    return "rest" if found is None else f"group{found}"
+
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
 def _compression(cfg: TrainConfig, axes: Axes) -> dict[str, Any]:
   return {
     "compression_decay": cfg.compression_decay,
@@ -374,8 +439,25 @@ def _demo_messages(cfg: TrainConfig, params: Any) -> tuple[int, int]:
 
 
 def _demo_message(cfg: TrainConfig, params: Any) -> int:
-  """One worker's message bytes per step; with a partial overlap, the two messages'."""
-  return sum(_demo_messages(cfg, params))
+  """One worker's message bytes per step; with a partial overlap or groups, every message's."""
+  groups = compression_groups(cfg.compression_groups)
+  if not groups:
+    return sum(_demo_messages(cfg, params))
+  labels = jax.tree.leaves(_group_labels(groups, params))
+  sizes = {f"group{i}": (g.chunk, g.topk) for i, g in enumerate(groups)}
+  sizes["rest"] = (cfg.compression_chunk, cfg.compression_topk)
+  total = 0
+  for label, (chunk, topk) in sizes.items():
+    members = [x for x, lab in zip(jax.tree.leaves(params), labels) if lab == label]
+    if members:
+      total += dj.wire_bytes(
+        members,
+        compression_topk=topk,
+        compression_chunk=chunk,
+        quantize_1bit=cfg.quantize_1bit,
+        random_positions=cfg.random_positions,
+      ).payload
+  return total
 
 
 def _demo_overlapped_share(cfg: TrainConfig, params: Any) -> float:
@@ -393,13 +475,22 @@ def _gradient_bytes_fp32(params: Any) -> int:
 
 # DisTrO clips each worker's own gradient before it enters the momentum.
 def _build_demo(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
-  tx = dj.demo(
-    lr_schedule(cfg),
-    weight_decay=cfg.weight_decay,
-    normalize=cfg.normalize,
-    **_compression(cfg, axes),
-  )
-  return optax.chain(_clip(cfg, axes), tx)
+  def demo(**sizes: int) -> optax.GradientTransformation:
+    compression = {**_compression(cfg, axes), **sizes}
+    return dj.demo(
+      lr_schedule(cfg), weight_decay=cfg.weight_decay, normalize=cfg.normalize, **compression
+    )
+
+  groups = compression_groups(cfg.compression_groups)
+  if not groups:
+    return optax.chain(_clip(cfg, axes), demo())
+  # One DeMo, one message and one all-gather per group; a group whose
+  # pattern takes no param sends nothing.
+  transforms = {"rest": demo()}
+  for i, g in enumerate(groups):
+    transforms[f"group{i}"] = demo(compression_chunk=g.chunk, compression_topk=g.topk)
+  labels = functools.partial(_group_labels, groups)
+  return optax.chain(_clip(cfg, axes), optax.multi_transform(transforms, labels))
 
 
 def _demo_gradient_point(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
@@ -549,6 +640,39 @@ def _check_topk_fits(cfg: TrainConfig, prefix: str, usual: str) -> None:
     )
 
 
+def _check_groups(cfg: TrainConfig) -> None:
+  """``--compression_groups``: well formed, each pattern takes a param, each top-k fits."""
+  from experiments import model, presets
+  from experiments.config import ConfigError
+
+  groups = compression_groups(cfg.compression_groups)
+  if not groups:
+    return
+  if cfg.delayed_apply:
+    raise ConfigError(
+      "--compression_groups sends each group's message in the step that computes it; it "
+      "is not built for --delayed_apply. Drop --delayed_apply or --compression_groups."
+    )
+  if cfg.fsdp > 1:
+    raise ConfigError(
+      "--compression_groups is not built for --fsdp > 1; use --fsdp=1, or drop "
+      "--compression_groups."
+    )
+  paths = model.param_paths(presets.get_preset(cfg.preset))
+  for g in groups:
+    if not any(re.search(g.pattern, p) for p in paths):
+      raise ConfigError(
+        f"--compression_groups: {g.pattern!r} matches no param of preset {cfg.preset!r}; "
+        f"its paths look like {paths[0]!r}, e.g. --compression_groups=\"'attn'=8:2\"."
+      )
+    largest = largest_chunk(cfg.preset, g.chunk)
+    if g.topk > largest:
+      raise ConfigError(
+        f"--compression_groups: {g.pattern}={g.chunk}:{g.topk} keeps more than the "
+        f"{largest} coefficients of its largest chunk; use a top-k <={largest}."
+      )
+
+
 def _check_compression(cfg: TrainConfig) -> None:
   from experiments.config import ConfigError
 
@@ -558,6 +682,11 @@ def _check_compression(cfg: TrainConfig) -> None:
       f"--frequency_bias={cfg.frequency_bias:g} shapes the draw of --random_positions; add "
       "--random_positions, or drop --frequency_bias."
     )
+
+
+def _check_demo(cfg: TrainConfig) -> None:
+  _check_compression(cfg)
+  _check_groups(cfg)
 
 
 # The group whose exact gradient point closed most of the overlapped
@@ -613,11 +742,12 @@ register(
     supports_delayed_apply=True,
     excludes_nonfinite=True,
     tuning={"learning_rate": (2e-3, 4e-3), "compression_decay": (0.95, 0.98)},
-    check=_check_compression,
+    check=_check_demo,
     gradient_point=_demo_gradient_point,
     overlapped_share=_demo_overlapped_share,
     supports_cold_start=True,
     supports_normalize=True,
+    supports_compression_groups=True,
   )
 )
 register(

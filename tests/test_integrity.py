@@ -178,6 +178,8 @@ def test_no_checkpoint_is_deleted_unless_asked(tmp_path):
     ({"optimizer": "demo", "random_positions": True}, "frequency_bias", 0.0, 1.0),
     # Before --normalize every DeMo step was the sign.
     ({"optimizer": "demo"}, "normalize", "sign", "rms"),
+    # Before --compression_groups every param had the same message sizes.
+    ({"optimizer": "demo"}, "compression_groups", "", "'attn'=8:2"),
   ],
 )
 def test_a_setting_added_since_a_checkpoint_compares_as_its_default(

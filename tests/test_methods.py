@@ -3,12 +3,14 @@
 import ast
 import dataclasses
 import pathlib
+import re
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_runs
 
 import distro_jax as dj
 from experiments import config, methods, model, presets
@@ -86,6 +88,63 @@ def test_drawn_positions_reach_the_transformation_and_its_bytes():
   drawn, _, _ = _first_outer_step("demo-k1-c8-1bit-rand")
   top, _, _ = _first_outer_step("demo-k1-c8-1bit")
   assert not np.array_equal(np.asarray(drawn), np.asarray(top))
+
+
+def test_groups_each_send_a_message_of_their_sizes():
+  # The allocation measured in docs/results.md: attention with 2 drawn
+  # coefficients of each 8x8 chunk, the MLP and norm scales 1 of each 16x16,
+  # embedding and head 1 of each 4x4.
+  spec = "'attn'=8:2;'mlp'=16:1;'embedding'|'lm_head'=4:1;norm=16:1"
+  fields = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
+  cfg = config.resolve(TrainConfig(preset="small", compression_groups=spec, **fields))
+  method = methods.get("demo")
+  params = model.abstract_params(presets.get_preset("small"))
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  # Every param of `small` falls in one of the four groups, and each
+  # group is a message of its own (a flag byte and its sign bits).
+  expected = 0
+  taken = set()
+  for g in methods.compression_groups(spec):
+    members = [
+      (k, x) for k, x in leaves if re.search(g.pattern, jax.tree_util.keystr(k)) and k not in taken
+    ]
+    taken |= {k for k, _ in members}
+    expected += dj.wire_bytes(
+      [x for _, x in members],
+      compression_topk=g.topk,
+      compression_chunk=g.chunk,
+      quantize_1bit=True,
+      random_positions=True,
+    ).payload
+  assert len(taken) == len(leaves)
+  assert method.payload(cfg, params).message == expected == 1837
+  # Past 1,000x fewer bytes than a bf16 gradient, as the unsplit message.
+  assert 2 * sum(x.size for _, x in leaves) / expected >= 1000
+
+
+@pytest.mark.slow
+def test_groups_train_with_identical_replicas_and_the_bytes_they_count(tmp_path):
+  # Attention with 2 drawn coefficients of each 8x8 chunk, the MLP with one of
+  # each 16x16, the rest with the flags' sizes: three messages, whose bytes
+  # the compiled step's all-gathers carry, and replicas checked every step.
+  options = dict(
+    compression_groups="'attn'=8:2;'mlp'=16:1",
+    compression_topk=1,
+    compression_chunk=8,
+    quantize_1bit=True,
+    random_positions=True,
+  )
+  summary = tiny_runs.run_tiny(
+    tmp_path, steps=4, log_every=1, check_replicas=True, normalize="rms", **options
+  )
+  cfg = config.resolve(TrainConfig(**{**tiny_runs.TINY, **options}))
+  params = model.abstract_params(presets.get_preset("tiny"))
+  one = dataclasses.replace(cfg, compression_groups="")
+  assert summary.measured_exchange_bytes_per_step == summary.payload_bytes_per_step
+  assert summary.payload_bytes_per_step == methods.get("demo").payload(cfg, params).message
+  # The groups' sizes, not the flags', made the message.
+  assert summary.payload_bytes_per_step != methods.get("demo").payload(one, params).message
+  assert np.isfinite(summary.final_train_loss)
 
 
 def test_sparseloco_dct_option_reaches_the_transformation():

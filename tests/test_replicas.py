@@ -44,6 +44,15 @@ LOOKAHEAD = {"demo-delayed-drawn": DRAWN}
     lambda: dj.demo(3e-3, delayed_apply=True, **DRAWN),
     # Each tensor's step at unit RMS: a mean over the tensor, on every worker.
     lambda: dj.demo(3e-3, normalize="rms", **DRAWN),
+    # Groups of params with their own message sizes (--compression_groups):
+    # one DeMo, message and all-gather per group.
+    lambda: optax.multi_transform(
+      {
+        "w": dj.demo(3e-3, normalize="rms", **{**DRAWN, "compression_chunk": 16}),
+        "rest": dj.demo(3e-3, normalize="rms", **{**DRAWN, "compression_topk": 1}),
+      },
+      lambda p: {k: "w" if k.startswith("w") else "rest" for k in p},
+    ),
   ],
   ids=[
     "demo",
@@ -54,6 +63,7 @@ LOOKAHEAD = {"demo-delayed-drawn": DRAWN}
     "demo-partial",
     "demo-delayed-drawn",
     "demo-drawn-rms",
+    "demo-groups",
   ],
 )
 def test_params_bit_identical_on_8_workers_after_20_steps(make_tx, request):

@@ -50,6 +50,22 @@ BAD = [
   ({"frequency_bias": -1.0}, "--frequency_bias=-1.0", "0 draws uniformly"),
   ({"normalize": "l2"}, "--normalize='l2'", "--normalize=rms"),
   ({"optimizer": "adamw", "normalize": "rms"}, "--normalize=rms", "--optimizer=demo"),
+  ({"compression_groups": "'attn'"}, "--compression_groups: \"'attn'\"", "REGEX=CHUNK:TOPK"),
+  ({"compression_groups": "'attn'=8:0"}, "'attn'=8:0", "TOPK are 1 or more"),
+  ({"compression_groups": "(=8:1"}, "'(' is not a regular expression", "e.g. --compression_"),
+  ({"compression_groups": "'conv'=8:1"}, "\"'conv'\" matches no param", "'attn'=8:2"),
+  ({"compression_groups": "'attn'=8:65"}, "'attn'=8:65", "top-k <=64"),
+  (
+    {"compression_groups": "'attn'=8:2", "delayed_apply": True},
+    "--compression_groups",
+    "Drop --delayed_apply",
+  ),
+  (
+    {"optimizer": "distro_adamw", "compression_groups": "'attn'=8:2"},
+    "--compression_groups",
+    "--optimizer=demo",
+  ),
+  ({"optimizer": "adamw", "compression_groups": "'attn'=8:2"}, "not adamw", "--optimizer=demo"),
   (
     {"compression_topk": 100, "compression_chunk": 8},
     "--compression_topk=100",
@@ -126,7 +142,9 @@ def test_the_largest_chunk_bounds_topk_per_preset_and_chunk():
 def test_method_checks_live_in_the_registry():
   # config.validate calls the entry's hook; no name is compared outside methods.py.
   assert methods.get("diloco").check is not methods.get("adamw").check
-  assert methods.get("demo").check is methods.get("distro_adamw").check
+  assert methods.get("demo").check is not methods.get("adamw").check
+  # DeMo checks its groups of message sizes too; DisTrO-AdamW cannot have them.
+  assert methods.get("demo").check is not methods.get("distro_adamw").check
 
 
 def test_resolve_takes_runtime_settings_from_the_checkpoint_unless_given():
