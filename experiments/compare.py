@@ -38,17 +38,7 @@ from experiments.records import Summary, read_metrics
 
 __all__ = ["DEFAULT_METHODS", "method_overrides", "run_comparison", "markdown_table"]
 
-# The families, Psyche's message, and the best point measured past 1,000x fewer
-# bytes than a bf16 gradient (docs/results.md: drawn positions, unit RMS).
-DEFAULT_METHODS = (
-  "adamw",
-  "demo",
-  "demo-k8-1bit",
-  "demo-k2-1bit",
-  "demo-k1-c8-1bit-rand-fb1-rms",
-  "diloco",
-  "sparseloco",
-)
+DEFAULT_METHODS = methods.DEFAULT_COMPARISON
 
 
 def method_overrides(name: str) -> dict[str, Any]:

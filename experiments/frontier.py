@@ -55,17 +55,7 @@ from experiments.records import StepRecord, Summary, read_metrics
 
 __all__ = ["DEFAULT_METHODS", "Point", "best_points", "grid_points", "run_frontier"]
 
-# The families, Psyche's message, and the best point measured past 1,000x fewer
-# bytes than a bf16 gradient (docs/results.md: drawn positions, unit RMS).
-DEFAULT_METHODS = (
-  "adamw",
-  "demo",
-  "demo-k8-1bit",
-  "demo-k2-1bit",
-  "demo-k1-c8-1bit-rand-fb1-rms",
-  "diloco",
-  "sparseloco",
-)
+DEFAULT_METHODS = methods.DEFAULT_COMPARISON
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ __all__ = [
   "ALL_GATHER",
   "ALL_REDUCE",
   "BASELINE",
+  "DEFAULT_COMPARISON",
   "Axes",
   "CompressionGroup",
   "Method",
@@ -58,6 +59,18 @@ ALL_GATHER = "all-gather"
 ALL_REDUCE = "all-reduce"
 # The method every other is measured against: AdamW with a gradient all-reduce.
 BASELINE = "adamw"
+# What compare and frontier run with no --methods: the families, Psyche's
+# message, and the best point measured past 1,000x fewer bytes than a bf16
+# gradient (docs/results.md: drawn positions, unit RMS).
+DEFAULT_COMPARISON = (
+  "adamw",
+  "demo",
+  "demo-k8-1bit",
+  "demo-k2-1bit",
+  "demo-k1-c8-1bit-rand-fb1-rms",
+  "diloco",
+  "sparseloco",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,8 +70,8 @@ TRANSFORMATIONS: list[tuple[str, Factory]] = [
   ),
 ]
 
-# Transformations that compress with DeMo's codec (complex params are refused there).
-DEMO_BASED = {name for name, _ in TRANSFORMATIONS if name != "diloco"}
+# Transformations that compress (top-k by magnitude: complex params are refused at init).
+COMPRESSING = {name for name, _ in TRANSFORMATIONS if name != "diloco"}
 
 # Those whose inner transformation is Adam.
 ADAM_INNER = {"distro_adamw", "distro-adam-inner"}
@@ -296,7 +296,7 @@ def test_jit_gives_the_eager_update(name, factory):
 def test_complex_params_are_refused_at_init_or_trained(name, factory):
   params = {"z": jnp.ones((8, 8), jnp.complex64)}
   tx = factory(LR)
-  if name in DEMO_BASED:
+  if name in COMPRESSING:
     with pytest.raises(ValueError, match=r"complex.*real"):
       tx.init(params)
   else:
