@@ -44,8 +44,10 @@ __all__ = [
   "encode",
   "from_blocks",
   "from_chunks",
+  "in_place_zeros",
   "inverse",
   "plan_chunks",
+  "refuse_complex",
   "to_blocks",
   "to_chunks",
   "transform",
@@ -131,6 +133,40 @@ class ChunkPlan(NamedTuple):
     """The block view ``(*batch, n1 // c1, c1, n2 // c2, c2)`` (see :func:`to_blocks`)."""
     lead = self.shape[:-2] if len(self.shape) >= 2 else ()
     return (*lead, self.n1 // self.c1, self.c1, self.n2 // self.c2, self.c2)
+
+
+def in_place_zeros(p: Any) -> jax.Array:
+  """Float32 zeros of ``plan.state_shape`` for param ``p``: a chunked state kept in place.
+
+  DeMo's momentum and SparseLoCo's error feedback both start here. A scalar
+  gets shape ``(1,)`` (see :attr:`ChunkPlan.state_shape`); otherwise
+  ``zeros_like`` keeps the param's sharding where its type carries one
+  (explicit meshes).
+  """
+  if np.ndim(p) == 0:
+    return jnp.zeros((1,), jnp.float32)
+  return jnp.zeros_like(p, dtype=jnp.float32)
+
+
+def refuse_complex(params: Any, method: str, real_only: str) -> None:
+  """Raises for a complex param, naming it, ``method``'s reason and the fixes.
+
+  Args:
+    params: the params tree given to ``init``.
+    method: the optimizer's name, e.g. ``"DeMo"``.
+    real_only: the parts of it that need real values, e.g. ``"top-k by magnitude and
+      quantizer"``.
+  """
+  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = getattr(p, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+      raise ValueError(
+        f"Parameter {jax.tree_util.keystr(path)} is complex ({dtype}). {method}'s "
+        f"{real_only} are defined for real values "
+        "only. Keep it as two real parameters (e.g. jnp.stack([z.real, z.imag]), recombined "
+        f"in the model), or leave it out of {method} with optax.masked or "
+        "optax.multi_transform."
+      )
 
 
 def plan_chunks(shape: tuple[int, ...], target: int) -> ChunkPlan:

@@ -319,25 +319,6 @@ def _sum_in_worker_order(
   return jax.lax.fori_loop(0, num_workers, add, zeros_blocks)
 
 
-def _refuse_complex(params: Any) -> None:
-  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-    dtype = getattr(p, "dtype", None)
-    if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
-      raise ValueError(
-        f"Parameter {jax.tree_util.keystr(path)} is complex ({dtype}). SparseLoCo's top-k by "
-        "magnitude and its quantizer are defined for real values only. Keep it as two real "
-        "parameters (e.g. jnp.stack([z.real, z.imag]), recombined in the model), or leave it "
-        "out of SparseLoCo with optax.masked or optax.multi_transform."
-      )
-
-
-def _zero_error(p: Any) -> jax.Array:
-  if np.ndim(p) == 0:
-    return jnp.zeros((1,), jnp.float32)
-  # zeros_like keeps the param's sharding where its type carries one (explicit meshes).
-  return jnp.zeros_like(p, dtype=jnp.float32)
-
-
 def _check_errors(errors: list[Any], plans: list[dct.ChunkPlan]) -> None:
   for i, (e, plan) in enumerate(zip(errors, plans)):
     if np.shape(e) != plan.state_shape:
@@ -446,12 +427,12 @@ def sparseloco(
   clip = bool(clip_to_median_norm)
 
   def init_fn(params):
-    _refuse_complex(params)
+    dct.refuse_complex(params, "SparseLoCo", "top-k by magnitude and quantizer")
     return SparseLocoState(
       count=jnp.zeros([], jnp.int32),
       local_params=jax.tree.map(jnp.asarray, params),
       inner_state=inner.init(params),
-      error_feedback=jax.tree.map(_zero_error, params),
+      error_feedback=jax.tree.map(dct.in_place_zeros, params),
     )
 
   def compress(pseudo_grads, errors, layout, plans):

@@ -93,25 +93,6 @@ def _check_trees(updates: Any, params: Any) -> None:
       )
 
 
-def _refuse_complex(params: Any) -> None:
-  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-    dtype = getattr(p, "dtype", None)
-    if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
-      raise ValueError(
-        f"Parameter {jax.tree_util.keystr(path)} is complex ({dtype}). DeMo's DCT, top-k "
-        "by magnitude and sign step are defined for real values only. Keep it as two "
-        "real parameters (e.g. jnp.stack([z.real, z.imag]), recombined in the model), "
-        "or leave it out of DeMo with optax.masked or optax.multi_transform."
-      )
-
-
-def _zero_momentum(p: Any) -> jax.Array:
-  if np.ndim(p) == 0:
-    return jnp.zeros((1,), jnp.float32)
-  # zeros_like keeps the param's sharding where its type carries one (explicit meshes).
-  return jnp.zeros_like(p, dtype=jnp.float32)
-
-
 def _check_momentum(updates: Any, momenta: list[Any], plans: list[dct.ChunkPlan]) -> None:
   for (path, _), m, plan in zip(jax.tree_util.tree_flatten_with_path(updates)[0], momenta, plans):
     if np.shape(m) != plan.state_shape:
@@ -318,8 +299,8 @@ def scale_by_demo(
   to_chunks, from_chunks = (dct.encode, dct.decode) if use_dct else (dct.to_chunks, dct.from_chunks)
 
   def init_fn(params):
-    _refuse_complex(params)
-    momentum = jax.tree.map(_zero_momentum, params)
+    dct.refuse_complex(params, "DeMo", "DCT, top-k by magnitude and sign step")
+    momentum = jax.tree.map(dct.in_place_zeros, params)
     zero = jnp.zeros([], jnp.int32)
     pending = None
     if delayed_apply:
