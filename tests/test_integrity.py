@@ -192,3 +192,24 @@ def test_a_setting_added_since_a_checkpoint_compares_as_its_default(
   changed = dict(saved, **{field: other})
   with pytest.raises(CheckpointError, match=field):
     Checkpointer(str(tmp_path), fingerprint=changed)._check_fingerprint(1, saved)
+
+
+def test_a_state_laid_out_by_an_older_version_is_refused_and_kept(tmp_path):
+  # Optimizer states have changed layout between versions (DeMo's momentum and
+  # SparseLoCo's error feedback once held chunk rows, now the param's shape).
+  # Restoring such a checkpoint must name the cause and leave it as it was.
+  ckpts = tmp_path / "checkpoints"
+  _saved(ckpts, [2])
+  ck = Checkpointer(str(ckpts), fingerprint=FINGERPRINT)
+  point = ck.find_resume_point()
+  newer = _abstract()
+  newer["opt_state"]["m"] = jax.ShapeDtypeStruct((2, 4), jnp.float32)
+  refused = "intact but cannot be restored .*version of the program that wrote it"
+  with pytest.raises(CheckpointError, match=refused):
+    ck.restore(point, newer, _iterator())
+  ck.close()
+  assert integrity.verify(str(ckpts / "2")) is None
+  again = Checkpointer(str(ckpts), fingerprint=FINGERPRINT)
+  restored = again.restore(point, _abstract(), _iterator())
+  again.close()
+  np.testing.assert_array_equal(restored["opt_state"]["m"], np.ones(8) * 2)
