@@ -194,6 +194,10 @@ def test_a_setting_added_since_a_checkpoint_compares_as_its_default(
     Checkpointer(str(tmp_path), fingerprint=changed)._check_fingerprint(1, saved)
 
 
+# Orbax abandons its other reads once one fails, and Python reports those
+# coroutines as unraisable (when collected late, at exit, in the log only);
+# the failure itself is what this test asserts.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_state_laid_out_by_an_older_version_is_refused_and_kept(tmp_path):
   # Optimizer states have changed layout between versions (DeMo's momentum and
   # SparseLoCo's error feedback once held chunk rows, now the param's shape).
