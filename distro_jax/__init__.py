@@ -29,6 +29,7 @@ from distro_jax.hlo_bytes import (
   parse_collective_bytes,
 )
 from distro_jax.lookahead import gradient_point, lookahead_update
+from distro_jax.overlap import gather_pending
 from distro_jax.sparseloco import (
   SparseLocoBytes,
   SparseLocoState,
@@ -69,6 +70,7 @@ __all__ = [
   "distro_adamw",
   "fsdp_value_and_grad",
   "gather_params",
+  "gather_pending",
   "gradient_point",
   "init_worker_state",
   "inner_params",

@@ -131,6 +131,17 @@ def _feed_back_pending(
   return out
 
 
+def _check_gathered(gathered: Any, num_workers: int, num_bytes: int) -> None:
+  want = (num_workers, num_bytes)
+  if np.shape(gathered) != want or jnp.asarray(gathered).dtype != jnp.uint8:
+    raise ValueError(
+      f"gathered has shape {np.shape(gathered)} and dtype {jnp.asarray(gathered).dtype}, but "
+      f"this exchange's messages in flight are uint8{list(want)} ({num_workers} workers x "
+      f"{num_bytes} bytes). Pass what dj.gather_pending(opt_state, axis_name) returns for "
+      "this very opt_state, or leave gathered out and the update all-gathers them itself."
+    )
+
+
 def _position_drawer(
   count: jax.Array,
   grads: list[jax.Array],
@@ -261,8 +272,13 @@ def scale_by_demo(
     ``contribute``: a bool scalar (per worker, inside ``jax.shard_map``) that,
     when false, sends this worker's message marked invalid, so the others
     leave it out, while its momentum keeps what the message would have sent
-    (the cold start of a worker that joins an elastic run). ``optax.chain``
-    passes it through.
+    (the cold start of a worker that joins an elastic run). With
+    ``delayed_apply`` it takes a second, ``gathered``: the messages in flight
+    as :func:`distro_jax.gather_pending` all-gathered them in a program of
+    their own, so that the update decodes those instead of all-gathering
+    itself (see :mod:`distro_jax.overlap`). ``optax.chain`` passes both
+    through; a transformation without ``delayed_apply`` ignores
+    ``gathered``, as its message is made in this update.
 
   References:
     Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization",
@@ -314,8 +330,10 @@ def scale_by_demo(
       pending = jnp.zeros((layout.num_bytes,), jnp.uint8)
     return DemoState(count=zero, momentum=momentum, contributors=zero, pending=pending)
 
-  def update_fn(updates, state, params=None, *, contribute=None, **extra_args):
+  def update_fn(updates, state, params=None, *, contribute=None, gathered=None, **extra_args):
     del extra_args  # Other transformations' arguments, passed along by optax.chain.
+    if not delayed_apply:
+      gathered = None  # Meant for a delayed_apply exchange in the same chain.
     _check_trees(updates, params)
     num_workers = exchange.bound_axis_size(axis_name)
     grads, treedef = jax.tree.flatten(updates)
@@ -412,7 +430,10 @@ def scale_by_demo(
         message, pending = state.pending, message
       else:
         pending = None
-      gathered = exchange.all_gather_messages(message, axis_name)
+      if gathered is None:
+        gathered = exchange.all_gather_messages(message, axis_name)
+      else:
+        _check_gathered(gathered, num_workers, layout.num_bytes)
       assert gathered.shape == (num_workers, layout.num_bytes)
       positions = None
       if random_positions:

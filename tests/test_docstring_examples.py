@@ -14,6 +14,7 @@ MODULES = [
   "distro_jax.fsdp",
   "distro_jax.hlo_bytes",
   "distro_jax.lookahead",
+  "distro_jax.overlap",
   "distro_jax.sparseloco",
   "distro_jax.transforms",
   "distro_jax.unit_rms",
