@@ -150,6 +150,14 @@ class TrainConfig:
     "overlap; the method option 'partial' picks attention, embedding and head). "
     "Empty: every param overlapped.",
   )
+  overlap_exchange: str = _field(
+    "auto",
+    "With --delayed_apply, how the all-gather of the message in flight overlaps the "
+    "gradient: 'thread' runs it as a program of its own on a thread of its own (XLA's "
+    "CPU runtime blocks the thread that reaches a collective, so a fused step waits for "
+    "it), 'fused' leaves it inside the step for the compiler to schedule, 'auto' is "
+    "'thread' on CPU and 'fused' elsewhere (docs/overlapped.md).",
+  )
   lookahead: bool = _field(
     True,
     "With --delayed_apply, take each gradient where the params will be once the "
@@ -590,6 +598,25 @@ def _check_synchronous(cfg: TrainConfig) -> None:
     )
 
 
+OVERLAP_EXCHANGE = ("auto", "thread", "fused")
+
+
+def _check_overlap_exchange(cfg: TrainConfig) -> None:
+  if cfg.overlap_exchange not in OVERLAP_EXCHANGE:
+    raise ConfigError(f"--overlap_exchange={cfg.overlap_exchange!r}; use auto, thread or fused.")
+  if cfg.overlap_exchange == "thread" and not cfg.delayed_apply:
+    raise ConfigError(
+      "--overlap_exchange=thread runs the all-gather of the message in flight beside the "
+      "gradient; only --delayed_apply has one. Add --delayed_apply, or drop the flag."
+    )
+  if cfg.overlap_exchange == "thread" and cfg.fsdp > 1:
+    raise ConfigError(
+      f"--overlap_exchange=thread with --fsdp={cfg.fsdp} would run the site's own "
+      "collectives beside the exchange's, which is not supported; use "
+      "--overlap_exchange=fused (or auto) with --fsdp."
+    )
+
+
 def _check_method(cfg: TrainConfig, method: Any) -> None:
   """What the chosen method cannot do with these settings, then its own check."""
   if cfg.delayed_apply and not method.supports_delayed_apply:
@@ -604,6 +631,7 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       f"--optimizer={method.name} runs with one device per site only; drop --fsdp "
       "(or use --fsdp=1)."
     )
+  _check_overlap_exchange(cfg)
   if cfg.normalize not in NORMALIZE:
     raise ConfigError(f"--normalize={cfg.normalize!r}; use --normalize=sign or --normalize=rms.")
   if cfg.normalize != "sign" and not method.supports_normalize:

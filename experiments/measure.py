@@ -8,9 +8,10 @@ so that the optimizer's share of a step comes out as a ratio of medians.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -54,11 +55,15 @@ def _metrics_collective_bytes(mesh: jax.sharding.Mesh, rows: P) -> int:
   return dj.collective_bytes(fn, loss).total
 
 
-def hlo_bytes(hlo_text: str, mesh: jax.sharding.Mesh, rows: P, exchange_every: int = 1) -> HloBytes:
+def hlo_bytes(
+  hlo_text: str | Sequence[str], mesh: jax.sharding.Mesh, rows: P, exchange_every: int = 1
+) -> HloBytes:
   """The collective bytes of a compiled train step, split as :class:`HloBytes` says.
 
   Args:
-    hlo_text: ``compiled.as_text()`` of the train step.
+    hlo_text: ``compiled.as_text()`` of the train step, or the texts of the
+      programs one step runs (an overlapped step on a thread of its own,
+      :mod:`experiments.threaded_step`), counted together.
     mesh: the ``("replica", "fsdp")`` mesh it runs on.
     rows: how the step's batch is split (``steps.rows_spec``).
     exchange_every: steps between the optimizer's exchanges (the registry's
@@ -67,14 +72,17 @@ def hlo_bytes(hlo_text: str, mesh: jax.sharding.Mesh, rows: P, exchange_every: i
   Returns:
     An :class:`HloBytes`.
   """
-  measured = dj.parse_collective_bytes(hlo_text)
-  by_axes = {
-    "+".join(k) or "none": v.total for k, v in dj.collective_bytes_by_axes(hlo_text, mesh).items()
-  }
+  texts = [hlo_text] if isinstance(hlo_text, str) else list(hlo_text)
+  total, by_kind, by_axes = 0, collections.Counter(), collections.Counter()
+  for text in texts:
+    measured = dj.parse_collective_bytes(text)
+    total += measured.total
+    by_kind.update({k: v for k, v in measured.by_kind.items() if v})
+    for k, v in dj.collective_bytes_by_axes(text, mesh).items():
+      by_axes["+".join(k) or "none"] += v.total
   crossing = sum(v for k, v in by_axes.items() if REPLICA in k.split("+"))
   exchange = (crossing - _metrics_collective_bytes(mesh, rows)) / exchange_every
-  by_kind = {k: v for k, v in measured.by_kind.items() if v}
-  return HloBytes(measured.total, by_kind, by_axes, crossing, exchange)
+  return HloBytes(total, dict(by_kind), dict(by_axes), crossing, exchange)
 
 
 def params_digest(params: Any) -> str:

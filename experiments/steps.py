@@ -32,8 +32,11 @@ GradientPoint = Callable[[Any, Any], Any]
 
 __all__ = [
   "GradientPoint",
+  "apply_step",
   "eval_step",
+  "exchange_step",
   "gradient_step",
+  "local_gradient",
   "mean_finite_loss",
   "replica_mismatches",
   "rows_spec",
@@ -133,12 +136,19 @@ def train_step(
   loss, grads = _value_and_grad(
     params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs, point
   )
+  return _apply(params, opt_state, step, loss, grads, tx=tx, fault=fault, cold_until=cold_until)
+
+
+def _apply(params, opt_state, step, loss, grads, *, tx, fault, cold_until, gathered=None):
+  """The optimizer's half of a step: its exchange, the update, and the step's metrics."""
   if fault is not None:
     grads = _inject_fault(grads, step, fault)
   extra = {}
   if cold_until is not None:
     until = jnp.asarray(cold_until, jnp.int32)[jax.lax.axis_index(REPLICA)]
     extra["contribute"] = step > until
+  if gathered is not None:
+    extra["gathered"] = gathered
   updates, opt_state = tx.update(grads, opt_state, params, **extra)
   params = optax.apply_updates(params, updates)
   # Optimizers with no DemoState count every worker as contributing; with two
@@ -147,6 +157,69 @@ def train_step(
   counts = [c for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "contributors")]
   contributors = functools.reduce(jnp.minimum, counts, jnp.int32(workers))
   return params, opt_state, {"loss": mean_finite_loss(loss), "excluded": workers - contributors}
+
+
+def exchange_step(opt_state: Any) -> jax.Array:
+  """An overlapped step's first program: the all-gather of the message in flight.
+
+  It reads only the optimizer state, so it runs (on a thread of its own, see
+  :mod:`experiments.threaded_step`) while :func:`local_gradient` computes.
+  """
+  return dj.gather_pending(opt_state, REPLICA)
+
+
+def local_gradient(
+  params: Any,
+  opt_state: Any,
+  inputs_BxL: jax.Array,
+  targets_BxL: jax.Array,
+  *,
+  graphdef: nnx.GraphDef,
+  param_specs: Any,
+  point: GradientPoint = dj.inner_params,
+) -> tuple[jax.Array, Any]:
+  """An overlapped step's second program: this device's loss and gradient, nothing exchanged.
+
+  Returns:
+    ``(loss, grads)``, each with a leading axis of 1 so that every worker's
+    own lies in one global array, split over the devices as the batch is.
+  """
+  loss, grads = _value_and_grad(
+    params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs, point
+  )
+  return loss[None], jax.tree.map(lambda g: g[None], grads)
+
+
+def apply_step(
+  params: Any,
+  opt_state: Any,
+  step: jax.Array,
+  loss_1: jax.Array,
+  grads_1: Any,
+  gathered: jax.Array,
+  *,
+  tx: optax.GradientTransformation,
+  fault: tuple[int, int] | None = None,
+  cold_until: tuple[int, ...] | None = None,
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+  """An overlapped step's last program: :func:`train_step`'s update, given what was gathered.
+
+  With the loss and gradient of :func:`local_gradient` and the messages of
+  :func:`exchange_step`, it computes what :func:`train_step` computes, to the
+  bit.
+  """
+  grads = jax.tree.map(lambda g: g[0], grads_1)
+  return _apply(
+    params,
+    opt_state,
+    step,
+    loss_1[0],
+    grads,
+    tx=tx,
+    fault=fault,
+    cold_until=cold_until,
+    gathered=gathered,
+  )
 
 
 def eval_step(

@@ -35,6 +35,7 @@ from experiments.cli import ReplicaDivergenceError
 from experiments.config import ConfigError, TrainConfig
 from experiments.launch import FSDP, REPLICA, make_mesh
 from experiments.records import StepRecord, Summary
+from experiments.threaded_step import ThreadedStep
 
 __all__ = [
   "CheckpointError",
@@ -65,6 +66,9 @@ class Program:
     tx: the optimizer each device runs.
     state_specs: ``PartitionSpec`` tree of the per-worker optimizer state.
     train_step: ``(params, opt_state, step, inputs, targets)``, jitted, donating.
+    threaded_step: the same step as three programs, its all-gather on a thread
+      of its own (:mod:`experiments.threaded_step`), when the run overlaps its
+      exchange that way (``--overlap_exchange``); ``None`` otherwise.
     eval_step: ``(params, inputs, targets) -> loss``.
     gradient_step: ``(params, opt_state, inputs, targets)``, no optimizer.
     mismatches: ``params -> entries that differ between replicas``.
@@ -80,6 +84,7 @@ class Program:
   tx: optax.GradientTransformation
   state_specs: Any
   train_step: Any
+  threaded_step: ThreadedStep | None
   eval_step: Any
   gradient_step: Any
   mismatches: Any
@@ -134,6 +139,30 @@ def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Pro
   rows = steps.rows_spec(cfg.fsdp)
   common = {"graphdef": graphdef, "param_specs": specs}
   point = method.gradient_point(cfg)
+  threaded = None
+  if _overlap_on_thread(cfg):
+    worker_rows = jax.tree.map(lambda _: rows, specs, is_leaf=_is_spec)
+    threaded = ThreadedStep(
+      exchange=steps.shard_step(steps.exchange_step, mesh, (state_specs,), P()),
+      gradient=steps.shard_step(
+        steps.local_gradient,
+        mesh,
+        (specs, state_specs, rows, rows),
+        (rows, worker_rows),
+        point=point,
+        **common,
+      ),
+      apply=steps.shard_step(
+        steps.apply_step,
+        mesh,
+        (specs, state_specs, P(), rows, worker_rows, P()),
+        (specs, state_specs, P()),
+        donate=(0, 1),
+        tx=tx,
+        fault=fault,
+        cold_until=cold_until,
+      ),
+    )
   return Program(
     cfg=cfg,
     method=method,
@@ -155,6 +184,7 @@ def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Pro
       cold_until=cold_until,
       **common,
     ),
+    threaded_step=threaded,
     eval_step=steps.shard_step(steps.eval_step, mesh, (specs, rows, rows), P(), **common),
     gradient_step=steps.shard_step(
       steps.gradient_step, mesh, (specs, state_specs, rows, rows), rows, point=point, **common
@@ -162,6 +192,13 @@ def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Pro
     mismatches=steps.shard_step(steps.replica_mismatches, mesh, (specs,), P(), param_specs=specs),
     rows=rows,
   )
+
+
+def _overlap_on_thread(cfg: TrainConfig) -> bool:
+  """Whether the delayed exchange's all-gather runs as a program on a thread of its own."""
+  if not cfg.delayed_apply or cfg.fsdp > 1 or cfg.overlap_exchange == "fused":
+    return False
+  return cfg.overlap_exchange == "thread" or jax.default_backend() == "cpu"
 
 
 def _checkpoint_dir(cfg: TrainConfig) -> str:
@@ -423,12 +460,17 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
   if resize and (cold := resize.cold_until(cfg.cold_start_steps)):
     program = build(cfg, cold_until=cold)
   step_arg = jax.ShapeDtypeStruct((), jnp.int32, sharding=program.sharding())
-  compiled = program.train_step.lower(
-    params, opt_state, step_arg, batches.abstract, batches.abstract
-  ).compile()
-  hlo = measure.hlo_bytes(
-    compiled.as_text(), program.mesh, program.rows, program.method.exchange_every(cfg)
-  )
+  if program.threaded_step is not None:
+    compiled = program.threaded_step.compile(
+      params, opt_state, step_arg, batches.abstract, batches.abstract
+    )
+    hlo_texts = compiled.hlo_texts()
+  else:
+    compiled = program.train_step.lower(
+      params, opt_state, step_arg, batches.abstract, batches.abstract
+    ).compile()
+    hlo_texts = [compiled.as_text()]
+  hlo = measure.hlo_bytes(hlo_texts, program.mesh, program.rows, program.method.exchange_every(cfg))
   local = dj.local_shapes(program.abstract, program.fsdp_plan.specs, {FSDP: cfg.fsdp})
   payload = program.method.payload(cfg, local)
   log = _Log(cfg, program.method, payload, start_step)

@@ -158,7 +158,14 @@ def test_cli_errors_are_one_clear_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_with_gloo_end_identical_and_learn(tmp_path):
+@pytest.mark.parametrize(
+  "extra",
+  # Delayed, the all-gather runs as a program of its own on a thread of its
+  # own (experiments.threaded_step), across the processes.
+  [[], ["--delayed_apply", "--overlap_exchange=thread"]],
+  ids=["plain", "overlapped-on-a-thread"],
+)
+def test_two_processes_with_gloo_end_identical_and_learn(tmp_path, extra):
   port = portpicker.pick_unused_port()
   common = [
     "--num_processes=2",
@@ -176,7 +183,7 @@ def test_two_processes_with_gloo_end_identical_and_learn(tmp_path):
   ]
   procs = [
     subprocess.Popen(
-      [sys.executable, "-m", "experiments.train", *common, f"--process_id={i}"],
+      [sys.executable, "-m", "experiments.train", *common, *extra, f"--process_id={i}"],
       cwd=ROOT,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
