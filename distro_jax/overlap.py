@@ -3,10 +3,10 @@
 With ``delayed_apply`` the all-gather of step t reads only the optimizer
 state, so nothing in it waits on step t's forward and backward pass. Whether
 the two then run together is the runtime's choice. XLA's CPU runtime, as
-measured here with gloo between processes, runs a collective in the thread
-that launched its program and does not start the rest of that program's
-work around it, so a fused step pays for the transfer and the compute one
-after the other (docs/overlapped.md). Launched as its own program from a
+measured here with gloo between processes, blocks the thread that reaches a
+collective until the transfer ends (the Python thread that dispatched its
+program, too), and in a fused train step the forward and backward pass
+waited for it (docs/overlapped.md). Launched as its own program from a
 thread of its own, the all-gather runs while the gradient's program computes.
 
 :func:`gather_pending` is that program's body. Its result goes back into the

@@ -156,7 +156,8 @@ class TrainConfig:
     "gradient: 'thread' runs it as a program of its own on a thread of its own (XLA's "
     "CPU runtime blocks the thread that reaches a collective, so a fused step waits for "
     "it), 'fused' leaves it inside the step for the compiler to schedule, 'auto' is "
-    "'thread' on CPU and 'fused' elsewhere (docs/overlapped.md).",
+    "'thread' for CPU processes exchanging over a network and 'fused' otherwise "
+    "(docs/overlapped.md).",
   )
   lookahead: bool = _field(
     True,

@@ -38,7 +38,9 @@ def test_only_the_exchange_program_crosses_the_workers():
   # What lets the gradient run beside the all-gather: it has no collective
   # of its own, and the exchange has nothing else.
   fields = {**tiny_runs.TINY, "delayed_apply": True, "out_dir": "unused"}
-  cfg = config.resolve(trainer.TrainConfig(**fields))
+  # In one process `auto` keeps the fused step: nothing crosses a network.
+  assert trainer.build(config.resolve(trainer.TrainConfig(**fields))).threaded_step is None
+  cfg = config.resolve(trainer.TrainConfig(**fields, overlap_exchange="thread"))
   program = trainer.build(cfg)
   assert program.threaded_step is not None
   abstract = program.abstract_state()
