@@ -205,8 +205,8 @@ def apply_step(
   """An overlapped step's last program: :func:`train_step`'s update, given what was gathered.
 
   With the loss and gradient of :func:`local_gradient` and the messages of
-  :func:`exchange_step`, it computes what :func:`train_step` computes, to the
-  bit.
+  :func:`exchange_step`, it runs the arithmetic of :func:`train_step`;
+  compiled apart from the gradient, XLA may round it differently.
   """
   grads = jax.tree.map(lambda g: g[0], grads_1)
   return _apply(

@@ -15,9 +15,9 @@ step runs here as
    from the main thread meanwhile (it has no collective);
 3. :func:`experiments.steps.apply_step`, the update, once both are done.
 
-It computes what the fused step computes; compiled apart, XLA fuses the
-update differently, so the two agree to float rounding, not to the bit
-(``tests/test_train.py``).
+It runs the fused step's arithmetic; compiled apart, XLA rounds the update
+differently, so the two agree to float rounding, not to the bit
+(``tests/test_threaded_step.py``).
 """
 
 import dataclasses
