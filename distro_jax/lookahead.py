@@ -32,15 +32,9 @@ import optax
 
 from distro_jax import codec, dct, exchange, unit_rms, wire
 from distro_jax.diloco import inner_params
-from distro_jax.transforms import DemoState
+from distro_jax.transforms import DemoState, delayed_states
 
 __all__ = ["gradient_point", "lookahead_update"]
-
-
-def _delayed_demo_states(opt_state: Any) -> list[DemoState]:
-  """Every ``delayed_apply`` :class:`DemoState` in ``opt_state``, in tree order."""
-  found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DemoState))
-  return [x for x in found if isinstance(x, DemoState) and x.pending is not None]
 
 
 def _is_masked(x: Any) -> bool:
@@ -213,7 +207,7 @@ def gradient_point(
     >>> bool(jnp.allclose(jnp.abs(moved), 1e-2))  # every entry, by the rate: a sign step
     True
   """
-  states = _delayed_demo_states(opt_state)
+  states = delayed_states(opt_state)
   if not states:
     return inner_params(opt_state, params)
   point = params

@@ -21,14 +21,9 @@ from typing import Any
 import jax
 
 from distro_jax import exchange
-from distro_jax.transforms import DemoState
+from distro_jax.transforms import delayed_states
 
 __all__ = ["gather_pending"]
-
-
-def _pending_states(opt_state: Any) -> list[DemoState]:
-  found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DemoState))
-  return [x for x in found if isinstance(x, DemoState) and x.pending is not None]
 
 
 def gather_pending(opt_state: Any, axis_name: Hashable | None = "data") -> jax.Array:
@@ -66,7 +61,7 @@ def gather_pending(opt_state: Any, axis_name: Hashable | None = "data") -> jax.A
     >>> exchange(state).shape  # 1 worker x the message's bytes
     (1, 152)
   """
-  states = _pending_states(opt_state)
+  states = delayed_states(opt_state)
   if len(states) != 1:
     raise ValueError(
       f"gather_pending needs an optimizer state with exactly one delayed_apply DeMo exchange, "

@@ -69,6 +69,12 @@ class DemoState(NamedTuple):
   pending: jax.Array | None = None
 
 
+def delayed_states(opt_state: Any) -> list[DemoState]:
+  """Every ``delayed_apply`` :class:`DemoState` in ``opt_state``, in tree order."""
+  found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DemoState))
+  return [x for x in found if isinstance(x, DemoState) and x.pending is not None]
+
+
 def _check_trees(updates: Any, params: Any) -> None:
   if params is None:
     return
