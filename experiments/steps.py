@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
 from distro_jax.exchange import varying_axes
+from distro_jax.transforms import delayed_states
 from experiments import model as model_lib
 from experiments.launch import FSDP, MESH_AXES, REPLICA
 
@@ -33,6 +34,7 @@ GradientPoint = Callable[[Any, Any], Any]
 __all__ = [
   "GradientPoint",
   "apply_step",
+  "compressed_part",
   "eval_step",
   "exchange_step",
   "gradient_step",
@@ -42,6 +44,7 @@ __all__ = [
   "rows_spec",
   "shard_step",
   "train_step",
+  "with_compressed_part",
 ]
 
 
@@ -139,14 +142,20 @@ def train_step(
   return _apply(params, opt_state, step, loss, grads, tx=tx, fault=fault, cold_until=cold_until)
 
 
-def _apply(params, opt_state, step, loss, grads, *, tx, fault, cold_until, gathered=None):
-  """The optimizer's half of a step: its exchange, the update, and the step's metrics."""
+def _optimizer_inputs(grads, step, fault, cold_until):
+  """The gradient and the update's extra arguments, as every program of a step gives them."""
   if fault is not None:
     grads = _inject_fault(grads, step, fault)
   extra = {}
   if cold_until is not None:
     until = jnp.asarray(cold_until, jnp.int32)[jax.lax.axis_index(REPLICA)]
     extra["contribute"] = step > until
+  return grads, extra
+
+
+def _apply(params, opt_state, step, loss, grads, *, tx, fault, cold_until, gathered=None):
+  """The optimizer's half of a step: its exchange, the update, and the step's metrics."""
+  grads, extra = _optimizer_inputs(grads, step, fault, cold_until)
   if gathered is not None:
     extra["gathered"] = gathered
   updates, opt_state = tx.update(grads, opt_state, params, **extra)
@@ -157,6 +166,34 @@ def _apply(params, opt_state, step, loss, grads, *, tx, fault, cold_until, gathe
   counts = [c for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "contributors")]
   contributors = functools.reduce(jnp.minimum, counts, jnp.int32(workers))
   return params, opt_state, {"loss": mean_finite_loss(loss), "excluded": workers - contributors}
+
+
+def _is_demo_state(x: Any) -> bool:
+  return isinstance(x, dj.DemoState)
+
+
+def compressed_part(opt_state: Any) -> list[tuple[Any, jax.Array]]:
+  """The overlapped exchange's ``(momentum, pending)``: what compressing a gradient changes.
+
+  With ``delayed_apply`` the update's two halves share nothing: compressing
+  this step's gradient writes the momentum and the next message, and decoding
+  the message in flight reads only what was gathered. Works on a state or on
+  its ``PartitionSpec`` tree.
+  """
+  return [(s.momentum, s.pending) for s in delayed_states(opt_state)]
+
+
+def with_compressed_part(opt_state: Any, part: list[tuple[Any, jax.Array]]) -> Any:
+  """``opt_state`` with the overlapped exchange's momentum and message taken from ``part``."""
+  parts = iter(part)
+
+  def take(x):
+    if _is_demo_state(x) and x.pending is not None:
+      momentum, pending = next(parts)
+      return x._replace(momentum=momentum, pending=pending)
+    return x
+
+  return jax.tree.map(take, opt_state, is_leaf=_is_demo_state)
 
 
 def exchange_step(opt_state: Any) -> jax.Array:
@@ -171,23 +208,41 @@ def exchange_step(opt_state: Any) -> jax.Array:
 def local_gradient(
   params: Any,
   opt_state: Any,
+  step: jax.Array,
   inputs_BxL: jax.Array,
   targets_BxL: jax.Array,
   *,
   graphdef: nnx.GraphDef,
   param_specs: Any,
+  tx: optax.GradientTransformation,
   point: GradientPoint = dj.inner_params,
-) -> tuple[jax.Array, Any]:
-  """An overlapped step's second program: this device's loss and gradient, nothing exchanged.
+  fault: tuple[int, int] | None = None,
+  cold_until: tuple[int, ...] | None = None,
+) -> tuple[jax.Array, Any, list[tuple[Any, jax.Array]]]:
+  """An overlapped step's second program: the loss and gradient, then their compression.
+
+  Nothing here crosses the workers, so it runs while :func:`exchange_step`
+  waits on the link. Compressing the gradient (the DCT, the top-k, the next
+  message) needs nothing gathered either, so it is done here too, and only
+  the decode of what was gathered is left for :func:`apply_step`.
 
   Returns:
-    ``(loss, grads)``, each with a leading axis of 1 so that every worker's
-    own lies in one global array, split over the devices as the batch is.
+    ``(loss, grads, compressed)``: the loss and gradient, each with a leading
+    axis of 1 so that every worker's own lies in one global array, split over
+    the devices as the batch is; and :func:`compressed_part` of the updated
+    state.
   """
   loss, grads = _value_and_grad(
     params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs, point
   )
-  return loss[None], jax.tree.map(lambda g: g[None], grads)
+  sent, extra = _optimizer_inputs(grads, step, fault, cold_until)
+  (pending,) = [p for _, p in compressed_part(opt_state)]
+  # A stand-in for the messages in flight: what is kept of this update does
+  # not read them, and XLA drops the decode (and any synchronous group's
+  # exchange, whose results are not kept) from this program.
+  unused = jnp.zeros((jax.lax.axis_size(REPLICA), pending.size), jnp.uint8)
+  _, new_state = tx.update(sent, opt_state, params, gathered=unused, **extra)
+  return loss[None], jax.tree.map(lambda g: g[None], grads), compressed_part(new_state)
 
 
 def apply_step(
@@ -196,6 +251,7 @@ def apply_step(
   step: jax.Array,
   loss_1: jax.Array,
   grads_1: Any,
+  compressed: list[tuple[Any, jax.Array]],
   gathered: jax.Array,
   *,
   tx: optax.GradientTransformation,
@@ -204,12 +260,15 @@ def apply_step(
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
   """An overlapped step's last program: :func:`train_step`'s update, given what was gathered.
 
-  With the loss and gradient of :func:`local_gradient` and the messages of
-  :func:`exchange_step`, it runs the arithmetic of :func:`train_step`;
-  compiled apart from the gradient, XLA may round it differently.
+  With the loss, gradient and compressed state of :func:`local_gradient` and
+  the messages of :func:`exchange_step`, it runs the arithmetic of
+  :func:`train_step`; compiled apart, XLA may round it differently. The
+  overlapped exchange's momentum and next message are ``compressed``'s, so
+  XLA drops their computation here and what is left is the decode (and a
+  synchronous group's whole exchange, which needs this step's gradient).
   """
   grads = jax.tree.map(lambda g: g[0], grads_1)
-  return _apply(
+  params, opt_state, metrics = _apply(
     params,
     opt_state,
     step,
@@ -220,6 +279,7 @@ def apply_step(
     cold_until=cold_until,
     gathered=gathered,
   )
+  return params, with_compressed_part(opt_state, compressed), metrics
 
 
 def eval_step(

@@ -11,9 +11,11 @@ step runs here as
 
 1. :func:`experiments.steps.exchange_step`, the all-gather, launched from a
    thread of its own;
-2. :func:`experiments.steps.local_gradient`, the loss and gradient, launched
-   from the main thread meanwhile (it has no collective);
-3. :func:`experiments.steps.apply_step`, the update, once both are done.
+2. :func:`experiments.steps.local_gradient`, the loss and gradient and their
+   compression into the momentum and the next message, launched from the
+   main thread meanwhile (it has no collective);
+3. :func:`experiments.steps.apply_step`, the decode of what was gathered and
+   the update, once both are done.
 
 It runs the fused step's arithmetic; compiled apart, XLA rounds the update
 differently, so the two agree to float rounding, not to the bit
@@ -36,9 +38,10 @@ class ThreadedStep:
 
   Attributes:
     exchange: ``opt_state -> gathered``.
-    gradient: ``(params, opt_state, inputs, targets) -> (loss, grads)``.
-    apply: ``(params, opt_state, step, loss, grads, gathered) -> (params,
-      opt_state, metrics)``, donating the params and state.
+    gradient: ``(params, opt_state, step, inputs, targets) -> (loss, grads,
+      compressed)``.
+    apply: ``(params, opt_state, step, loss, grads, compressed, gathered) ->
+      (params, opt_state, metrics)``, donating the params and state.
   """
 
   exchange: Any
@@ -49,12 +52,12 @@ class ThreadedStep:
     self, params: Any, opt_state: Any, step: Any, inputs: Any, targets: Any
   ) -> "ThreadedStep":
     """The three programs compiled for these (abstract or concrete) arguments."""
-    loss, grads = jax.eval_shape(self.gradient, params, opt_state, inputs, targets)
+    local = jax.eval_shape(self.gradient, params, opt_state, step, inputs, targets)
     gathered = jax.eval_shape(self.exchange, opt_state)
     return ThreadedStep(
       exchange=self.exchange.lower(opt_state).compile(),
-      gradient=self.gradient.lower(params, opt_state, inputs, targets).compile(),
-      apply=self.apply.lower(params, opt_state, step, loss, grads, gathered).compile(),
+      gradient=self.gradient.lower(params, opt_state, step, inputs, targets).compile(),
+      apply=self.apply.lower(params, opt_state, step, *local, gathered).compile(),
     )
 
   def hlo_texts(self) -> list[str]:
@@ -76,8 +79,8 @@ class ThreadedStep:
     # interpreter open at exit once the caller has given up.
     thread = threading.Thread(target=exchange, name="distro-exchange", daemon=True)
     thread.start()
-    loss, grads = self.gradient(params, opt_state, inputs, targets)
+    local = self.gradient(params, opt_state, step, inputs, targets)
     thread.join()
     if "error" in box:
       raise box["error"]
-    return self.apply(params, opt_state, step, loss, grads, box["gathered"])
+    return self.apply(params, opt_state, step, *local, box["gathered"])

@@ -142,20 +142,24 @@ def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Pro
   threaded = None
   if _overlap_on_thread(cfg):
     worker_rows = jax.tree.map(lambda _: rows, specs, is_leaf=_is_spec)
+    compressed_specs = steps.compressed_part(state_specs)
     threaded = ThreadedStep(
       exchange=steps.shard_step(steps.exchange_step, mesh, (state_specs,), P()),
       gradient=steps.shard_step(
         steps.local_gradient,
         mesh,
-        (specs, state_specs, rows, rows),
-        (rows, worker_rows),
+        (specs, state_specs, P(), rows, rows),
+        (rows, worker_rows, compressed_specs),
         point=point,
+        tx=tx,
+        fault=fault,
+        cold_until=cold_until,
         **common,
       ),
       apply=steps.shard_step(
         steps.apply_step,
         mesh,
-        (specs, state_specs, P(), rows, worker_rows, P()),
+        (specs, state_specs, P(), rows, worker_rows, compressed_specs, P()),
         (specs, state_specs, P()),
         donate=(0, 1),
         tx=tx,

@@ -34,15 +34,10 @@ def test_the_threaded_step_trains_as_the_fused_one(tmp_path, synchronous):
   assert runs["thread"].measured_exchange_bytes_per_step == runs["thread"].payload_bytes_per_step
 
 
-def test_only_the_exchange_program_crosses_the_workers():
-  # What lets the gradient run beside the all-gather: it has no collective
-  # of its own, and the exchange has nothing else.
-  fields = {**tiny_runs.TINY, "delayed_apply": True, "out_dir": "unused"}
-  # In one process `auto` keeps the fused step: nothing crosses a network.
-  assert trainer.build(config.resolve(trainer.TrainConfig(**fields))).threaded_step is None
-  cfg = config.resolve(trainer.TrainConfig(**fields, overlap_exchange="thread"))
+def _threaded_hlo(**overrides) -> list[str]:
+  fields = {**tiny_runs.TINY, "delayed_apply": True, "out_dir": "unused", **overrides}
+  cfg = config.resolve(trainer.TrainConfig(**fields))
   program = trainer.build(cfg)
-  assert program.threaded_step is not None
   abstract = program.abstract_state()
   rows = NamedSharding(program.mesh, program.rows)
   batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32, sharding=rows)
@@ -50,9 +45,35 @@ def test_only_the_exchange_program_crosses_the_workers():
   compiled = program.threaded_step.compile(
     abstract["params"], abstract["opt_state"], step, batch, batch
   )
-  exchange, gradient, _ = (dj.parse_collective_bytes(t) for t in compiled.hlo_texts())
+  return compiled.hlo_texts()
+
+
+def _top_ks(hlo: str) -> int:
+  return hlo.count('custom_call_target="TopK"')
+
+
+def test_in_one_process_auto_keeps_the_fused_step():
+  # Nothing crosses a network, so there is no transfer to hide.
+  fields = {**tiny_runs.TINY, "delayed_apply": True, "out_dir": "unused"}
+  assert trainer.build(config.resolve(trainer.TrainConfig(**fields))).threaded_step is None
+
+
+@pytest.mark.parametrize("synchronous", ["", "'attn'"], ids=["overlapped", "partially-overlapped"])
+def test_only_the_exchange_program_crosses_the_workers(synchronous):
+  # What lets the gradient and its compression run beside the all-gather:
+  # they have no collective, and the exchange has nothing else.
+  texts = _threaded_hlo(overlap_exchange="thread", synchronous_params=synchronous)
+  exchange, gradient, apply = (dj.parse_collective_bytes(t) for t in texts)
   assert gradient.total == 0
   assert {k for k, v in exchange.by_kind.items() if v} == {"all-gather"}
+  # The overlapped params' top-k runs in the gradient's program, during the
+  # transfer; the last program keeps only a synchronous group's.
+  _, gradient_hlo, apply_hlo = texts
+  assert _top_ks(gradient_hlo) > 0
+  if synchronous:
+    assert _top_ks(apply_hlo) > 0 and apply.by_kind["all-gather"] > 0
+  else:
+    assert _top_ks(apply_hlo) == 0
 
 
 @pytest.mark.parametrize(
