@@ -251,7 +251,6 @@ def apply_step(
   step: jax.Array,
   loss_1: jax.Array,
   grads_1: Any,
-  compressed: list[tuple[Any, jax.Array]],
   gathered: jax.Array,
   *,
   tx: optax.GradientTransformation,
@@ -260,14 +259,17 @@ def apply_step(
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
   """An overlapped step's last program: :func:`train_step`'s update, given what was gathered.
 
-  With the loss, gradient and compressed state of :func:`local_gradient` and
-  the messages of :func:`exchange_step`, it runs the arithmetic of
-  :func:`train_step`; compiled apart, XLA may round it differently. The
-  overlapped exchange's momentum and next message are ``compressed``'s, so
-  XLA drops their computation here and what is left is the decode (and a
-  synchronous group's whole exchange, which needs this step's gradient).
+  With the loss and gradient of :func:`local_gradient` and the messages of
+  :func:`exchange_step`, it runs the arithmetic of :func:`train_step`;
+  compiled apart, XLA may round it differently. ``opt_state`` already holds
+  the overlapped exchange's new momentum and next message
+  (:func:`with_compressed_part` of what :func:`local_gradient` returned), and
+  they pass through unchanged, so XLA drops their computation here and what
+  is left is the decode (and a synchronous group's whole exchange, which
+  needs this step's gradient).
   """
   grads = jax.tree.map(lambda g: g[0], grads_1)
+  compressed = compressed_part(opt_state)
   params, opt_state, metrics = _apply(
     params,
     opt_state,

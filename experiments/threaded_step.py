@@ -28,6 +28,8 @@ from typing import Any
 
 import jax
 
+from experiments import steps
+
 
 @dataclasses.dataclass(frozen=True)
 class ThreadedStep:
@@ -40,8 +42,9 @@ class ThreadedStep:
     exchange: ``opt_state -> gathered``.
     gradient: ``(params, opt_state, step, inputs, targets) -> (loss, grads,
       compressed)``.
-    apply: ``(params, opt_state, step, loss, grads, compressed, gathered) ->
-      (params, opt_state, metrics)``, donating the params and state.
+    apply: ``(params, opt_state, step, loss, grads, gathered) -> (params,
+      opt_state, metrics)``, donating the params and state, given a state
+      that already holds ``compressed``.
   """
 
   exchange: Any
@@ -52,12 +55,12 @@ class ThreadedStep:
     self, params: Any, opt_state: Any, step: Any, inputs: Any, targets: Any
   ) -> "ThreadedStep":
     """The three programs compiled for these (abstract or concrete) arguments."""
-    local = jax.eval_shape(self.gradient, params, opt_state, step, inputs, targets)
+    loss, grads, _ = jax.eval_shape(self.gradient, params, opt_state, step, inputs, targets)
     gathered = jax.eval_shape(self.exchange, opt_state)
     return ThreadedStep(
       exchange=self.exchange.lower(opt_state).compile(),
       gradient=self.gradient.lower(params, opt_state, step, inputs, targets).compile(),
-      apply=self.apply.lower(params, opt_state, step, *local, gathered).compile(),
+      apply=self.apply.lower(params, opt_state, step, loss, grads, gathered).compile(),
     )
 
   def hlo_texts(self) -> list[str]:
@@ -79,8 +82,11 @@ class ThreadedStep:
     # interpreter open at exit once the caller has given up.
     thread = threading.Thread(target=exchange, name="distro-exchange", daemon=True)
     thread.start()
-    local = self.gradient(params, opt_state, step, inputs, targets)
+    loss, grads, compressed = self.gradient(params, opt_state, step, inputs, targets)
     thread.join()
     if "error" in box:
       raise box["error"]
-    return self.apply(params, opt_state, step, *local, box["gathered"])
+    # The new momentum and message go in as the state's own, so the update
+    # passes them through in place (donated) rather than copying them.
+    opt_state = steps.with_compressed_part(opt_state, compressed)
+    return self.apply(params, opt_state, step, loss, grads, box["gathered"])

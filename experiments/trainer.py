@@ -159,7 +159,7 @@ def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Pro
       apply=steps.shard_step(
         steps.apply_step,
         mesh,
-        (specs, state_specs, P(), rows, worker_rows, compressed_specs, P()),
+        (specs, state_specs, P(), rows, worker_rows, P()),
         (specs, state_specs, P()),
         donate=(0, 1),
         tx=tx,
