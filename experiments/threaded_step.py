@@ -17,9 +17,10 @@ step runs here as
 3. :func:`experiments.steps.apply_step`, the decode of what was gathered and
    the update, once both are done.
 
-It runs the fused step's arithmetic; compiled apart, XLA rounds the update
-differently, so the two agree to float rounding, not to the bit
-(``tests/test_threaded_step.py``).
+It runs the fused step's arithmetic. Compiled apart, XLA may round it
+differently, so the two are held to agree to float rounding
+(``tests/test_threaded_step.py``); in the runs of docs/overlapped.md they
+agreed to the bit.
 """
 
 import dataclasses
