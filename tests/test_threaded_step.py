@@ -45,6 +45,15 @@ def test_the_threaded_step_trains_as_the_fused_one(tmp_path, flags, excluded):
   assert runs["thread"].measured_exchange_bytes_per_step == runs["thread"].payload_bytes_per_step
 
 
+def test_time_optimizer_times_the_threaded_step(tmp_path):
+  summary = tiny_runs.run_tiny(
+    tmp_path, delayed_apply=True, overlap_exchange="thread", steps=3, time_optimizer=True
+  )
+  # The full step is three programs, the gradient-only step one of them.
+  assert summary.step_seconds > 0 and summary.gradient_seconds > 0
+  assert 0 <= summary.optimizer_time_fraction < 1
+
+
 def _threaded_hlo(**overrides) -> list[str]:
   fields = {**tiny_runs.TINY, "delayed_apply": True, "out_dir": "unused", **overrides}
   cfg = config.resolve(trainer.TrainConfig(**fields))
