@@ -45,6 +45,7 @@ def test_the_threaded_step_trains_as_the_fused_one(tmp_path, flags, excluded):
   assert runs["thread"].measured_exchange_bytes_per_step == runs["thread"].payload_bytes_per_step
 
 
+@pytest.mark.slow
 def test_time_optimizer_times_the_threaded_step(tmp_path):
   summary = tiny_runs.run_tiny(
     tmp_path, delayed_apply=True, overlap_exchange="thread", steps=3, time_optimizer=True
