@@ -69,10 +69,14 @@ class DemoState(NamedTuple):
   pending: jax.Array | None = None
 
 
+def is_delayed_state(x: Any) -> bool:
+  """Whether ``x`` is the :class:`DemoState` of a ``delayed_apply`` exchange (or its specs)."""
+  return isinstance(x, DemoState) and x.pending is not None
+
+
 def delayed_states(opt_state: Any) -> list[DemoState]:
   """Every ``delayed_apply`` :class:`DemoState` in ``opt_state``, in tree order."""
-  found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DemoState))
-  return [x for x in found if isinstance(x, DemoState) and x.pending is not None]
+  return [x for x in jax.tree.leaves(opt_state, is_leaf=is_delayed_state) if is_delayed_state(x)]
 
 
 def _check_trees(updates: Any, params: Any) -> None:

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
 from distro_jax.exchange import varying_axes
-from distro_jax.transforms import delayed_states
+from distro_jax.transforms import delayed_states, is_delayed_state
 from experiments import model as model_lib
 from experiments.launch import FSDP, MESH_AXES, REPLICA
 
@@ -168,10 +168,6 @@ def _apply(params, opt_state, step, loss, grads, *, tx, fault, cold_until, gathe
   return params, opt_state, {"loss": mean_finite_loss(loss), "excluded": workers - contributors}
 
 
-def _is_demo_state(x: Any) -> bool:
-  return isinstance(x, dj.DemoState)
-
-
 def compressed_part(opt_state: Any) -> list[tuple[Any, jax.Array]]:
   """The overlapped exchange's ``(momentum, pending)``: what compressing a gradient changes.
 
@@ -188,12 +184,12 @@ def with_compressed_part(opt_state: Any, part: list[tuple[Any, jax.Array]]) -> A
   parts = iter(part)
 
   def take(x):
-    if _is_demo_state(x) and x.pending is not None:
+    if is_delayed_state(x):
       momentum, pending = next(parts)
       return x._replace(momentum=momentum, pending=pending)
     return x
 
-  return jax.tree.map(take, opt_state, is_leaf=_is_demo_state)
+  return jax.tree.map(take, opt_state, is_leaf=is_delayed_state)
 
 
 def exchange_step(opt_state: Any) -> jax.Array:
