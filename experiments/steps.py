@@ -37,8 +37,8 @@ __all__ = [
   "compressed_part",
   "eval_step",
   "exchange_step",
+  "gradient_and_message",
   "gradient_step",
-  "local_gradient",
   "mean_finite_loss",
   "replica_mismatches",
   "rows_spec",
@@ -196,12 +196,12 @@ def exchange_step(opt_state: Any) -> jax.Array:
   """An overlapped step's first program: the all-gather of the message in flight.
 
   It reads only the optimizer state, so it runs (on a thread of its own, see
-  :mod:`experiments.threaded_step`) while :func:`local_gradient` computes.
+  :mod:`experiments.threaded_step`) while :func:`gradient_and_message` computes.
   """
   return dj.gather_pending(opt_state, REPLICA)
 
 
-def local_gradient(
+def gradient_and_message(
   params: Any,
   opt_state: Any,
   step: jax.Array,
@@ -255,11 +255,11 @@ def apply_step(
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
   """An overlapped step's last program: :func:`train_step`'s update, given what was gathered.
 
-  With the loss and gradient of :func:`local_gradient` and the messages of
+  With the loss and gradient of :func:`gradient_and_message` and the messages of
   :func:`exchange_step`, it runs the arithmetic of :func:`train_step`;
   compiled apart, XLA may round it differently. ``opt_state`` already holds
   the overlapped exchange's new momentum and next message
-  (:func:`with_compressed_part` of what :func:`local_gradient` returned), and
+  (:func:`with_compressed_part` of what :func:`gradient_and_message` returned), and
   they pass through unchanged, so XLA drops their computation here and what
   is left is the decode (and a synchronous group's whole exchange, which
   needs this step's gradient).

@@ -146,7 +146,7 @@ def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Pro
     threaded = ThreadedStep(
       exchange=steps.shard_step(steps.exchange_step, mesh, (state_specs,), P()),
       gradient=steps.shard_step(
-        steps.local_gradient,
+        steps.gradient_and_message,
         mesh,
         (specs, state_specs, P(), rows, rows),
         (rows, worker_rows, compressed_specs),
