@@ -255,14 +255,14 @@ def apply_step(
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
   """An overlapped step's last program: :func:`train_step`'s update, given what was gathered.
 
-  With the loss and gradient of :func:`gradient_and_message` and the messages of
-  :func:`exchange_step`, it runs the arithmetic of :func:`train_step`;
-  compiled apart, XLA may round it differently. ``opt_state`` already holds
-  the overlapped exchange's new momentum and next message
-  (:func:`with_compressed_part` of what :func:`gradient_and_message` returned), and
-  they pass through unchanged, so XLA drops their computation here and what
-  is left is the decode (and a synchronous group's whole exchange, which
-  needs this step's gradient).
+  With the loss and gradient of :func:`gradient_and_message` and the
+  messages of :func:`exchange_step`, it runs the arithmetic of
+  :func:`train_step`; compiled apart, XLA may round it differently.
+  ``opt_state`` already holds the overlapped exchange's new momentum and
+  next message (:func:`with_compressed_part` of what
+  :func:`gradient_and_message` returned), and they pass through unchanged,
+  so XLA drops their computation here and what is left is the decode (and
+  a synchronous group's whole exchange, which needs this step's gradient).
   """
   grads = jax.tree.map(lambda g: g[0], grads_1)
   compressed = compressed_part(opt_state)

@@ -11,9 +11,9 @@ step runs here as
 
 1. :func:`experiments.steps.exchange_step`, the all-gather, launched from a
    thread of its own;
-2. :func:`experiments.steps.gradient_and_message`, the loss and gradient and their
-   compression into the momentum and the next message, launched from the
-   main thread meanwhile (it has no collective);
+2. :func:`experiments.steps.gradient_and_message`, the loss and gradient
+   and their compression into the momentum and the next message, launched
+   from the main thread meanwhile (it has no collective);
 3. :func:`experiments.steps.apply_step`, the decode of what was gathered and
    the update, once both are done.
 
