@@ -69,6 +69,8 @@ def _split_axis(shape: tuple[int, ...], fsdp: int, chunk: int) -> tuple[int | No
     return None, "fsdp=1"
   if not shape:
     return None, "a scalar has no axis to split"
+  if not math.prod(shape):
+    return None, "a zero-size tensor has nothing to split"
   plan = dct.plan_chunks(shape, chunk)
   # Units along each axis that a shard boundary may fall between: single
   # entries on batch axes, whole chunks on the two chunked axes.

@@ -107,7 +107,11 @@ def lookahead_update(
       'guess="message" decodes the pending message at its sent positions, which '
       'random_positions=True does not keep; use the default guess="momentum".'
     )
-  leaves, treedef = jax.tree.flatten(params)
+  all_leaves, treedef = jax.tree.flatten(params)
+  all_momenta = treedef.flatten_up_to(state.momentum)
+  # A zero-size param has no part in the message, and no guess to move it by.
+  carried = [wire.carried(x) for x in all_leaves]
+  leaves = [x for x, c in zip(all_leaves, carried) if c]
   layout = wire.wire_layout(
     leaves,
     compression_topk=compression_topk,
@@ -127,7 +131,7 @@ def lookahead_update(
     tensors, valid = codec.decode_message(state.pending, layout)
   else:
     tensors, valid = [(None, None)] * len(leaves), codec.message_valid(state.pending, layout)
-  momenta = treedef.flatten_up_to(state.momentum)
+  momenta = [m for m, c in zip(all_momenta, carried) if c]
   # The update in flight is applied with the rate of the step that made it.
   lr = learning_rate(jnp.maximum(state.count - 1, 0)) if callable(learning_rate) else learning_rate
   step = jnp.where(valid, scale * jnp.asarray(lr, jnp.float32), 0.0)
@@ -159,7 +163,10 @@ def lookahead_update(
       if site:
         delta = jax.lax.pmax(delta, tuple(sorted(site, key=str)))
     out.append(delta)
-  return treedef.unflatten(out)
+  deltas = iter(out)
+  return treedef.unflatten(
+    [next(deltas) if c else jnp.zeros_like(x) for x, c in zip(all_leaves, carried)]
+  )
 
 
 def gradient_point(

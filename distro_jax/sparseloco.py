@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from distro_jax import bitpack, codec, dct, exchange
+from distro_jax import bitpack, codec, dct, exchange, wire
 from distro_jax.hyperparams import StaticInt, check_decay, static_positive_int
 
 __all__ = [
@@ -175,9 +175,12 @@ def _plan(x: Any, chunk: int) -> dct.ChunkPlan:
 def sparseloco_layout(
   params: Any, *, compression_topk: int, compression_chunk: int, value_bits: int | None
 ) -> SparseLocoLayout:
-  """The message layout for a params tree (arrays or ``jax.ShapeDtypeStruct``)."""
+  """The message layout for a params tree (arrays or ``jax.ShapeDtypeStruct``).
+
+  A zero-size leaf has no part in it (see :func:`distro_jax.wire.carried`).
+  """
   tensors = []
-  for x in jax.tree.leaves(params):
+  for x in filter(wire.carried, jax.tree.leaves(params)):
     plan = _plan(x, compression_chunk)
     k = min(compression_topk, plan.chunk_size)
     tensors.append(
@@ -472,7 +475,11 @@ def sparseloco(
     steps, inner_state = inner.update(updates, state.inner_state, state.local_params)
     local = optax.apply_updates(state.local_params, steps)
     count = optax.safe_increment(state.count)
-    leaves, treedef = jax.tree.flatten(params)
+    all_leaves, treedef = jax.tree.flatten(params)
+    # A zero-size param has nothing to send; it keeps an empty outer step.
+    keep = [wire.carried(x) for x in all_leaves]
+    pick = lambda xs: [x for x, k in zip(xs, keep) if k]
+    leaves = pick(all_leaves)
     if not leaves:
       # Nothing to exchange (an empty tree, or optax.masked selecting nothing).
       return updates, SparseLocoState(count, local, inner_state, state.error_feedback)
@@ -480,15 +487,17 @@ def sparseloco(
       leaves, compression_topk=topk, compression_chunk=chunk, value_bits=bits
     )
     plans = [_plan(x, chunk) for x in leaves]
-    _check_errors(treedef.flatten_up_to(state.error_feedback), plans)
+    _check_errors(pick(treedef.flatten_up_to(state.error_feedback)), plans)
 
     def synchronize(local, errors):
       pseudo = [
         p.astype(jnp.float32) - q.astype(jnp.float32)
-        for p, q in zip(leaves, treedef.flatten_up_to(local))
+        for p, q in zip(leaves, pick(treedef.flatten_up_to(local)))
       ]
-      selected = compress(pseudo, treedef.flatten_up_to(errors), layout, plans)
-      errors = [e for *_, e in selected]
+      all_errors = treedef.flatten_up_to(errors)
+      selected = compress(pseudo, pick(all_errors), layout, plans)
+      new_errors = iter([e for *_, e in selected])
+      errors = [next(new_errors) if k else e for e, k in zip(all_errors, keep)]
       if axis_name is None:
         # One worker and no collective: the mean of one message is its own
         # selection as the receivers would decode it, so skip the bytes (and,
@@ -527,7 +536,10 @@ def sparseloco(
         step = dct.inverse_blocks(mean, plan) if use_dct else mean
         step = dct.from_blocks(step, plan, like=x)
         outer.append((-outer_learning_rate * step).astype(x.dtype))
-      outer = treedef.unflatten(outer)
+      steps = iter(outer)
+      outer = treedef.unflatten(
+        [next(steps) if k else jnp.zeros_like(x) for x, k in zip(all_leaves, keep)]
+      )
       restart = exchange.worker_local(optax.apply_updates(params, outer), axis_name)
       return outer, restart, treedef.unflatten(errors)
 

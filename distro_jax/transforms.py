@@ -236,7 +236,8 @@ def scale_by_demo(
   ``m`` (error feedback); all-gather the compressed messages of all workers;
   average each coefficient over the workers that chose it; and return
   ``Q = IDCT(aggregate)``, identical on every worker. Only the message crosses
-  ``axis_name``.
+  ``axis_name``. A param with no entries (a zero-size tensor) has no part in
+  the message and gets an empty update.
 
   Args:
     learning_rate: a float or an optax schedule. It is folded into the
@@ -340,11 +341,31 @@ def scale_by_demo(
       pending = jnp.zeros((layout.num_bytes,), jnp.uint8)
     return DemoState(count=zero, momentum=momentum, contributors=zero, pending=pending)
 
-  def update_fn(updates, state, params=None, *, contribute=None, gathered=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
+    _check_trees(updates, params)
+    grads, treedef = jax.tree.flatten(updates)
+    keep = [wire.carried(g) for g in grads]
+    if all(keep):
+      return update_carried(updates, state, params, **extra_args)
+    # A zero-size tensor has nothing to send: the message and the exchange
+    # leave it out, and its update is as empty as it is.
+    pick = lambda xs: [x for x, k in zip(xs, keep) if k]
+    momenta = treedef.flatten_up_to(state.momentum)
+    p_leaves = grads if params is None else treedef.flatten_up_to(params)
+    sub_params = None if params is None else pick(p_leaves)
+    sub_state = state._replace(momentum=pick(momenta))
+    q, sub_state = update_carried(pick(grads), sub_state, sub_params, **extra_args)
+    q, new_m = iter(q), iter(sub_state.momentum)
+    q = [
+      next(q) if k else jnp.zeros(np.shape(g), p.dtype) for g, p, k in zip(grads, p_leaves, keep)
+    ]
+    momenta = [next(new_m) if k else m for m, k in zip(momenta, keep)]
+    return treedef.unflatten(q), sub_state._replace(momentum=treedef.unflatten(momenta))
+
+  def update_carried(updates, state, params, *, contribute=None, gathered=None, **extra_args):
     del extra_args  # Other transformations' arguments, passed along by optax.chain.
     if not delayed_apply:
       gathered = None  # Meant for a delayed_apply exchange in the same chain.
-    _check_trees(updates, params)
     num_workers = exchange.bound_axis_size(axis_name)
     grads, treedef = jax.tree.flatten(updates)
     if not grads:

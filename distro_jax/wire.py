@@ -15,6 +15,11 @@ from distro_jax import codec, dct
 __all__ = ["WireBytes", "plan_tree", "ring_allreduce_factor", "wire_bytes", "wire_layout"]
 
 
+def carried(x: Any) -> bool:
+  """Whether the message carries a leaf: a tensor with no entries has nothing to send."""
+  return bool(np.size(x))
+
+
 def plan_tree(params: Any, compression_chunk: int) -> list[dct.ChunkPlan]:
   """A :class:`~distro_jax.dct.ChunkPlan` for every leaf, in tree order."""
   return [plan_chunk_leaf(x, compression_chunk) for x in jax.tree.leaves(params)]
@@ -33,9 +38,14 @@ def wire_layout(
   quantize_1bit: bool,
   random_positions: bool = False,
 ) -> codec.WireLayout:
-  """The message layout for a params tree (arrays or ``jax.ShapeDtypeStruct``)."""
+  """The message layout for a params tree (arrays or ``jax.ShapeDtypeStruct``).
+
+  Its tensors are the leaves it carries (see :func:`carried`), in tree order;
+  a zero-size leaf has no part in it.
+  """
   tensors = []
-  for x, plan in zip(jax.tree.leaves(params), plan_tree(params, compression_chunk)):
+  leaves = [x for x in jax.tree.leaves(params) if carried(x)]
+  for x, plan in zip(leaves, plan_tree(leaves, compression_chunk)):
     k = min(compression_topk, plan.chunk_size)
     tensors.append(codec.TensorWire(plan.rows, k, plan.chunk_size, np.dtype(x.dtype).name))
   return codec.WireLayout(tuple(tensors), bool(quantize_1bit), bool(random_positions))

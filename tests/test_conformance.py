@@ -120,6 +120,31 @@ def test_empty_tree(name, factory, empty):
 
 
 @pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+def test_zero_size_params_change_nothing_else(name, factory):
+  # optax.adamw takes a param with no entries (a layer of width 0); these
+  # transformations send nothing for it, and the others train as without it.
+  params = _params()
+  with_empty = {**params, "e": jnp.zeros((0, 64)), "f": jnp.zeros((0,), jnp.bfloat16)}
+  grads = [_grads(params, t) for t in range(3)]
+  ref, _ = _steps(factory(LR), params, 3, grads=None)
+  tx = factory(LR)
+  jax.eval_shape(tx.init, with_empty)
+  state = jax.jit(tx.init)(with_empty)
+  update = jax.jit(tx.update)
+  for t in range(3):
+    g = {**grads[t], "e": jnp.zeros((0, 64)), "f": jnp.zeros((0,), jnp.bfloat16)}
+    updates, state = update(g, state, with_empty)
+    for k in params:
+      np.testing.assert_array_equal(updates[k], ref[t][k], err_msg=f"{name}: {k} at step {t}")
+    assert (updates["e"].shape, updates["e"].dtype) == ((0, 64), jnp.float32)
+    assert (updates["f"].shape, updates["f"].dtype) == ((0,), jnp.bfloat16)
+  only_empty = {"e": jnp.zeros((0, 64))}
+  state = tx.init(only_empty)
+  updates, _ = update(only_empty, state, only_empty)
+  assert updates["e"].shape == (0, 64)
+
+
+@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
 def test_masked_selecting_nothing(name, factory):
   params = _params()
   tx = optax.masked(factory(LR), jax.tree.map(lambda _: False, params))

@@ -202,6 +202,7 @@ def test_chunks_never_straddle_a_shard():
     "odd": (96, 40),
     "stacked": (4, 192, 64),
     "scalar": (),
+    "empty": (0, 64),
   }
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
   for fsdp in (2, 4, 8):
@@ -218,6 +219,7 @@ def test_chunks_never_straddle_a_shard():
       assert part.rows * fsdp == full.rows, key
     whole = dict(plan.whole)
     assert "['scalar']" in whole
+    assert "zero-size" in whole["['empty']"]
     # The embedding's 500 chunks along its 32000 axis split 2 or 4 ways, not
     # 8; then it is split along its 2048 axis instead.
     assert plan.axes[sorted(params).index("emb")] == (1 if fsdp == 8 else 0)

@@ -177,6 +177,28 @@ def test_other_optimizers_look_from_their_own_point():
   np.testing.assert_array_equal(dj.gradient_point(state, params)["w"], 0.5)
 
 
+@pytest.mark.parametrize("guess", ["momentum", "message"])
+def test_a_zero_size_param_changes_no_other_guess(guess):
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(64, 64)), jnp.float32)}
+  with_empty = {**params, "e": jnp.zeros((0, 8))}
+  points = []
+  for p in (params, with_empty):
+    tx = dj.demo(1e-2, compression_topk=8, delayed_apply=True, axis_name=None)
+    state = tx.init(p)
+    for t in range(3):
+      at = dj.gradient_point(state, p, 1e-2, compression_topk=8, guess=guess)
+      g = {
+        k: jnp.asarray(np.random.default_rng(t).normal(size=x.shape), x.dtype)
+        for k, x in at.items()
+      }
+      _, state = tx.update(g, state, p)
+    points.append(at)
+  np.testing.assert_array_equal(points[1]["w"], points[0]["w"])
+  assert not np.array_equal(points[0]["w"], params["w"])
+  assert points[1]["e"].shape == (0, 8)
+
+
 def test_options_that_do_not_match_the_state_are_refused():
   params = {"w": jnp.ones((64, 64))}
   state = dj.demo(1e-3, compression_topk=8, delayed_apply=True, axis_name=None).init(params)

@@ -2,6 +2,8 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 from sharded_step import build, mesh_of
 
@@ -100,3 +102,64 @@ def test_train_step_with_local_grads_sends_only_the_payload():
   # The pitfall local_value_and_grad exists for: plain autodiff all-reduces the gradient.
   plain = dj.collective_bytes(_train_step(tx, mesh, specs, jax.value_and_grad), p, state, x)
   assert plain.by_kind["all-reduce"] >= 4 * (256 * 512 + 512 * 64)
+
+
+@pytest.mark.parametrize(
+  "name, tx",
+  [
+    ("demo", dj.demo(1e-2)),
+    ("demo-delayed", dj.demo(1e-2, delayed_apply=True)),
+    ("demo-k8-1bit", dj.demo(1e-2, compression_topk=8, quantize_1bit=True)),
+    (
+      "demo-drawn-rms",
+      dj.demo(
+        1e-2,
+        compression_topk=1,
+        compression_chunk=8,
+        quantize_1bit=True,
+        random_positions=True,
+        normalize="rms",
+      ),
+    ),
+    ("sparseloco", dj.sparseloco(optax.adamw(1e-2), sync_every=2, compression_topk=8)),
+  ],
+)
+def test_zero_size_params_add_no_bytes_and_change_no_bits(name, tx):
+  from sharded_step import place_grads, random_problem, trajectory
+
+  mesh = mesh_of(8)
+  shapes = {"a": (64, 128), "c": (96,)}
+  init, grads = random_problem(shapes, 8, 3, seed=0)
+  empty = {"b": jnp.zeros((0, 64)), "d": jnp.zeros((0,))}
+  with_empty = {**init, **empty}
+  grads_with = [
+    {**g, **{k: np.zeros((8, *v.shape), np.float32) for k, v in empty.items()}} for g in grads
+  ]
+
+  plain, _ = trajectory(tx, init, grads, mesh)
+  padded, state = trajectory(tx, with_empty, grads_with, mesh)
+  for before, after in zip(plain, padded):
+    for k in shapes:
+      np.testing.assert_array_equal(after[k], before[k])
+    assert after["b"].shape == (0, 64) and after["d"].shape == (0,)
+
+  step, p, _ = build(tx, with_empty, mesh)
+  measured = dj.collective_bytes(step, p, state, place_grads(grads_with[0], mesh))
+  step0, p0, state0 = build(tx, init, mesh)
+  without = dj.collective_bytes(step0, p0, state0, place_grads(grads[0], mesh))
+  assert measured.total == without.total > 0
+  if name != "sparseloco":
+    kw = _demo_options(name)
+    assert dj.wire_bytes(with_empty, **kw).payload == dj.wire_bytes(init, **kw).payload
+    assert measured.by_kind["all-gather"] == dj.wire_bytes(init, **kw).payload
+
+
+def _demo_options(name):
+  return {
+    "demo": {},
+    "demo-delayed": {},
+    "demo-k8-1bit": dict(compression_topk=8, quantize_1bit=True),
+    "demo-drawn-rms": dict(
+      compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True
+    ),
+  }[name]
