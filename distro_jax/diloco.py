@@ -12,8 +12,6 @@ inner params live in its optimizer state; compute its gradient there, at
 :func:`inner_params`.
 """
 
-from __future__ import annotations
-
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 

@@ -41,8 +41,6 @@ gives a restore target that holds the per-worker leaves replicated, and
 :func:`distro_jax.init_worker_state` would.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Hashable, Sequence
 from typing import Any

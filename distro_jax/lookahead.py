@@ -21,8 +21,6 @@ every receiver decodes it: the update that would land if every worker had
 sent what this one sent, exact when the workers agree.
 """
 
-from __future__ import annotations
-
 from collections.abc import Hashable
 from typing import Any
 

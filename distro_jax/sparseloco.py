@@ -50,8 +50,6 @@ norms of that tensor (``torch.median``'s convention, as Templar uses); every
 worker computes it from the gathered messages, so no other collective runs.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Hashable
 from typing import Any, NamedTuple

@@ -8,8 +8,6 @@ agree. Scaling each tensor to a root mean square of one keeps the step's size
 (the sign's RMS is one too) and the entries' relative sizes (docs/results.md).
 """
 
-from __future__ import annotations
-
 from collections.abc import Hashable, Iterable
 from typing import Any
 
