@@ -17,9 +17,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from distro_jax import exchange
+from distro_jax.hyperparams import StaticInt, unwrap_static
 
 __all__ = ["DilocoState", "diloco", "inner_params"]
 
@@ -49,7 +51,7 @@ def _as_varying(tree: Any, axis_name: Hashable | None) -> Any:
 def diloco(
   inner: optax.GradientTransformation,
   *,
-  sync_every: int = 50,
+  sync_every: int = StaticInt(50),
   outer_learning_rate: float = 0.7,
   outer_momentum: float = 0.9,
   axis_name: Hashable | None = "data",
@@ -98,6 +100,14 @@ def diloco(
     >>> updates, state = tx.update(g, state, params)  # no sync yet: the update is zero
     >>> updates, state = tx.update(g, state, params)  # sync: the outer step
   """
+  sync_every = unwrap_static(sync_every)
+  for name, value in (("sync_every", sync_every), ("total_steps", total_steps)):
+    if isinstance(value, (jax.Array, np.ndarray)):
+      # optax.inject_hyperparams turns every int it is given into an array.
+      raise TypeError(
+        f"{name} fixes when the workers synchronize, so it must be a static Python int, "
+        f"got an array. Under optax.inject_hyperparams, pass static_args=({name!r},)."
+      )
   if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every <= 0:
     raise ValueError(
       f"sync_every must be a positive int (inner steps between synchronizations), got "

@@ -13,7 +13,14 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["StaticInt", "check_decay", "static_nonnegative_float", "static_positive_int"]
+__all__ = [
+  "StaticFloat",
+  "StaticInt",
+  "check_decay",
+  "static_nonnegative_float",
+  "static_positive_int",
+  "unwrap_static",
+]
 
 
 class StaticInt:
@@ -45,6 +52,42 @@ class StaticInt:
 
   def __repr__(self) -> str:
     return repr(self.value)
+
+
+class StaticFloat:
+  """A float default that ``optax.inject_hyperparams`` leaves as it is.
+
+  ``inject_hyperparams`` casts every float argument, defaults included, to
+  the params' dtype. In bfloat16 a decay of 0.999 becomes 1.0: a momentum
+  that never decays, and Adam's bias correction ``1 - b2**t`` becomes zero
+  (``inject_hyperparams(optax.adamw)`` on bfloat16 params returns NaN). Decay
+  defaults that bfloat16 cannot hold are this stand-in, so that
+  ``inject_hyperparams(dj.demo)(learning_rate=...)`` keeps them exact. Set
+  one yourself and it is injected as any float, in the params' dtype unless
+  ``inject_hyperparams`` gets ``hyperparam_dtype=jnp.float32``.
+  """
+
+  __slots__ = ("value",)
+
+  def __init__(self, value: float):
+    self.value = float(value)
+
+  def __float__(self) -> float:
+    return self.value
+
+  def __eq__(self, other: object) -> bool:
+    return self.value == other
+
+  def __hash__(self) -> int:
+    return hash(self.value)
+
+  def __repr__(self) -> str:
+    return repr(self.value)
+
+
+def unwrap_static(value: Any) -> Any:
+  """The plain value of a :class:`StaticInt` or :class:`StaticFloat`; anything else as is."""
+  return value.value if isinstance(value, (StaticInt, StaticFloat)) else value
 
 
 def static_positive_int(name: str, value: Any, example: int) -> int:
@@ -101,6 +144,14 @@ def check_decay(name: str, value: Any, *, one_allowed: bool, hint: str) -> None:
   ok = 0.0 <= concrete <= 1.0 if one_allowed else 0.0 <= concrete < 1.0
   if not ok:
     interval = "[0, 1]" if one_allowed else "[0, 1)"
+    dtype = getattr(value, "dtype", None)
+    if concrete == 1.0 and dtype is not None and np.finfo(dtype).bits < 32:
+      # optax.inject_hyperparams casts floats to the params' dtype.
+      hint = (
+        f"It arrived as {np.dtype(dtype).name}, which rounds decays near 1 up to 1 "
+        "(optax.inject_hyperparams casts float hyperparameters to the params' dtype): "
+        "pass hyperparam_dtype=jnp.float32 to optax.inject_hyperparams."
+      )
     raise ValueError(f"{name} must be in {interval}, got {concrete}. {hint}")
 
 

@@ -17,10 +17,12 @@ import optax
 
 from distro_jax import codec, dct, exchange, unit_rms, wire
 from distro_jax.hyperparams import (
+  StaticFloat,
   StaticInt,
   check_decay,
   static_nonnegative_float,
   static_positive_int,
+  unwrap_static,
 )
 
 __all__ = [
@@ -219,7 +221,7 @@ def _replace_rarely(pred: jax.Array, tree: Any, replacement: Callable[[], Any]) 
 def scale_by_demo(
   learning_rate: optax.ScalarOrSchedule,
   *,
-  compression_decay: float = 0.999,
+  compression_decay: float = StaticFloat(0.999),
   compression_topk: int = StaticInt(32),
   compression_chunk: int = StaticInt(64),
   quantize_1bit: bool = False,
@@ -304,6 +306,7 @@ def scale_by_demo(
     >>> q["w"].shape
     (4, 8)
   """
+  compression_decay = unwrap_static(compression_decay)
   topk = static_positive_int("compression_topk", compression_topk, example=32)
   chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
   check_decay(
@@ -578,7 +581,7 @@ def _skip_when_nothing_received(
 def demo(
   learning_rate: optax.ScalarOrSchedule,
   *,
-  compression_decay: float = 0.999,
+  compression_decay: float = StaticFloat(0.999),
   compression_topk: int = StaticInt(32),
   compression_chunk: int = StaticInt(64),
   weight_decay: float = 0.0,
@@ -674,7 +677,7 @@ def distro(
   inner: optax.GradientTransformation,
   learning_rate: optax.ScalarOrSchedule,
   *,
-  compression_decay: float = 0.999,
+  compression_decay: float = StaticFloat(0.999),
   compression_topk: int = StaticInt(32),
   compression_chunk: int = StaticInt(64),
   quantize_1bit: bool = False,
@@ -796,10 +799,10 @@ def distro_adamw(
   learning_rate: optax.ScalarOrSchedule,
   *,
   b1: float = 0.9,
-  b2: float = 0.999,
+  b2: float = StaticFloat(0.999),
   eps: float = 1e-8,
   weight_decay: float = 0.0,
-  compression_decay: float = 0.999,
+  compression_decay: float = StaticFloat(0.999),
   compression_topk: int = StaticInt(32),
   compression_chunk: int = StaticInt(64),
   quantize_1bit: bool = False,
@@ -846,7 +849,7 @@ def distro_adamw(
     Nous Research, "A Preliminary Report on DisTrO", 2024.
   """
   return distro(
-    optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
+    optax.adamw(learning_rate, b1=b1, b2=unwrap_static(b2), eps=eps, weight_decay=weight_decay),
     learning_rate,
     compression_decay=compression_decay,
     compression_topk=compression_topk,

@@ -283,6 +283,42 @@ def test_inject_hyperparams_matches_the_plain_transformation(name, factory):
 
 
 @pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+def test_inject_hyperparams_on_bfloat16_params(name, factory):
+  # inject_hyperparams casts float hyperparameters, defaults included, to the
+  # params' dtype; a default decay of 0.999 must not become bfloat16's 1.0
+  # (a momentum that never decays; NaN from Adam's bias correction).
+  params = _params(jnp.bfloat16)
+  # The injected rate is bfloat16's LR; a sign step flips where Python's LR
+  # and it differ, so the plain run gets the same rate.
+  plain, _ = _steps(factory(float(jnp.asarray(LR, jnp.bfloat16))), params, 3)
+  static = [a for a in ("compression_topk", "compression_chunk") if _sets(factory, a)]
+  injected_tx = optax.inject_hyperparams(factory, static_args=static)(learning_rate=LR)
+  injected, _ = _steps(injected_tx, params, 3)
+  moved = 0.0
+  for a, b in zip(plain, injected):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      assert y.dtype == x.dtype == jnp.bfloat16
+      y, x = np.asarray(y, np.float32), np.asarray(x, np.float32)
+      assert np.isfinite(y).all()
+      moved = max(moved, np.abs(y).max())
+      if name not in ADAM_INNER:  # Adam's b1 and eps are injected in bfloat16 too
+        np.testing.assert_array_equal(y, x)
+  assert moved > 0
+
+
+def test_a_decay_that_bfloat16_rounds_to_one_is_refused_with_the_fix():
+  params = _params(jnp.bfloat16)
+  tx = optax.inject_hyperparams(dj.demo)(learning_rate=LR, compression_decay=0.999, axis_name=None)
+  with pytest.raises(ValueError, match="hyperparam_dtype=jnp.float32"):
+    tx.init(params)
+  tx = optax.inject_hyperparams(dj.demo, hyperparam_dtype=jnp.float32)(
+    learning_rate=LR, compression_decay=0.999, axis_name=None
+  )
+  updates, _ = tx.update(_grads(params), tx.init(params), params)
+  assert all(np.isfinite(np.asarray(u, np.float32)).all() for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
 def test_multisteps_accumulates_then_updates(name, factory):
   params = _params()
   tx = optax.MultiSteps(factory(LR), every_k_schedule=2)

@@ -115,3 +115,17 @@ def test_init_is_shape_only():
   shapes = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((4, 4), jnp.bfloat16)})
   assert shapes.local_params["w"].dtype == jnp.bfloat16
   assert shapes.outer_momentum["w"].dtype == jnp.float32
+
+
+def test_inject_hyperparams_leaves_the_synchronization_schedule_static():
+  params = {"w": jnp.ones((4, 4))}
+  tx = optax.inject_hyperparams(dj.diloco)(inner=optax.sgd(0.1), axis_name=None)
+  state = tx.init(params)
+  assert sorted(state.hyperparams) == ["outer_learning_rate", "outer_momentum"]
+  jax.jit(tx.update)({"w": jnp.ones((4, 4))}, state, params)
+  with pytest.raises(TypeError, match=r"static_args=\('sync_every',\)"):
+    optax.inject_hyperparams(dj.diloco)(inner=optax.sgd(0.1), sync_every=2).init(params)
+  tx = optax.inject_hyperparams(dj.diloco, static_args=("sync_every",))(
+    inner=optax.sgd(0.1), sync_every=2, axis_name=None
+  )
+  tx.update({"w": jnp.ones((4, 4))}, tx.init(params), params)
