@@ -11,6 +11,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
@@ -145,7 +146,10 @@ def check_decay(name: str, value: Any, *, one_allowed: bool, hint: str) -> None:
   if not ok:
     interval = "[0, 1]" if one_allowed else "[0, 1)"
     dtype = getattr(value, "dtype", None)
-    if concrete == 1.0 and dtype is not None and np.finfo(dtype).bits < 32:
+    narrow = (
+      dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+    )
+    if concrete == 1.0 and narrow:
       # optax.inject_hyperparams casts floats to the params' dtype.
       hint = (
         f"It arrived as {np.dtype(dtype).name}, which rounds decays near 1 up to 1 "
