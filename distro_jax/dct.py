@@ -355,10 +355,13 @@ def _along_c1(basis: jax.Array, x: jax.Array) -> jax.Array:
   matrix, so this is a batched matmul whose output is already in place. Written
   as a plain contraction, XLA would put the basis's free axis first and
   transpose the result back, one more pass over the data. With a single chunk
-  along the last axis that transpose is free, and the plain form is kept.
+  along the last axis that transpose is free, and the plain form is kept. So
+  it is where the mesh shards the bands over explicit axes: a basis broadcast
+  along them would be replicated, and the compiler would gather the bands to
+  match it.
   """
   *lead, a, c1, b, c2 = x.shape
-  if b == 1:
+  if b == 1 or explicit_sharding(x) is not None:
     return jnp.einsum("ip,...apbj->...aibj", basis, x, precision=_HIGHEST)
   bands = x.reshape(*lead, a, c1, b * c2)
   batched = jnp.broadcast_to(basis, (*lead, a, c1, c1))
