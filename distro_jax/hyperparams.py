@@ -24,26 +24,13 @@ __all__ = [
 ]
 
 
-class StaticInt:
-  """An int default that ``optax.inject_hyperparams`` leaves static.
+class _Static:
+  """A default that ``optax.inject_hyperparams`` does not take for a number.
 
-  ``inject_hyperparams`` turns every int argument, defaults included, into an
-  array hyperparameter, which is traced inside ``jit``. The top-k and chunk
-  sizes fix the message's shape and cannot be traced, so their defaults are
-  this non-int stand-in: ``inject_hyperparams(dj.demo)(learning_rate=...)``
-  then works with no ``static_args``. It compares, hashes and prints as its
-  value.
+  It compares, hashes and prints as its value.
   """
 
   __slots__ = ("value",)
-
-  def __init__(self, value: int):
-    self.value = int(value)
-
-  def __index__(self) -> int:
-    return self.value
-
-  __int__ = __index__
 
   def __eq__(self, other: object) -> bool:
     return self.value == other
@@ -55,7 +42,29 @@ class StaticInt:
     return repr(self.value)
 
 
-class StaticFloat:
+class StaticInt(_Static):
+  """An int default that ``optax.inject_hyperparams`` leaves static.
+
+  ``inject_hyperparams`` turns every int argument, defaults included, into an
+  array hyperparameter, which is traced inside ``jit``. The top-k and chunk
+  sizes fix the message's shape and cannot be traced, so their defaults are
+  this non-int stand-in: ``inject_hyperparams(dj.demo)(learning_rate=...)``
+  then works with no ``static_args``. It compares, hashes and prints as its
+  value.
+  """
+
+  __slots__ = ()
+
+  def __init__(self, value: int):
+    self.value = int(value)
+
+  def __index__(self) -> int:
+    return self.value
+
+  __int__ = __index__
+
+
+class StaticFloat(_Static):
   """A float default that ``optax.inject_hyperparams`` leaves as it is.
 
   ``inject_hyperparams`` casts every float argument, defaults included, to
@@ -68,7 +77,7 @@ class StaticFloat:
   ``inject_hyperparams`` gets ``hyperparam_dtype=jnp.float32``.
   """
 
-  __slots__ = ("value",)
+  __slots__ = ()
 
   def __init__(self, value: float):
     self.value = float(value)
@@ -76,19 +85,10 @@ class StaticFloat:
   def __float__(self) -> float:
     return self.value
 
-  def __eq__(self, other: object) -> bool:
-    return self.value == other
-
-  def __hash__(self) -> int:
-    return hash(self.value)
-
-  def __repr__(self) -> str:
-    return repr(self.value)
-
 
 def unwrap_static(value: Any) -> Any:
   """The plain value of a :class:`StaticInt` or :class:`StaticFloat`; anything else as is."""
-  return value.value if isinstance(value, (StaticInt, StaticFloat)) else value
+  return value.value if isinstance(value, _Static) else value
 
 
 def static_positive_int(name: str, value: Any, example: int) -> int:
