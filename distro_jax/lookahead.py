@@ -108,8 +108,8 @@ def lookahead_update(
   all_leaves, treedef = jax.tree.flatten(params)
   all_momenta = treedef.flatten_up_to(state.momentum)
   # A zero-size param has no part in the message, and no guess to move it by.
-  carried = [wire.carried(x) for x in all_leaves]
-  leaves = [x for x, c in zip(all_leaves, carried) if c]
+  carried = wire.CarriedLeaves(all_leaves)
+  leaves = carried.pick(all_leaves)
   layout = wire.wire_layout(
     leaves,
     compression_topk=compression_topk,
@@ -129,7 +129,7 @@ def lookahead_update(
     tensors, valid = codec.decode_message(state.pending, layout)
   else:
     tensors, valid = [(None, None)] * len(leaves), codec.message_valid(state.pending, layout)
-  momenta = [m for m, c in zip(all_momenta, carried) if c]
+  momenta = carried.pick(all_momenta)
   # The update in flight is applied with the rate of the step that made it.
   lr = learning_rate(jnp.maximum(state.count - 1, 0)) if callable(learning_rate) else learning_rate
   step = jnp.where(valid, scale * jnp.asarray(lr, jnp.float32), 0.0)
@@ -161,10 +161,7 @@ def lookahead_update(
       if site:
         delta = jax.lax.pmax(delta, tuple(sorted(site, key=str)))
     out.append(delta)
-  deltas = iter(out)
-  return treedef.unflatten(
-    [next(deltas) if c else jnp.zeros_like(x) for x, c in zip(all_leaves, carried)]
-  )
+  return treedef.unflatten(carried.merge(out, [jnp.zeros_like(x) for x in all_leaves]))
 
 
 def gradient_point(

@@ -475,9 +475,8 @@ def sparseloco(
     count = optax.safe_increment(state.count)
     all_leaves, treedef = jax.tree.flatten(params)
     # A zero-size param has nothing to send; it keeps an empty outer step.
-    keep = [wire.carried(x) for x in all_leaves]
-    pick = lambda xs: [x for x, k in zip(xs, keep) if k]
-    leaves = pick(all_leaves)
+    carried = wire.CarriedLeaves(all_leaves)
+    leaves = carried.pick(all_leaves)
     if not leaves:
       # Nothing to exchange (an empty tree, or optax.masked selecting nothing).
       return updates, SparseLocoState(count, local, inner_state, state.error_feedback)
@@ -485,17 +484,16 @@ def sparseloco(
       leaves, compression_topk=topk, compression_chunk=chunk, value_bits=bits
     )
     plans = [_plan(x, chunk) for x in leaves]
-    _check_errors(pick(treedef.flatten_up_to(state.error_feedback)), plans)
+    _check_errors(carried.pick(treedef.flatten_up_to(state.error_feedback)), plans)
 
     def synchronize(local, errors):
       pseudo = [
         p.astype(jnp.float32) - q.astype(jnp.float32)
-        for p, q in zip(leaves, pick(treedef.flatten_up_to(local)))
+        for p, q in zip(leaves, carried.pick(treedef.flatten_up_to(local)))
       ]
       all_errors = treedef.flatten_up_to(errors)
-      selected = compress(pseudo, pick(all_errors), layout, plans)
-      new_errors = iter([e for *_, e in selected])
-      errors = [next(new_errors) if k else e for e, k in zip(all_errors, keep)]
+      selected = compress(pseudo, carried.pick(all_errors), layout, plans)
+      errors = carried.merge([e for *_, e in selected], all_errors)
       if axis_name is None:
         # One worker and no collective: the mean of one message is its own
         # selection as the receivers would decode it, so skip the bytes (and,
@@ -534,10 +532,7 @@ def sparseloco(
         step = dct.inverse_blocks(mean, plan) if use_dct else mean
         step = dct.from_blocks(step, plan, like=x)
         outer.append((-outer_learning_rate * step).astype(x.dtype))
-      steps = iter(outer)
-      outer = treedef.unflatten(
-        [next(steps) if k else jnp.zeros_like(x) for x, k in zip(all_leaves, keep)]
-      )
+      outer = treedef.unflatten(carried.merge(outer, [jnp.zeros_like(x) for x in all_leaves]))
       restart = exchange.worker_local(optax.apply_updates(params, outer), axis_name)
       return outer, restart, treedef.unflatten(errors)
 

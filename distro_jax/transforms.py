@@ -347,22 +347,18 @@ def scale_by_demo(
   def update_fn(updates, state, params=None, **extra_args):
     _check_trees(updates, params)
     grads, treedef = jax.tree.flatten(updates)
-    keep = [wire.carried(g) for g in grads]
-    if all(keep):
+    carried = wire.CarriedLeaves(grads)
+    if carried.all:
       return update_carried(updates, state, params, **extra_args)
     # A zero-size tensor has nothing to send: the message and the exchange
     # leave it out, and its update is as empty as it is.
-    pick = lambda xs: [x for x, k in zip(xs, keep) if k]
     momenta = treedef.flatten_up_to(state.momentum)
     p_leaves = grads if params is None else treedef.flatten_up_to(params)
-    sub_params = None if params is None else pick(p_leaves)
-    sub_state = state._replace(momentum=pick(momenta))
-    q, sub_state = update_carried(pick(grads), sub_state, sub_params, **extra_args)
-    q, new_m = iter(q), iter(sub_state.momentum)
-    q = [
-      next(q) if k else jnp.zeros(np.shape(g), p.dtype) for g, p, k in zip(grads, p_leaves, keep)
-    ]
-    momenta = [next(new_m) if k else m for m, k in zip(momenta, keep)]
+    sub_params = None if params is None else carried.pick(p_leaves)
+    sub_state = state._replace(momentum=carried.pick(momenta))
+    q, sub_state = update_carried(carried.pick(grads), sub_state, sub_params, **extra_args)
+    q = carried.merge(q, [jnp.zeros(np.shape(g), p.dtype) for g, p in zip(grads, p_leaves)])
+    momenta = carried.merge(sub_state.momentum, momenta)
     return treedef.unflatten(q), sub_state._replace(momentum=treedef.unflatten(momenta))
 
   def update_carried(updates, state, params, *, contribute=None, gathered=None, **extra_args):

@@ -20,6 +20,32 @@ def carried(x: Any) -> bool:
   return bool(np.size(x))
 
 
+class CarriedLeaves:
+  """Which of a flat list of leaves the message carries, to take them out and put results back.
+
+  A zero-size tensor has nothing to send, so the transformations leave it out
+  of the message and give it an empty result; this keeps that bookkeeping in
+  one place.
+  """
+
+  def __init__(self, leaves: list[Any]):
+    self.mask = [carried(x) for x in leaves]
+
+  @property
+  def all(self) -> bool:
+    """Whether every leaf is carried, so that nothing needs to be taken out."""
+    return all(self.mask)
+
+  def pick(self, xs: list[Any]) -> list[Any]:
+    """The entries of ``xs`` (one per leaf) at the carried leaves."""
+    return [x for x, k in zip(xs, self.mask, strict=True) if k]
+
+  def merge(self, picked: list[Any], others: list[Any]) -> list[Any]:
+    """One entry per leaf: ``picked``'s in order at the carried leaves, ``others``' elsewhere."""
+    it = iter(picked)
+    return [next(it) if k else o for o, k in zip(others, self.mask, strict=True)]
+
+
 def plan_tree(params: Any, compression_chunk: int) -> list[dct.ChunkPlan]:
   """A :class:`~distro_jax.dct.ChunkPlan` for every leaf, in tree order."""
   return [plan_chunk_leaf(x, compression_chunk) for x in jax.tree.leaves(params)]
