@@ -47,7 +47,7 @@ __all__ = [
   "in_place_zeros",
   "inverse",
   "plan_chunks",
-  "refuse_complex",
+  "refuse_non_float",
   "to_blocks",
   "to_chunks",
   "transform",
@@ -148,8 +148,8 @@ def in_place_zeros(p: Any) -> jax.Array:
   return jnp.zeros_like(p, dtype=jnp.float32)
 
 
-def refuse_complex(params: Any, method: str, real_only: str) -> None:
-  """Raises for a complex param, naming it, ``method``'s reason and the fixes.
+def refuse_non_float(params: Any, method: str, real_only: str) -> None:
+  """Raises for a complex, integer or bool param, naming it, the reason and the fixes.
 
   Args:
     params: the params tree given to ``init``.
@@ -157,16 +157,27 @@ def refuse_complex(params: Any, method: str, real_only: str) -> None:
     real_only: the parts of it that need real values, e.g. ``"top-k by magnitude and
       quantizer"``.
   """
+  leave_out = (
+    f"leave it out of {method} with optax.masked or optax.multi_transform (e.g. "
+    "optax.set_to_zero() for it)"
+  )
   for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
     dtype = getattr(p, "dtype", None)
-    if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+    if dtype is None or jnp.issubdtype(dtype, jnp.floating):
+      continue
+    name = jax.tree_util.keystr(path)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
       raise ValueError(
-        f"Parameter {jax.tree_util.keystr(path)} is complex ({dtype}). {method}'s "
-        f"{real_only} are defined for real values "
-        "only. Keep it as two real parameters (e.g. jnp.stack([z.real, z.imag]), recombined "
-        f"in the model), or leave it out of {method} with optax.masked or "
-        "optax.multi_transform."
+        f"Parameter {name} is complex ({dtype}). {method}'s {real_only} are defined for "
+        "real values only. Keep it as two real parameters (e.g. jnp.stack([z.real, z.imag]), "
+        f"recombined in the model), or {leave_out}."
       )
+    # Left in, its update would be computed in the param's integer dtype and
+    # round to nothing: a param that silently never trains.
+    raise ValueError(
+      f"Parameter {name} has the non-float dtype {dtype}, which has no gradient to compress "
+      f"(jax.grad gives it none). Make it a float param if it is meant to train, or {leave_out}."
+    )
 
 
 def plan_chunks(shape: tuple[int, ...], target: int) -> ChunkPlan:

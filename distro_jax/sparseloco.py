@@ -428,7 +428,7 @@ def sparseloco(
   clip = bool(clip_to_median_norm)
 
   def init_fn(params):
-    dct.refuse_complex(params, "SparseLoCo", "top-k by magnitude and quantizer")
+    dct.refuse_non_float(params, "SparseLoCo", "top-k by magnitude and quantizer")
     return SparseLocoState(
       count=jnp.zeros([], jnp.int32),
       local_params=jax.tree.map(jnp.asarray, params),

@@ -329,7 +329,7 @@ def scale_by_demo(
   to_chunks, from_chunks = (dct.encode, dct.decode) if use_dct else (dct.to_chunks, dct.from_chunks)
 
   def init_fn(params):
-    dct.refuse_complex(params, "DeMo", "DCT, top-k by magnitude and sign step")
+    dct.refuse_non_float(params, "DeMo", "DCT, top-k by magnitude and sign step")
     momentum = jax.tree.map(dct.in_place_zeros, params)
     zero = jnp.zeros([], jnp.int32)
     pending = None

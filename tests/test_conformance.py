@@ -73,6 +73,9 @@ TRANSFORMATIONS: list[tuple[str, Factory]] = [
 # Transformations that compress (top-k by magnitude: complex params are refused at init).
 COMPRESSING = {name for name, _ in TRANSFORMATIONS if name != "diloco"}
 
+COMPRESSING_TRANSFORMATIONS = [t for t in TRANSFORMATIONS if t[0] in COMPRESSING]
+COMPRESSING_IDS = [name for name, _ in COMPRESSING_TRANSFORMATIONS]
+
 # Those whose inner transformation is Adam.
 ADAM_INNER = {"distro_adamw", "distro-adam-inner"}
 
@@ -399,6 +402,22 @@ def test_complex_params_are_refused_at_init_or_trained(name, factory):
   else:
     updates, _ = jax.jit(tx.update)(params, tx.init(params), params)
     assert updates["z"].dtype == jnp.complex64
+
+
+@pytest.mark.parametrize("name, factory", COMPRESSING_TRANSFORMATIONS, ids=COMPRESSING_IDS)
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_], ids=["int32", "bool"])
+def test_non_float_params_are_refused_with_the_fix_that_works(name, factory, dtype):
+  # Left in, an integer param's update rounded to zero: it never trained, silently.
+  params = {**_params(), "n": jnp.ones((16, 64), dtype)}
+  with pytest.raises(ValueError, match=r"\['n'\] has the non-float dtype.*optax.masked"):
+    factory(LR).init(params)
+  # The fix the message names: leave the param out with optax.multi_transform.
+  labels = jax.tree.map(lambda p: "frozen" if p.dtype == dtype else "trained", params)
+  tx = optax.multi_transform({"trained": factory(LR), "frozen": optax.set_to_zero()}, labels)
+  # Two steps: the overlapped exchange and SparseLoCo apply nothing at the first.
+  (_, updates), _ = _steps(tx, params, 2, grads={**_grads(_params()), "n": params["n"]})
+  assert not np.any(np.asarray(updates["n"]))
+  assert np.any(np.asarray(updates["w"]))
 
 
 @pytest.mark.parametrize("fn", PUBLIC, ids=[f.__name__ for f in PUBLIC])
