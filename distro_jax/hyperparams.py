@@ -124,6 +124,28 @@ def static_positive_int(name: str, value: Any, example: int) -> int:
   return int(value)
 
 
+def check_learning_rate(name: str, value: Any) -> None:
+  """Raises unless ``value`` is a number, a numeric array (an injected one) or a schedule.
+
+  Raises:
+    TypeError: anything else (a string, ``None``, a bool), naming ``name`` and the fix.
+  """
+  if callable(value) or isinstance(value, jax.core.Tracer):
+    return
+  dtype = getattr(value, "dtype", None)
+  if dtype is not None and (
+    jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+  ):
+    return
+  if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    return
+  raise TypeError(
+    f"{name} must be a number or a schedule (a function of the step count), got {value!r} "
+    f"({type(value).__name__}); use e.g. {name}=1e-3 or "
+    f"{name}=optax.cosine_decay_schedule(1e-3, decay_steps=1000)."
+  )
+
+
 def check_decay(name: str, value: Any, *, one_allowed: bool, hint: str) -> None:
   """Raises if a concrete ``value`` is outside ``[0, 1)`` (or ``[0, 1]`` when ``one_allowed``).
 

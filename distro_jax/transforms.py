@@ -20,6 +20,7 @@ from distro_jax.hyperparams import (
   StaticFloat,
   StaticInt,
   check_decay,
+  check_learning_rate,
   static_nonnegative_float,
   static_positive_int,
   unwrap_static,
@@ -306,6 +307,7 @@ def scale_by_demo(
     >>> q["w"].shape
     (4, 8)
   """
+  check_learning_rate("learning_rate", learning_rate)
   compression_decay = unwrap_static(compression_decay)
   topk = static_positive_int("compression_topk", compression_topk, example=32)
   chunk = static_positive_int("compression_chunk", compression_chunk, example=64)

@@ -31,6 +31,27 @@ def test_decay_outside_unit_interval(decay):
     dj.demo(1e-3, compression_decay=decay)
 
 
+@pytest.mark.parametrize("factory", [dj.demo, dj.distro_adamw, dj.scale_by_demo])
+@pytest.mark.parametrize("learning_rate", ["1e-3", None, True], ids=["str", "none", "bool"])
+def test_a_learning_rate_that_is_not_a_number_or_schedule(factory, learning_rate):
+  # A string used to fail deep in the first update with numpy's "Only integer
+  # scalar arrays can be converted to a scalar index".
+  with pytest.raises(TypeError, match=r"learning_rate must be a number or a schedule.*e\.g\."):
+    factory(learning_rate)
+
+
+@pytest.mark.parametrize(
+  "learning_rate",
+  [1e-3, 1, np.float32(1e-3), jnp.asarray(1e-3, jnp.bfloat16), optax.constant_schedule(1e-3)],
+  ids=["float", "int", "numpy", "bf16-array", "schedule"],
+)
+def test_numbers_arrays_and_schedules_are_learning_rates(learning_rate):
+  params = {"w": jnp.ones((8, 8))}
+  tx = dj.demo(learning_rate, axis_name=None)
+  updates, _ = tx.update(params, tx.init(params), params)
+  assert np.all(np.isfinite(np.asarray(updates["w"])))
+
+
 def test_the_message_guess_refuses_drawn_positions():
   # The pending message of a drawn-position exchange carries no positions.
   params = {"w": jnp.ones((16, 16))}
