@@ -172,8 +172,7 @@ def refuse_non_float(params: Any, method: str, real_only: str) -> None:
         "real values only. Keep it as two real parameters (e.g. jnp.stack([z.real, z.imag]), "
         f"recombined in the model), or {leave_out}."
       )
-    # Left in, its update would be computed in the param's integer dtype and
-    # round to nothing: a param that silently never trains.
+    # Left in, an int32 param got an all-zero update: it silently never trained.
     raise ValueError(
       f"Parameter {name} has the non-float dtype {dtype}, which has no gradient to compress "
       f"(jax.grad gives it none). Make it a float param if it is meant to train, or {leave_out}."
