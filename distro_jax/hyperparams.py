@@ -130,8 +130,9 @@ def check_learning_rate(name: str, value: Any) -> None:
   Raises:
     TypeError: anything else (a string, ``None``, a bool), naming ``name`` and the fix.
   """
-  if callable(value) or isinstance(value, jax.core.Tracer):
+  if callable(value):
     return
+  # An injected rate (a traced or concrete array) is checked by its dtype.
   dtype = getattr(value, "dtype", None)
   if dtype is not None and (
     jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)

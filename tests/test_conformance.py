@@ -70,7 +70,8 @@ TRANSFORMATIONS: list[tuple[str, Factory]] = [
   ),
 ]
 
-# Transformations that compress (top-k by magnitude: complex params are refused at init).
+# Transformations that compress (top-k by magnitude: complex, integer and bool params
+# are refused at init).
 COMPRESSING = {name for name, _ in TRANSFORMATIONS if name != "diloco"}
 
 COMPRESSING_TRANSFORMATIONS = [t for t in TRANSFORMATIONS if t[0] in COMPRESSING]
@@ -407,7 +408,7 @@ def test_complex_params_are_refused_at_init_or_trained(name, factory):
 @pytest.mark.parametrize("name, factory", COMPRESSING_TRANSFORMATIONS, ids=COMPRESSING_IDS)
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_], ids=["int32", "bool"])
 def test_non_float_params_are_refused_with_the_fix_that_works(name, factory, dtype):
-  # Left in, an integer param's update rounded to zero: it never trained, silently.
+  # Left in, an int32 param got an all-zero update: it never trained, silently.
   params = {**_params(), "n": jnp.ones((16, 64), dtype)}
   with pytest.raises(ValueError, match=r"\['n'\] has the non-float dtype.*optax.masked"):
     factory(LR).init(params)
