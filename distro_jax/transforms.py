@@ -219,6 +219,170 @@ def _replace_rarely(pred: jax.Array, tree: Any, replacement: Callable[[], Any]) 
   return out
 
 
+def _compress(
+  grads: list[jax.Array],
+  momentum_blocks: list[jax.Array],
+  plans: list[dct.ChunkPlan],
+  layout: codec.WireLayout,
+  lr: Any,
+  *,
+  decay: float,
+  use_dct: bool,
+  drawn: Callable[[], list[jax.Array]] | None,
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], list[jax.Array]]:
+  """One worker's side of the step, in each tensor's block view.
+
+  Returns the momentum with this gradient folded in, the positions and values
+  selected from it (the top-k, or the positions ``drawn()`` gives), and the
+  momentum with them zeroed (error feedback).
+  """
+  blocks = []
+  for g, m, plan in zip(grads, momentum_blocks, plans):
+    g = dct.to_blocks(g, plan)
+    coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
+    blocks.append(decay * m + lr * coeffs)
+  if drawn is not None:
+    sel_idx = drawn()
+    sel_val = [codec.gather_blocks(b, idx) for b, idx in zip(blocks, sel_idx)]
+  else:
+    selections = codec.select_topk_many(blocks, [t.k for t in layout.tensors])
+    sel_idx = [idx for idx, _ in selections]
+    sel_val = [val for _, val in selections]
+  kept = [codec.zero_selected_blocks(m, idx) for m, idx in zip(blocks, sel_idx)]
+  return blocks, sel_idx, sel_val, kept
+
+
+def _own_selection(
+  sel_idx: list[jax.Array],
+  sel_val: list[jax.Array],
+  kept: list[jax.Array],
+  layout: codec.WireLayout,
+  send: jax.Array,
+  quantize_1bit: bool,
+) -> list[jax.Array]:
+  """A lone worker's aggregate: its selection as the wire would carry it.
+
+  The mean of one value is that value, so the bytes are skipped.
+  """
+  dense = []
+  for idx, val, m, t in zip(sel_idx, sel_val, kept, layout.tensors):
+    if quantize_1bit:
+      val = jnp.where(val >= 0, 1.0, -1.0)
+    else:
+      val = val.astype(t.value_dtype).astype(jnp.float32)
+    val = jnp.where(send, val, 0.0)
+    dense.append(codec.scatter_blocks(jnp.zeros_like(m), idx, val))
+  return dense
+
+
+def _check_pending(pending: jax.Array | None, message: jax.Array) -> None:
+  if pending is None or pending.shape != message.shape:
+    raise ValueError(
+      "delayed_apply=True needs the state of a delayed_apply=True transformation "
+      "(DemoState.pending holding the previous message); build the state with the "
+      "same arguments, e.g. tx.init(params) or dj.init_worker_state(tx, params, mesh)."
+    )
+
+
+def _exchange(
+  message: jax.Array,
+  gathered: jax.Array | None,
+  layout: codec.WireLayout,
+  plans: list[dct.ChunkPlan],
+  kept: list[jax.Array],
+  sel_idx: list[jax.Array],
+  *,
+  axis_name: Hashable | None,
+  num_workers: int,
+  draw_sent: Callable[[jax.Array], list[jax.Array]] | None,
+) -> tuple[list[jax.Array], jax.Array]:
+  """All-gathers ``message`` (unless ``gathered`` holds it) and averages what arrived.
+
+  Returns each tensor's aggregate in its block view and the count of valid
+  messages. ``kept`` and ``sel_idx`` give the shapes of the lone-worker path.
+  """
+  if gathered is None:
+    gathered = exchange.all_gather_messages(message, axis_name)
+  else:
+    _check_gathered(gathered, num_workers, layout.num_bytes)
+  assert gathered.shape == (num_workers, layout.num_bytes)
+  positions = None
+  if draw_sent is not None:
+    # Each sender's positions, drawn again here: the all-gather orders the
+    # messages by the senders' indices on axis_name.
+    positions = jax.vmap(draw_sent)(jnp.arange(num_workers))
+  tensors, valid_W = codec.decode_message(gathered, layout, positions)
+  if axis_name is None:
+    # One message and no collective (delayed_apply with one worker): its mean
+    # is itself. (With an axis bound, even of size 1, the all-gather types the
+    # aggregate as identical on every worker; keep that path.)
+    dense = [
+      codec.scatter_blocks(
+        jnp.zeros_like(m),
+        i[0].reshape(s.shape),
+        jnp.where(valid_W[0], v[0], 0.0).reshape(s.shape),
+      )
+      for (i, v), m, s in zip(tensors, kept, sel_idx)
+    ]
+  else:
+    aggregates = codec.aggregate_blocks(tensors, [p.block_shape for p in plans], valid_W)
+    dense = [mean for mean, _ in aggregates]
+  return dense, jnp.sum(valid_W, dtype=jnp.int32)
+
+
+def _directions(
+  dense: list[jax.Array],
+  plans: list[dct.ChunkPlan],
+  wire_dtypes: list[jax.ShapeDtypeStruct],
+  grads: list[jax.Array],
+  site_axes: list[Hashable],
+  use_dct: bool,
+) -> list[jax.Array]:
+  """The aggregates decoded: each tensor's ``Q`` in its param's shape and dtype."""
+  directions = []
+  for d, plan, x, g in zip(dense, plans, wire_dtypes, grads):
+    q = dct.inverse_blocks(d, plan) if use_dct else d
+    direction = dct.from_blocks(q, plan, like=g).astype(x.dtype)
+    whole = tuple(a for a in site_axes if not exchange.varies_over(g, a))
+    if whole:
+      # A param kept whole on every device of a site is decoded identically
+      # on each, but from a message typed as differing; a max over equal
+      # values (on the site's fast links) restores the type, not the value.
+      direction = jax.lax.pmax(direction, whole)
+    directions.append(direction)
+  return directions
+
+
+def _plain_next_momentum(
+  kept: list[jax.Array],
+  blocks: list[jax.Array],
+  momenta: list[jax.Array],
+  plans: list[dct.ChunkPlan],
+  finite: jax.Array,
+  send: jax.Array,
+  contributors: jax.Array,
+  contribute: jax.Array | None,
+) -> list[jax.Array]:
+  """The momentum after a plain (not delayed) exchange, in each param's shape.
+
+  A worker that failed restarts from zero; a step in which every worker
+  failed changes nothing, so each keeps the momentum it came with. The old
+  momentum must outlive this step's, so this select is a pass over it, the
+  one the plain exchange pays for that guarantee.
+  """
+  received = contributors > 0
+  kept = [dct.from_blocks(k, p, p.state_shape, like=m) for k, p, m in zip(kept, plans, momenta)]
+  # In the momentum's own shape, so XLA writes the result over it in place.
+  kept = [jnp.where(finite, k, jnp.where(received, 0.0, m)) for k, m in zip(kept, momenta)]
+  if contribute is not None:
+    # What a held-back message would have sent stays in the momentum.
+    unsent = [
+      dct.from_blocks(b, p, p.state_shape, like=m) for b, p, m in zip(blocks, plans, momenta)
+    ]
+    kept = [jnp.where(send | ~finite, k, w) for k, w in zip(kept, unsent)]
+  return kept
+
+
 def scale_by_demo(
   learning_rate: optax.ScalarOrSchedule,
   *,
@@ -411,19 +575,16 @@ def scale_by_demo(
     if delayed_apply:
       own_sent = draw_sent(own) if random_positions else None
       momentum_blocks = _feed_back_pending(momentum_blocks, state.pending, layout, own_sent)
-    blocks = []
-    for g, m, plan in zip(grads, momentum_blocks, plans):
-      g = dct.to_blocks(g, plan)
-      coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
-      blocks.append(compression_decay * m + lr * coeffs)
-    if random_positions:
-      sel_idx = draw(own)
-      sel_val = [codec.gather_blocks(b, idx) for b, idx in zip(blocks, sel_idx)]
-    else:
-      selections = codec.select_topk_many(blocks, [t.k for t in layout.tensors])
-      sel_idx = [idx for idx, _ in selections]
-      sel_val = [val for _, val in selections]
-    kept = [codec.zero_selected_blocks(m, idx) for m, idx in zip(blocks, sel_idx)]
+    blocks, sel_idx, sel_val, kept = _compress(
+      grads,
+      momentum_blocks,
+      plans,
+      layout,
+      lr,
+      decay=compression_decay,
+      use_dct=use_dct,
+      drawn=(lambda: draw(own)) if random_positions else None,
+    )
 
     # A non-finite gradient anywhere in a chunk spreads over all its
     # coefficients, so checking what was selected catches it. Such a worker
@@ -438,69 +599,26 @@ def scale_by_demo(
     send = finite if contribute is None else jnp.logical_and(finite, contribute)
 
     if axis_name is None and not delayed_apply:
-      # One worker: its aggregate is its own selection as the wire would carry
-      # it (the mean of one value is that value), so skip the bytes.
-      dense = []
-      for idx, val, m, t in zip(sel_idx, sel_val, kept, layout.tensors):
-        if quantize_1bit:
-          val = jnp.where(val >= 0, 1.0, -1.0)
-        else:
-          val = val.astype(t.value_dtype).astype(jnp.float32)
-        val = jnp.where(send, val, 0.0)
-        dense.append(codec.scatter_blocks(jnp.zeros_like(m), idx, val))
-      contributors = send.astype(jnp.int32)
-      pending = None
+      dense = _own_selection(sel_idx, sel_val, kept, layout, send, quantize_1bit)
+      contributors, pending = send.astype(jnp.int32), None
     else:
       message = codec.encode_message(sel_idx, sel_val, layout, valid=send)
+      pending = None
       if delayed_apply:
-        if state.pending is None or state.pending.shape != message.shape:
-          raise ValueError(
-            "delayed_apply=True needs the state of a delayed_apply=True transformation "
-            "(DemoState.pending holding the previous message); build the state with the "
-            "same arguments, e.g. tx.init(params) or dj.init_worker_state(tx, params, mesh)."
-          )
+        _check_pending(state.pending, message)
         message, pending = state.pending, message
-      else:
-        pending = None
-      if gathered is None:
-        gathered = exchange.all_gather_messages(message, axis_name)
-      else:
-        _check_gathered(gathered, num_workers, layout.num_bytes)
-      assert gathered.shape == (num_workers, layout.num_bytes)
-      positions = None
-      if random_positions:
-        # Each sender's positions, drawn again here: the all-gather orders
-        # the messages by the senders' indices on axis_name.
-        positions = jax.vmap(draw_sent)(jnp.arange(num_workers))
-      tensors, valid_W = codec.decode_message(gathered, layout, positions)
-      if axis_name is None:
-        # One message and no collective (delayed_apply with one worker): its
-        # mean is itself. (With an axis bound, even of size 1, the all-gather
-        # types the aggregate as identical on every worker; keep that path.)
-        dense = [
-          codec.scatter_blocks(
-            jnp.zeros_like(m),
-            i[0].reshape(s.shape),
-            jnp.where(valid_W[0], v[0], 0.0).reshape(s.shape),
-          )
-          for (i, v), m, s in zip(tensors, kept, sel_idx)
-        ]
-      else:
-        aggregates = codec.aggregate_blocks(tensors, [p.block_shape for p in plans], valid_W)
-        dense = [mean for mean, _ in aggregates]
-      contributors = jnp.sum(valid_W, dtype=jnp.int32)
-
-    directions = []
-    for d, plan, x, g in zip(dense, plans, wire_dtypes, grads):
-      q = dct.inverse_blocks(d, plan) if use_dct else d
-      direction = dct.from_blocks(q, plan, like=g).astype(x.dtype)
-      whole = tuple(a for a in site_axes if not exchange.varies_over(g, a))
-      if whole:
-        # A param kept whole on every device of a site is decoded identically
-        # on each, but from a message typed as differing; a max over equal
-        # values (on the site's fast links) restores the type, not the value.
-        direction = jax.lax.pmax(direction, whole)
-      directions.append(direction)
+      dense, contributors = _exchange(
+        message,
+        gathered,
+        layout,
+        plans,
+        kept,
+        sel_idx,
+        axis_name=axis_name,
+        num_workers=num_workers,
+        draw_sent=draw_sent if random_positions else None,
+      )
+    directions = _directions(dense, plans, wire_dtypes, grads, site_axes, use_dct)
 
     if site_axes:
       # Equal on every device of a site already; this only types it so.
@@ -513,20 +631,9 @@ def scale_by_demo(
       reset = lambda: jax.tree.map(jnp.zeros_like, blocks)
       kept = _replace_rarely(jnp.logical_not(finite), blocks, reset)
     else:
-      # A worker that failed restarts from zero; a step in which every worker
-      # failed changes nothing, so each keeps the momentum it came with. The
-      # old momentum must outlive this step's, so this select is a pass over
-      # it, the one the plain exchange pays for that guarantee.
-      received = contributors > 0
-      kept = [dct.from_blocks(k, p, p.state_shape, like=m) for k, p, m in zip(kept, plans, momenta)]
-      # In the momentum's own shape, so XLA writes the result over it in place.
-      kept = [jnp.where(finite, k, jnp.where(received, 0.0, m)) for k, m in zip(kept, momenta)]
-      if contribute is not None:
-        # What a held-back message would have sent stays in the momentum.
-        unsent = [
-          dct.from_blocks(b, p, p.state_shape, like=m) for b, p, m in zip(blocks, plans, momenta)
-        ]
-        kept = [jnp.where(send | ~finite, k, w) for k, w in zip(kept, unsent)]
+      kept = _plain_next_momentum(
+        kept, blocks, momenta, plans, finite, send, contributors, contribute
+      )
     new_state = DemoState(
       count=optax.safe_increment(state.count),
       momentum=treedef.unflatten(
