@@ -299,7 +299,8 @@ def _exchange(
   """All-gathers ``message`` (unless ``gathered`` holds it) and averages what arrived.
 
   Returns each tensor's aggregate in its block view and the count of valid
-  messages. ``kept`` and ``sel_idx`` give the shapes of the lone-worker path.
+  messages. With no ``axis_name`` the one message is its own aggregate,
+  scattered into zeros shaped like ``kept`` at indices shaped like ``sel_idx``.
   """
   if gathered is None:
     gathered = exchange.all_gather_messages(message, axis_name)
