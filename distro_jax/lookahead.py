@@ -161,7 +161,7 @@ def lookahead_update(
       if site:
         delta = jax.lax.pmax(delta, tuple(sorted(site, key=str)))
     out.append(delta)
-  return treedef.unflatten(carried.merge(out, [jnp.zeros_like(x) for x in all_leaves]))
+  return treedef.unflatten(carried.with_empty(out, all_leaves, jnp.zeros_like))
 
 
 def gradient_point(

@@ -532,7 +532,7 @@ def sparseloco(
         step = dct.inverse_blocks(mean, plan) if use_dct else mean
         step = dct.from_blocks(step, plan, like=x)
         outer.append((-outer_learning_rate * step).astype(x.dtype))
-      outer = treedef.unflatten(carried.merge(outer, [jnp.zeros_like(x) for x in all_leaves]))
+      outer = treedef.unflatten(carried.with_empty(outer, all_leaves, jnp.zeros_like))
       restart = exchange.worker_local(optax.apply_updates(params, outer), axis_name)
       return outer, restart, treedef.unflatten(errors)
 

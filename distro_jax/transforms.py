@@ -524,7 +524,8 @@ def scale_by_demo(
     sub_params = None if params is None else carried.pick(p_leaves)
     sub_state = state._replace(momentum=carried.pick(momenta))
     q, sub_state = update_carried(carried.pick(grads), sub_state, sub_params, **extra_args)
-    q = carried.merge(q, [jnp.zeros(np.shape(g), p.dtype) for g, p in zip(grads, p_leaves)])
+    empty = lambda gp: jnp.zeros(np.shape(gp[0]), gp[1].dtype)
+    q = carried.with_empty(q, list(zip(grads, p_leaves)), empty)
     momenta = carried.merge(sub_state.momentum, momenta)
     return treedef.unflatten(q), sub_state._replace(momentum=treedef.unflatten(momenta))
 

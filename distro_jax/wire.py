@@ -5,6 +5,7 @@ with the same function, so the figure reported here is the length of the
 message that enters the collective, to the byte.
 """
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -44,6 +45,18 @@ class CarriedLeaves:
     """One entry per leaf: ``picked``'s in order at the carried leaves, ``others``' elsewhere."""
     it = iter(picked)
     return [next(it) if k else o for o, k in zip(others, self.mask, strict=True)]
+
+  def with_empty(
+    self, picked: list[Any], leaves: list[Any], empty: Callable[[Any], Any]
+  ) -> list[Any]:
+    """One entry per leaf: ``picked``'s at the carried leaves, ``empty(leaf)`` elsewhere.
+
+    ``empty`` runs only for the leaves left out, so no result is built for a
+    carried leaf only to be dropped (which an update run outside ``jax.jit``
+    would pay for in memory).
+    """
+    it = iter(picked)
+    return [next(it) if k else empty(x) for x, k in zip(leaves, self.mask, strict=True)]
 
 
 def plan_tree(params: Any, compression_chunk: int) -> list[dct.ChunkPlan]:
