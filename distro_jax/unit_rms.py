@@ -76,8 +76,8 @@ def scale_to_unit_rms(axis_name: Hashable | None = None) -> optax.GradientTransf
     >>> import jax.numpy as jnp, distro_jax as dj
     >>> tx = dj.scale_to_unit_rms()
     >>> updates, _ = tx.update({"w": jnp.array([3.0, -1.0, 1.0, 1.0])}, tx.init(None))
-    >>> [round(float(u), 3) for u in updates["w"]]
-    [1.732, -0.577, 0.577, 0.577]
+    >>> print(*(round(float(u), 3) for u in updates["w"]))
+    1.732 -0.577 0.577 0.577
   """
 
   def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
