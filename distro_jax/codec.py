@@ -693,7 +693,10 @@ def position_key(
   Returns:
     A ``jax.random`` key.
   """
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(_POSITIONS_SEED), step), tensor)
+  # Threefry whatever jax_default_prng_impl says: a process configured with
+  # another generator would draw other positions and decode its peers wrong.
+  root = jax.random.key(_POSITIONS_SEED, impl="threefry2x32")
+  key = jax.random.fold_in(jax.random.fold_in(root, step), tensor)
   if shard is not None:
     key = jax.random.fold_in(key, shard)
   return jax.random.fold_in(key, worker)

@@ -219,6 +219,21 @@ def test_drawn_positions_follow_the_rule_and_are_a_function_of_the_key(k, bias):
     assert not np.array_equal(dj.codec.draw_positions(key, shape, k, bias), draws[-1])
 
 
+def test_drawn_positions_ignore_the_default_prng_impl():
+  # Every receiver must draw a sender's positions exactly, so a process set to
+  # another generator (jax_default_prng_impl) still draws threefry's.
+  shape = (2, 8, 3, 8)
+  want = np.asarray(dj.codec.draw_positions(dj.codec.position_key(7, 1, 2), shape, 4, 1.0))
+  before = jax.config.jax_default_prng_impl
+  try:
+    for impl in ("rbg", "unsafe_rbg"):
+      jax.config.update("jax_default_prng_impl", impl)
+      got = dj.codec.draw_positions(dj.codec.position_key(7, 1, 2), shape, 4, 1.0)
+      np.testing.assert_array_equal(np.asarray(got), want, err_msg=impl)
+  finally:
+    jax.config.update("jax_default_prng_impl", before)
+
+
 def test_psyche_message_is_12_and_a_half_bytes_per_64x64_chunk():
   # Top-k 8 of 4096 with 1-bit values: 8 x 12 index bits and 4 sign bits (the other 4
   # signs in the pairs' order), down from 8 x (16 + 1).
