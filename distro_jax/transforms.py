@@ -54,7 +54,8 @@ class DemoState(NamedTuple):
       (:func:`distro_jax.gradient_point`).
       A worker whose values were not finite restarts from zero; without
       ``delayed_apply``, a step in which every worker's message was left out
-      leaves every momentum as it was.
+      for non-finite values leaves every momentum as it was (one held back
+      with ``contribute=False`` still takes in its gradient).
     contributors: how many workers' messages went into the last aggregate;
       those whose values were not finite are left out (so ``W - contributors``
       were excluded). int32 scalar, the same on every worker. With
@@ -654,6 +655,8 @@ def _skip_when_nothing_received(
 ) -> optax.GradientTransformationExtraArgs:
   """Makes a step whose every message was left out a no-op: no update, state as before.
 
+  All but :attr:`DemoState.contributors`, which says 0 for that step.
+
   ``tx`` is a chain whose first state is a :class:`DemoState`. Without this,
   the rest of the chain would still act on the empty aggregate (weight decay
   would shrink the params, Adam's moments would decay). With
@@ -676,10 +679,9 @@ def _skip_when_nothing_received(
     # the previous step's, this step's gradient is already in the momentum).
     demo_new, demo_old = new_state[0], state[0]
     if not delayed_apply:
-      demo_new = demo_new._replace(
-        count=hold(demo_new.count, demo_old.count),
-        contributors=hold(demo_new.contributors, demo_old.contributors),
-      )
+      # contributors stays this step's 0, so a caller sees that every worker
+      # was left out (the driver logs W - contributors as excluded).
+      demo_new = demo_new._replace(count=hold(demo_new.count, demo_old.count))
     return new_updates, (demo_new, *hold(new_state[1:], state[1:]))
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
