@@ -3,8 +3,9 @@
 Two kinds of argument need care in an optax factory. Sizes that fix a
 message's shape (top-k, chunk, the steps between synchronizations) must be
 static Python ints, even under ``optax.inject_hyperparams``, which would
-otherwise trace every int. Decays may be traced (injected), so they are
-range-checked only when concrete, and their owner checks them otherwise.
+otherwise trace every int. Decays may be traced (injected): their range is
+checked when they are concrete, and their dtype always, since a decay cast to
+bf16 or float16 is not the decay that was asked for.
 """
 
 import numbers
@@ -150,7 +151,8 @@ def check_learning_rate(name: str, value: Any) -> None:
 def check_decay(name: str, value: Any, *, one_allowed: bool, hint: str) -> None:
   """Raises if a concrete ``value`` is outside ``[0, 1)`` (or ``[0, 1]`` when ``one_allowed``).
 
-  A traced value (an injected hyperparameter) is not checked here.
+  A traced value (an injected hyperparameter) has no value to check, but its
+  dtype is known: one narrower than 32 bits is refused either way.
 
   Args:
     name: the argument's name.
@@ -161,6 +163,15 @@ def check_decay(name: str, value: Any, *, one_allowed: bool, hint: str) -> None:
   Raises:
     ValueError: a concrete decay out of range.
   """
+  dtype = getattr(value, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+    # optax.inject_hyperparams casts floats to the params' dtype. Traced (a
+    # jitted init, dj.init_worker_state), 0.999 in bf16 would be 1 unseen.
+    raise ValueError(
+      f"{name} arrived as {np.dtype(dtype).name}, which rounds decays near 1 up to 1 "
+      "(bf16 holds 0.999 as 1.0): optax.inject_hyperparams casts float hyperparameters to "
+      "the params' dtype, so pass hyperparam_dtype=jnp.float32 to optax.inject_hyperparams."
+    )
   try:
     concrete = float(value)
   except (TypeError, jax.errors.ConcretizationTypeError):
@@ -168,17 +179,6 @@ def check_decay(name: str, value: Any, *, one_allowed: bool, hint: str) -> None:
   ok = 0.0 <= concrete <= 1.0 if one_allowed else 0.0 <= concrete < 1.0
   if not ok:
     interval = "[0, 1]" if one_allowed else "[0, 1)"
-    dtype = getattr(value, "dtype", None)
-    narrow = (
-      dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
-    )
-    if concrete == 1.0 and narrow:
-      # optax.inject_hyperparams casts floats to the params' dtype.
-      hint = (
-        f"It arrived as {np.dtype(dtype).name}, which rounds decays near 1 up to 1 "
-        "(optax.inject_hyperparams casts float hyperparameters to the params' dtype): "
-        "pass hyperparam_dtype=jnp.float32 to optax.inject_hyperparams."
-      )
     raise ValueError(f"{name} must be in {interval}, got {concrete}. {hint}")
 
 

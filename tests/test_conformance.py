@@ -347,6 +347,15 @@ def test_a_decay_that_bfloat16_rounds_to_one_is_refused_with_the_fix():
   tx = optax.inject_hyperparams(dj.demo)(learning_rate=LR, compression_decay=0.999, axis_name=None)
   with pytest.raises(ValueError, match="hyperparam_dtype=jnp.float32"):
     tx.init(params)
+  # Traced (a jitted init, as dj.init_worker_state runs it) the value is
+  # unknown but the dtype is not.
+  with pytest.raises(ValueError, match="hyperparam_dtype=jnp.float32"):
+    jax.jit(tx.init)(params)
+  tx = optax.inject_hyperparams(dj.sparseloco, static_args=("inner",))(
+    optax.sgd(LR), error_decay=0.999, axis_name=None
+  )
+  with pytest.raises(ValueError, match="error_decay arrived as bfloat16"):
+    jax.jit(tx.init)(params)
   # An int stays an int under injection; 1 is out of range, not a dtype problem.
   tx = optax.inject_hyperparams(dj.demo)(learning_rate=LR, compression_decay=1, axis_name=None)
   with pytest.raises(ValueError, match=r"must be in \[0, 1\), got 1.0. Use 0"):
