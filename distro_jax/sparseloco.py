@@ -48,6 +48,14 @@ each worker's decoded values of a tensor are scaled by ``min(1, med / (norm +
 1e-8))``, where ``norm`` is their L2 norm and ``med`` the lower median of the W
 norms of that tensor (``torch.median``'s convention, as Templar uses); every
 worker computes it from the gathered messages, so no other collective runs.
+
+**A worker whose values are not finite** (a NaN or inf anywhere in its
+pseudo-gradient) sends its message with every codebook entry (or value) NaN,
+which no finite message has, and keeps its error feedback as it was before the
+round. Receivers leave such messages out: the mean and the median are over the
+valid workers only, and a round with none moves nothing. That worker restarts
+from the shared params with a fresh inner optimizer state, since its own may
+hold the NaN. So one worker's NaN reaches no replica, at no cost in bytes.
 """
 
 import math
@@ -291,9 +299,47 @@ def _decode(messages: jax.Array, layout: SparseLocoLayout) -> list[tuple[jax.Arr
   return out
 
 
-def _lower_median(x_W: jax.Array) -> jax.Array:
-  """The lower median, ``sorted(x)[(W - 1) // 2]``, as ``torch.median`` takes it."""
-  return jnp.sort(x_W)[(x_W.shape[0] - 1) // 2]
+def _lower_median(x_W: jax.Array, valid_W: jax.Array) -> jax.Array:
+  """The lower median of the n valid entries, ``sorted(x)[(n - 1) // 2]``, as ``torch.median``."""
+  n = jnp.sum(valid_W.astype(jnp.int32))
+  # The invalid sort last, so the first n are the valid ones in order.
+  ordered = jnp.sort(jnp.where(valid_W, x_W, jnp.inf))
+  return ordered[jnp.maximum(n - 1, 0) // 2]
+
+
+def _all_finite(arrays: list[jax.Array]) -> jax.Array:
+  """Whether every entry of every array is finite, as one bool."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays]))
+
+
+def _all_finite_per_worker(values_W: list[jax.Array]) -> jax.Array:
+  """``bool[W]``: whether each worker's decoded values are finite in every tensor."""
+  return jnp.all(
+    jnp.stack([jnp.all(jnp.isfinite(v.reshape(v.shape[0], -1)), axis=1) for v in values_W]), axis=0
+  )
+
+
+def _per_worker(
+  w: jax.Array, x_W: jax.Array, otherwise: jax.Array | float | None = None
+) -> jax.Array:
+  """``w[W]`` broadcast over each worker's entries of ``x_W``: a factor, or a mask with a fill."""
+  w = w.reshape(w.shape + (1,) * (x_W.ndim - 1))
+  return w if otherwise is None else jnp.where(w, x_W, otherwise)
+
+
+def _norm_per_worker(x_W: jax.Array) -> jax.Array:
+  """``float[W]``: the L2 norm of each worker's entries of ``x_W``."""
+  return jnp.sqrt(jnp.sum(jnp.square(x_W), axis=tuple(range(1, x_W.ndim))))
+
+
+def _shared(x: jax.Array, axis_name: Hashable | None) -> bool:
+  """Whether ``x`` is typed as the same on every worker of ``axis_name``."""
+  return axis_name is not None and not exchange.varies_over(x, axis_name)
+
+
+def _invalid_unless(finite: jax.Array, x: jax.Array) -> jax.Array:
+  """``x``, or NaN everywhere (the mark of an invalid message) when not ``finite``."""
+  return jnp.where(finite, x, jnp.nan).astype(x.dtype)
 
 
 def _sum_in_worker_order(
@@ -460,9 +506,9 @@ def sparseloco(
       out.append((idx, code, book, sent, dct.from_blocks(e_blocks, plan, plan.state_shape, like=e)))
     return out
 
-  def clip_factors(norms_W):
-    """Each worker's scale for one tensor: at most the lower median of the norms."""
-    return jnp.minimum(1.0, _lower_median(norms_W) / (norms_W + _CLIP_EPS))
+  def clip_factors(norms_W, valid_W):
+    """Each worker's scale for one tensor: at most the lower median of the valid norms."""
+    return jnp.minimum(1.0, _lower_median(norms_W, valid_W) / (norms_W + _CLIP_EPS))
 
   def update_fn(updates, state, params=None):
     if params is None:
@@ -486,66 +532,80 @@ def sparseloco(
     plans = [_plan(x, chunk) for x in leaves]
     _check_errors(carried.pick(treedef.flatten_up_to(state.error_feedback)), plans)
 
-    def synchronize(local, errors):
+    def synchronize(local, errors, inner_state):
       pseudo = [
         p.astype(jnp.float32) - q.astype(jnp.float32)
         for p, q in zip(leaves, carried.pick(treedef.flatten_up_to(local)))
       ]
       all_errors = treedef.flatten_up_to(errors)
-      selected = compress(pseudo, carried.pick(all_errors), layout, plans)
-      errors = carried.merge([e for *_, e in selected], all_errors)
+      old_errors = carried.pick(all_errors)
+      selected = compress(pseudo, old_errors, layout, plans)
+      finite = _all_finite([*pseudo, *(sent for *_, sent, _ in selected)])
+      # A worker that is not finite keeps its buffer of before the round.
+      errors = carried.merge(
+        [jnp.where(finite, e, old) for (*_, e), old in zip(selected, old_errors)], all_errors
+      )
       if axis_name is None:
         # One worker and no collective: the mean of one message is its own
         # selection as the receivers would decode it, so skip the bytes (and,
         # for params sharded under jax.jit, any gathering of the selection).
-        received = []
-        for idx, _, _, sent, _ in selected:
-          if clip:
-            sent = sent * clip_factors(jnp.sqrt(jnp.sum(jnp.square(sent)))[None])[0]
-          received.append((idx[None], sent[None]))
+        received = [
+          (idx[None], _invalid_unless(finite, sent)[None]) for idx, _, _, sent, _ in selected
+        ]
       else:
+        # An invalid message is marked by NaN where a valid one is finite: in
+        # every codebook entry, or without quantization in every value.
+        codes = [c if bits is not None else _invalid_unless(finite, c) for _, c, *_ in selected]
+        books = [b if b is None else _invalid_unless(finite, b) for _, _, b, *_ in selected]
+        # The message is one byte vector: a selection sharded with its param is
+        # gathered onto every device first, never the param.
         message = _encode(
-          # The message is one byte vector: a selection sharded with its
-          # param is gathered onto every device first, never the param.
-          [
-            codec.unsharded(idx).reshape(t.rows, t.k)
-            for (idx, *_), t in zip(selected, layout.tensors)
-          ],
-          [
-            codec.unsharded(code).reshape(t.rows, t.k)
-            for (_, code, *_), t in zip(selected, layout.tensors)
-          ],
-          [book for _, _, book, _, _ in selected],
+          [codec.unsharded(i).reshape(t.rows, t.k) for (i, *_), t in zip(selected, layout.tensors)],
+          [codec.unsharded(c).reshape(t.rows, t.k) for c, t in zip(codes, layout.tensors)],
+          books,
           layout,
         )
         gathered = exchange.all_gather_messages(message, axis_name)
         assert gathered.shape == (num_workers, layout.num_bytes)
-        received = []
-        for idx, val in _decode(gathered, layout):
-          if clip:
-            val = val * clip_factors(jnp.sqrt(jnp.sum(jnp.square(val), axis=(1, 2))))[:, None, None]
-          received.append((idx, val))
+        received = _decode(gathered, layout)
+      # Each worker's validity, read from its message alike on every worker.
+      valid_W = _all_finite_per_worker([val for _, val in received])
+      received = [(idx, _per_worker(valid_W, val, 0.0)) for idx, val in received]
+      if clip:
+        received = [
+          (idx, val * _per_worker(clip_factors(_norm_per_worker(val), valid_W), val))
+          for idx, val in received
+        ]
+      contributors = jnp.sum(valid_W.astype(jnp.int32))
       outer = []
       for (idx, val), plan, x in zip(received, plans, leaves):
         zeros = dct.to_blocks(jnp.zeros_like(x, dtype=jnp.float32), plan)
-        mean = _sum_in_worker_order(zeros, idx, val) / num_workers
+        # A round with no valid message sums to zero and moves nothing.
+        mean = _sum_in_worker_order(zeros, idx, val) / jnp.maximum(contributors, 1)
         step = dct.inverse_blocks(mean, plan) if use_dct else mean
         step = dct.from_blocks(step, plan, like=x)
         outer.append((-outer_learning_rate * step).astype(x.dtype))
       outer = treedef.unflatten(carried.with_empty(outer, all_leaves, jnp.zeros_like))
       restart = exchange.worker_local(optax.apply_updates(params, outer), axis_name)
-      return outer, restart, treedef.unflatten(errors)
+      # Its own inner state may hold the NaN, so a failed worker starts afresh.
+      # Leaves shared by every worker (a step count) took in no gradient.
+      inner_state = jax.tree.map(
+        lambda s, f: s if _shared(s, axis_name) else jnp.where(finite, s, f),
+        inner_state,
+        inner.init(restart),
+      )
+      return outer, restart, treedef.unflatten(errors), inner_state
 
-    def keep_going(local, errors):
-      return jax.tree.map(jnp.zeros_like, params), local, errors
+    def keep_going(local, errors, inner_state):
+      return jax.tree.map(jnp.zeros_like, params), local, errors, inner_state
 
     # A cond, not a select: the all-gather must run only on synchronizing steps.
     # Both branches must return the buffer typed alike, and the synchronizing
     # one makes it differ by worker, so it enters as such (else tracing it from
     # a shared buffer, as dj.worker_state_specs does first, fails).
     errors = exchange.worker_local(state.error_feedback, axis_name)
-    outer_updates, local, errors = jax.lax.cond(
-      count % sync_every == 0, synchronize, keep_going, local, errors
+    outer_updates, local, errors, inner_state = jax.lax.cond(
+      count % sync_every == 0, synchronize, keep_going, local, errors, inner_state
     )
     return outer_updates, SparseLocoState(count, local, inner_state, errors)
 

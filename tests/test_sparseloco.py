@@ -247,6 +247,54 @@ def test_state_persists_across_rounds_and_error_feedback_keeps_the_rest():
   assert int(state.inner_state[0].count) == 2
 
 
+@pytest.mark.parametrize(
+  "value_bits, clip", [(2, True), (None, False), (1, True)], ids=["2bit-clip", "fp32", "1bit-clip"]
+)
+def test_a_worker_that_is_not_finite_is_left_out_and_restarts(value_bits, clip):
+  # Worker 1's gradient holds one NaN. The shared params must move exactly as
+  # a mesh of the three other workers moves them, stay finite on every
+  # replica, and worker 1 must train again in the next round.
+  rng = np.random.default_rng(5)
+  init = {k: (rng.normal(size=s) * 0.1).astype(np.float32) for k, s in SHAPES.items()}
+  grads = [
+    {k: rng.normal(size=(4, *s)).astype(np.float32) for k, s in SHAPES.items()} for _ in range(2)
+  ]
+  grads[0]["a"][1, 3, 5] = np.nan
+  options = dict(sync_every=1, compression_topk=16, value_bits=value_bits)
+  tx = lambda: dj.sparseloco(optax.adam(0.05), clip_to_median_norm=clip, **options)
+  step4, params4, state4 = build(tx(), init, mesh_of(4))
+  step3, params3, state3 = build(tx(), init, mesh_of(3))
+  params4, state4 = step4(params4, state4, place_grads(grads[0], mesh_of(4)))
+  others = {k: g[[0, 2, 3]] for k, g in grads[0].items()}
+  params3, _ = step3(params3, state3, place_grads(others, mesh_of(3)))
+  for k in SHAPES:
+    copies = per_device_copies(params4[k])
+    assert np.isfinite(copies[0]).all(), k
+    assert all(np.array_equal(c.view(np.uint32), copies[0].view(np.uint32)) for c in copies), k
+    np.testing.assert_array_equal(copies[0], np.asarray(params3[k]), err_msg=k)
+  assert not np.array_equal(np.asarray(params4["a"]), init["a"])
+  # Worker 1 kept its (empty) buffer and restarted its inner Adam afresh.
+  errors = np.asarray(state4.error_feedback["a"]).reshape(4, *SHAPES["a"])
+  assert not errors[1].any() and errors[0].any()
+  mu = np.asarray(state4.inner_state[0].mu["a"]).reshape(4, *SHAPES["a"])
+  assert not mu[1].any() and np.isfinite(mu).all()
+  params4, state4 = step4(params4, state4, place_grads(grads[1], mesh_of(4)))
+  assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves((params4, state4)))
+  errors = np.asarray(state4.error_feedback["a"]).reshape(4, *SHAPES["a"])
+  assert errors[1].any()
+
+
+def test_a_round_with_no_finite_worker_moves_nothing():
+  tx = dj.sparseloco(optax.sgd(0.1), sync_every=1, compression_topk=4, axis_name=None)
+  params = {"w": jnp.ones((8, 8))}
+  state = tx.init(params)
+  updates, state = tx.update({"w": jnp.full((8, 8), jnp.nan)}, state, params)
+  assert not np.asarray(updates["w"]).any()
+  assert np.isfinite(np.asarray(state.local_params["w"])).all()
+  updates, _ = tx.update({"w": jnp.ones((8, 8))}, state, params)
+  assert np.asarray(updates["w"]).any() and np.isfinite(np.asarray(updates["w"])).all()
+
+
 def test_init_is_shape_only():
   tx = dj.sparseloco(optax.adamw(1e-3), use_dct=True)
   shapes = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((128, 96), jnp.bfloat16)})
