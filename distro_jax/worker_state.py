@@ -37,6 +37,13 @@ def _as_varying(x: jax.Array, axes: tuple[Hashable, ...]) -> jax.Array:
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+_PER_WORKER_SCALAR_FIX = (
+  "It comes from a stateful wrapper fed each worker's own gradient (optax.apply_if_finite, "
+  "or optax.MultiSteps around a scalar param): apply it after the exchange or all-reduce, "
+  "where the state is shared, or give scalar params shape (1,)."
+)
+
+
 def _is_spec(x: Any) -> bool:
   return isinstance(x, P)
 
@@ -103,7 +110,7 @@ def worker_state_specs(
 
   Raises:
     ValueError: if a per-worker leaf is a scalar, which this layout cannot
-      shard.
+      shard, or one update cannot be traced with per-worker gradients.
   """
   if axis_name not in mesh.axis_names:
     raise ValueError(
@@ -161,7 +168,20 @@ def worker_state_specs(
             varying = trial
         except TypeError:
           pass
-    if any(set(out) - set(mark) for out, mark in zip(trace(varying), varying)):
+    try:
+      traced = trace(varying)
+    except TypeError as e:
+      # No marking lets the update trace. The known cause: a wrapper that
+      # decides per worker, on each worker's own gradient, between branches
+      # of different types (optax.apply_if_finite around the exchange); its
+      # state would be a per-worker scalar.
+      reason = str(e).split("\n", 1)[0].rstrip(".")
+      raise ValueError(
+        f"One update of the optimizer cannot be traced with per-worker gradients ({reason}); "
+        "the usual cause is a per-worker scalar in its state, which the per-worker layout "
+        f"cannot hold. {_PER_WORKER_SCALAR_FIX}"
+      ) from e
+    if any(set(out) - set(mark) for out, mark in zip(traced, varying)):
       raise ValueError(
         "Could not tell which optimizer state leaves are per worker; pass the "
         "state's PartitionSpecs to jax.shard_map by hand."
@@ -172,10 +192,7 @@ def worker_state_specs(
     if mark and leaf.ndim == 0:
       raise ValueError(
         f"Optimizer state leaf {path} is a per-worker scalar; the per-worker layout "
-        "concatenates leaves along axis 0 and cannot hold it. It comes from a "
-        "stateful wrapper fed each worker's own gradient (optax.apply_if_finite, or "
-        "optax.MultiSteps around a scalar param): apply it after the exchange or "
-        "all-reduce, where the state is shared, or give scalar params shape (1,)."
+        f"concatenates leaves along axis 0 and cannot hold it. {_PER_WORKER_SCALAR_FIX}"
       )
   return treedef.unflatten([_leaf_spec(mark) for mark in varying])
 

@@ -114,3 +114,33 @@ def test_axis_missing_from_mesh_in_state_helpers():
   mesh = mesh_of(2)
   with pytest.raises(ValueError, match="not an axis of the mesh"):
     dj.init_worker_state(dj.demo(1e-3, axis_name="x"), {"w": np.zeros(3)}, mesh, axis_name="x")
+
+
+_W = {"w": jnp.zeros((64, 64))}
+_W_AND_SCALAR = {"w": jnp.zeros((64, 64)), "s": jnp.ones(())}
+
+
+@pytest.mark.parametrize(
+  ("make_tx", "params"),
+  [
+    (lambda: dj.sparseloco(optax.adamw(1e-3), sync_every=3), _W_AND_SCALAR),
+    (lambda: optax.MultiSteps(dj.demo(1e-3), 2), _W_AND_SCALAR),
+    (lambda: optax.apply_if_finite(optax.chain(dj.pmean_gradients(), optax.adam(1e-3)), 3), _W),
+    (lambda: optax.chain(optax.apply_if_finite(optax.identity(), 3), dj.demo(1e-3)), _W),
+    # Its lax.cond cannot be traced with any marking; this used to surface as
+    # JAX's "cond branches must have equal output types".
+    (lambda: optax.apply_if_finite(dj.demo(1e-3), 3), _W),
+  ],
+  ids=[
+    "sparseloco-scalar",
+    "multisteps-demo-scalar",
+    "apply_if_finite-pmean-adam",
+    "chain-apply_if_finite-demo",
+    "apply_if_finite-demo",
+  ],
+)
+def test_a_per_worker_scalar_state_names_the_wrapper_and_the_fix(make_tx, params):
+  with pytest.raises(
+    ValueError, match=r"per-worker scalar.*apply_if_finite.*apply it after the exchange"
+  ):
+    dj.init_worker_state(make_tx(), params, mesh_of(4))
