@@ -30,6 +30,7 @@ import optax
 
 from distro_jax import codec, dct, exchange, unit_rms, wire
 from distro_jax.diloco import inner_params
+from distro_jax.hyperparams import static_positive_int
 from distro_jax.transforms import DemoState, delayed_states
 
 __all__ = ["gradient_point", "lookahead_update"]
@@ -105,6 +106,8 @@ def lookahead_update(
       'guess="message" decodes the pending message at its sent positions, which '
       'random_positions=True does not keep; use the default guess="momentum".'
     )
+  compression_topk = static_positive_int("compression_topk", compression_topk, example=32)
+  compression_chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
   all_leaves, treedef = jax.tree.flatten(params)
   all_momenta = treedef.flatten_up_to(state.momentum)
   # A zero-size param has no part in the message, and no guess to move it by.

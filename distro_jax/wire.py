@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from distro_jax import codec, dct
+from distro_jax.hyperparams import static_positive_int
 
 __all__ = ["WireBytes", "plan_tree", "ring_allreduce_factor", "wire_bytes", "wire_layout"]
 
@@ -157,6 +158,10 @@ def wire_bytes(
   Returns:
     A :class:`WireBytes`.
 
+  Raises:
+    TypeError: a size that is not an int (``compression_topk=2.5``).
+    ValueError: a size of zero or less.
+
   Example:
     >>> import jax.numpy as jnp, distro_jax as dj
     >>> params = {"w": jnp.zeros((4096, 4096))}
@@ -173,10 +178,11 @@ def wire_bytes(
     >>> drawn.payload  # a flag byte, then one sign bit per 8x8 chunk
     32769
   """
+  num_workers = static_positive_int("num_workers", num_workers, example=8)
   layout = wire_layout(
     params,
-    compression_topk=compression_topk,
-    compression_chunk=compression_chunk,
+    compression_topk=static_positive_int("compression_topk", compression_topk, example=32),
+    compression_chunk=static_positive_int("compression_chunk", compression_chunk, example=64),
     quantize_1bit=quantize_1bit,
     random_positions=random_positions,
   )

@@ -144,3 +144,28 @@ def test_a_per_worker_scalar_state_names_the_wrapper_and_the_fix(make_tx, params
     ValueError, match=r"per-worker scalar.*apply_if_finite.*apply it after the exchange"
   ):
     dj.init_worker_state(make_tx(), params, mesh_of(4))
+
+
+@pytest.mark.parametrize(
+  ("name", "value", "error"),
+  [
+    ("compression_topk", 0, ValueError),
+    ("compression_topk", -3, ValueError),
+    ("compression_topk", 2.5, TypeError),
+    ("compression_chunk", 0, ValueError),
+    ("num_workers", 0, ValueError),
+  ],
+)
+def test_wire_bytes_refuses_sizes_that_are_not_positive_ints(name, value, error):
+  # They used to give a payload of 1 or -15 bytes, a chunk error that did not
+  # name compression_chunk, or a ZeroDivisionError.
+  with pytest.raises(error, match=rf"{name} must be a positive int.*e\.g\. {name}="):
+    dj.wire_bytes({"w": jnp.zeros((64, 64))}, **{name: value})
+
+
+@pytest.mark.parametrize(("name", "value"), [("compression_topk", 0), ("compression_chunk", 0)])
+def test_the_lookahead_refuses_sizes_that_are_not_positive_ints(name, value):
+  params = {"w": jnp.zeros((16, 16))}
+  state = dj.demo(1e-2, axis_name=None, delayed_apply=True).init(params)
+  with pytest.raises(ValueError, match=rf"{name} must be a positive int.*e\.g\. {name}="):
+    dj.gradient_point(state, params, 1e-2, **{name: value})
