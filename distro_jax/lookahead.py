@@ -170,7 +170,7 @@ def lookahead_update(
 def gradient_point(
   opt_state: Any,
   params: Any,
-  learning_rate: optax.ScalarOrSchedule = 0.0,
+  learning_rate: optax.ScalarOrSchedule | None = None,
   **lookahead: Any,
 ) -> Any:
   """The params at which this worker should take its gradient.
@@ -190,12 +190,18 @@ def gradient_point(
   Args:
     opt_state: this worker's optimizer state.
     params: the params, as the train step holds them.
-    learning_rate: the ``learning_rate`` given to :func:`distro_jax.demo`.
+    learning_rate: the ``learning_rate`` given to :func:`distro_jax.demo`;
+      needed for a ``delayed_apply`` state only (DiLoCo's, SparseLoCo's and
+      any other state take none).
     **lookahead: the keyword options of :func:`lookahead_update` (the
       compression options of the :func:`distro_jax.demo` that made the state).
 
   Returns:
     A tree like ``params``.
+
+  Raises:
+    ValueError: a ``delayed_apply`` state and no ``learning_rate``, which
+      would leave the lookahead out without a word.
 
   Example:
     >>> import jax.numpy as jnp, optax, distro_jax as dj
@@ -215,6 +221,13 @@ def gradient_point(
   states = delayed_states(opt_state)
   if not states:
     return inner_params(opt_state, params)
+  if learning_rate is None:
+    raise ValueError(
+      "gradient_point needs learning_rate for a delayed_apply DemoState: the lookahead "
+      "moves the params by the update in flight, at the rate that made it. Pass the "
+      "learning_rate (or schedule) given to dj.demo, e.g. "
+      "dj.gradient_point(opt_state, params, 1e-3, **compression_options)."
+    )
   point = params
   for demo_state in states:
     # Each overlapped exchange moves the params it covers (all of them, but

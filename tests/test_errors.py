@@ -169,3 +169,18 @@ def test_the_lookahead_refuses_sizes_that_are_not_positive_ints(name, value):
   state = dj.demo(1e-2, axis_name=None, delayed_apply=True).init(params)
   with pytest.raises(ValueError, match=rf"{name} must be a positive int.*e\.g\. {name}="):
     dj.gradient_point(state, params, 1e-2, **{name: value})
+
+
+def test_the_lookahead_needs_a_learning_rate_and_local_steps_do_not():
+  # With learning_rate defaulting to 0.0, forgetting it turned the lookahead
+  # off without a word.
+  params = {"w": jnp.zeros((16, 16))}
+  delayed = dj.demo(1e-2, axis_name=None, delayed_apply=True, compression_topk=8)
+  with pytest.raises(ValueError, match=r"needs learning_rate.*e\.g\. dj\.gradient_point\("):
+    dj.gradient_point(delayed.init(params), params, compression_topk=8)
+  for tx in (
+    dj.diloco(optax.sgd(1.0), axis_name=None),
+    dj.sparseloco(optax.sgd(1.0), sync_every=3, axis_name=None),
+  ):
+    state = tx.init(params)
+    np.testing.assert_array_equal(dj.gradient_point(state, params)["w"], params["w"])
