@@ -277,11 +277,19 @@ def _own_selection(
 
 
 def _check_pending(pending: jax.Array | None, message: jax.Array) -> None:
-  if pending is None or pending.shape != message.shape:
+  if pending is None:
     raise ValueError(
       "delayed_apply=True needs the state of a delayed_apply=True transformation "
       "(DemoState.pending holding the previous message); build the state with the "
       "same arguments, e.g. tx.init(params) or dj.init_worker_state(tx, params, mesh)."
+    )
+  if pending.shape != message.shape:
+    raise ValueError(
+      f"DemoState.pending holds {pending.size} bytes, but this update's message is "
+      f"{message.size}: the params' shapes or dtypes, or the compression options, differ "
+      "from those the state was built with (with params=None the gradients' dtypes set "
+      "the values' width; pass params to tx.update). Update with the params and options "
+      "of tx.init(params), or build the state again for these."
     )
 
 

@@ -184,3 +184,20 @@ def test_the_lookahead_needs_a_learning_rate_and_local_steps_do_not():
   ):
     state = tx.init(params)
     np.testing.assert_array_equal(dj.gradient_point(state, params)["w"], params["w"])
+
+
+def test_delayed_apply_tells_a_missing_pending_message_from_one_of_another_size():
+  params = {"w": jnp.zeros((16, 16), jnp.float32)}
+  tx = dj.demo(1e-2, axis_name=None, delayed_apply=True, compression_topk=8)
+  grads = {"w": jnp.ones((16, 16), jnp.float32)}
+  plain = dj.demo(1e-2, axis_name=None, compression_topk=8).init(params)
+  with pytest.raises(ValueError, match=r"needs the state of a delayed_apply=True transformation"):
+    tx.update(grads, plain, params)
+  # With params=None the gradients' dtypes set the values' width: 8 coefficients
+  # of an 8-bit index and a bf16 value (24 bytes) where the state, built from
+  # fp32 params, holds fp32 values (40 bytes). This used to get the message above.
+  bf16_grads = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
+  with pytest.raises(
+    ValueError, match=r"pending holds 40 bytes, but this update's message is 24.*pass params"
+  ):
+    tx.update(bf16_grads, tx.init(params), None)
