@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from distro_jax import exchange
-from distro_jax.hyperparams import StaticInt, unwrap_static
+from distro_jax.hyperparams import StaticInt, static_positive_int, unwrap_static
 
 __all__ = ["DilocoState", "diloco", "inner_params"]
 
@@ -108,17 +108,9 @@ def diloco(
         f"{name} fixes when the workers synchronize, so it must be a static Python int, "
         f"got an array. Under optax.inject_hyperparams, pass static_args=({name!r},)."
       )
-  if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every <= 0:
-    raise ValueError(
-      f"sync_every must be a positive int (inner steps between synchronizations), got "
-      f"{sync_every!r}; DiLoCo's default is 50."
-    )
-  if total_steps is not None and (
-    isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps <= 0
-  ):
-    raise ValueError(
-      f"total_steps must be a positive int (the run's length) or None, got {total_steps!r}."
-    )
+  sync_every = static_positive_int("sync_every", sync_every, example=50)
+  if total_steps is not None:
+    total_steps = static_positive_int("total_steps", total_steps, example=1000)
 
   def init_fn(params):
     return DilocoState(

@@ -85,9 +85,13 @@ def test_the_last_partial_round_reaches_the_outer_params():
   assert not np.allclose(expected[-1], expected[-2])
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
-def test_total_steps_must_be_a_positive_int_or_none(bad):
-  with pytest.raises(ValueError, match="total_steps must be a positive int"):
+# A wrong type is a TypeError, as for dj.sparseloco's and dj.demo's sizes.
+_BAD_INTS = [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)]
+
+
+@pytest.mark.parametrize(("bad", "error"), _BAD_INTS)
+def test_total_steps_must_be_a_positive_int_or_none(bad, error):
+  with pytest.raises(error, match=r"total_steps must be a positive int.*e\.g\. total_steps="):
     dj.diloco(optax.sgd(1.0), total_steps=bad)
 
 
@@ -104,10 +108,26 @@ def test_the_registry_counts_the_final_exchange():
   assert demo.sent_over(plain, methods.Payload(10.0, 10.0, 10.0), 120) == 1200.0
 
 
-@pytest.mark.parametrize("bad", [0, -5, 2.5, True])
-def test_sync_every_must_be_a_positive_int(bad):
-  with pytest.raises(ValueError, match="sync_every must be a positive int"):
+@pytest.mark.parametrize(("bad", "error"), _BAD_INTS)
+def test_sync_every_must_be_a_positive_int(bad, error):
+  with pytest.raises(error, match=r"sync_every must be a positive int.*e\.g\. sync_every="):
     dj.diloco(optax.sgd(1.0), sync_every=bad)
+
+
+def test_numpy_ints_are_ints():
+  # They used to be refused: "sync_every must be a positive int ..., got np.int64(2)".
+  params = {"w": jnp.ones((4, 4))}
+  grads = {"w": jnp.full((4, 4), 0.5)}
+  runs = []
+  for sync_every, total_steps in ((2, 3), (np.int64(2), np.int32(3))):
+    tx = dj.diloco(optax.sgd(1.0), sync_every=sync_every, total_steps=total_steps, axis_name=None)
+    state, moved = tx.init(params), []
+    for _ in range(3):
+      updates, state = tx.update(grads, state, params)
+      moved.append(float(jnp.abs(updates["w"]).max()))
+    runs.append(moved)
+  assert runs[0] == runs[1]
+  assert runs[0][0] == 0.0 and runs[0][1] > 0.0 and runs[0][2] > 0.0  # syncs at 2 and at 3
 
 
 def test_init_is_shape_only():
