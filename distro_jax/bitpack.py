@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 __all__ = [
   "bits_for",
@@ -136,8 +137,12 @@ def to_bytes(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
 
-def from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
-  """Inverse of :func:`to_bytes` for one array of ``shape``; ``b`` may have leading batch axes."""
+def from_bytes(b: jax.Array, dtype: DTypeLike, shape: tuple[int, ...]) -> jax.Array:
+  """Inverse of :func:`to_bytes` for one array of ``shape``; ``b`` may have leading batch axes.
+
+  ``dtype`` is anything ``np.dtype`` takes: ``jnp.float32``, ``np.float32``, ``"bfloat16"``.
+  """
+  dtype = np.dtype(dtype)
   lead = b.shape[:-1]
   if dtype.itemsize == 1:
     return jax.lax.bitcast_convert_type(b, dtype).reshape(*lead, *shape)

@@ -44,3 +44,17 @@ def test_stream_order_is_least_significant_bit_first():
 def test_bad_width_is_refused():
   with pytest.raises(ValueError, match="bits must be in"):
     bitpack.pack_bits(jnp.array([1]), 0)
+
+
+@pytest.mark.parametrize(
+  "dtype",
+  [np.dtype("float32"), jnp.float32, np.float32, "float32", jnp.bfloat16, "bfloat16", np.uint8],
+  ids=["np.dtype", "jnp.float32", "np.float32", "str", "jnp.bfloat16", "str-bf16", "np.uint8"],
+)
+def test_from_bytes_takes_any_dtype_like(dtype):
+  # Only an np.dtype instance used to work: jnp.float32 has no .itemsize.
+  x = jnp.arange(2 * 3 * 4).reshape(2, 3, 4).astype(dtype)
+  b = jnp.stack([bitpack.to_bytes(row) for row in x])  # a leading batch axis
+  out = bitpack.from_bytes(b, dtype, (3, 4))
+  assert out.dtype == np.dtype(dtype)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
