@@ -44,10 +44,6 @@ class DilocoState(NamedTuple):
   outer_momentum: Any
 
 
-def _as_varying(tree: Any, axis_name: Hashable | None) -> Any:
-  return exchange.worker_local(tree, axis_name)
-
-
 def diloco(
   inner: optax.GradientTransformation,
   *,
@@ -141,7 +137,7 @@ def diloco(
         momentum,
         params,
       )
-      restart = _as_varying(optax.apply_updates(params, outer_updates), axis_name)
+      restart = exchange.worker_local(optax.apply_updates(params, outer_updates), axis_name)
       return outer_updates, restart, momentum
 
     def keep_going(local, momentum):
@@ -160,16 +156,18 @@ def diloco(
 
 
 def inner_params(opt_state: Any, params: Any) -> Any:
-  """Where this worker's gradient is taken: DiLoCo's inner params, else ``params``.
+  """Where this worker's gradient is taken: DiLoCo's or SparseLoCo's inner params, else ``params``.
 
   Args:
     opt_state: the worker's optimizer state, possibly a chain containing a
-      :class:`DilocoState`.
+      :class:`DilocoState` or a :class:`~distro_jax.SparseLocoState`.
     params: the shared params.
 
   Returns:
-    The ``local_params`` of the first :class:`DilocoState` in ``opt_state``,
-    or ``params`` when there is none (every other optimizer here).
+    The ``local_params`` of the first state in ``opt_state`` that has them
+    (a :class:`DilocoState` or a :class:`~distro_jax.SparseLocoState`; the
+    search is by that field's name), or ``params`` when there is none (every
+    other optimizer here).
   """
   found = optax.tree_utils.tree_get_all_with_path(opt_state, "local_params")
   if not found:
