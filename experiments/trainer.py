@@ -505,6 +505,16 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
         log.flush(batches.evaluate(program.eval_step, params))
       if checkpointer and checkpointer.should_save(step, last_step):
         log.flush()
+        # The loss was taken before this step's update, so it cannot vouch
+        # for the params about to be saved.
+        if not bool(_all_finite(params)):
+          raise FloatingPointError(
+            f"the params are not finite after step {step}'s update (its loss, taken before "
+            f"the update, was finite); checkpoint {step} was not written, so the last one on "
+            "disk is good. Lower --learning_rate or --clip_norm"
+            + (", or pass --skip_nonfinite" if program.method.supports_skip_nonfinite else "")
+            + "."
+          )
         checkpointer.save(step, {"params": params, "opt_state": opt_state}, batches.train)
     log.flush()
   finally:
@@ -518,6 +528,12 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
     )
   _write_outputs(cfg, summary, log)
   return summary
+
+
+@jax.jit
+def _all_finite(params: Any) -> jax.Array:
+  """Whether every entry of every param is finite, one replicated bool."""
+  return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
 
 
 def _check_replicas(program: Program, params: Any, step: int) -> None:

@@ -116,6 +116,17 @@ def test_driver_adamw_skips_a_nonfinite_step_when_asked(tmp_path):
   assert np.isfinite(summary.final_train_loss)
 
 
+@pytest.mark.slow
+def test_no_checkpoint_is_written_of_params_that_are_not_finite(tmp_path):
+  # Under AdamW the NaN of step 4 is all-reduced into the update, so step 4's
+  # loss (taken before it) is finite but its params are not.
+  with pytest.raises(
+    FloatingPointError, match="not finite after step 4.*checkpoint 4 was not written"
+  ):
+    _run(tmp_path, optimizer="adamw", inject_nan_step=4, checkpoint_every=2)
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
 def _drifted(mesh, shape, spec, device, index):
   """A global array equal on every device except one entry of one device's shard."""
   sharding = NamedSharding(mesh, spec)
