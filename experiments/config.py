@@ -653,6 +653,12 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       f"--cold_start_steps marks a joining worker's DisTrO message invalid; --optimizer="
       f"{method.name} sends none. Drop --cold_start_steps."
     )
+  if cfg.skip_nonfinite and not method.supports_skip_nonfinite:
+    raise ConfigError(
+      "--skip_nonfinite skips a step whose all-reduced update is not finite; it needs "
+      f"--optimizer={_supporting('supports_skip_nonfinite')}, not {method.name}, which "
+      "would ignore it. Drop --skip_nonfinite."
+    )
   if cfg.skip_nonfinite and cfg.fsdp > 1:
     raise ConfigError(
       "--skip_nonfinite is not supported with --fsdp > 1 (its skip counter would "

@@ -50,6 +50,7 @@ BAD = [
   ({"frequency_bias": -1.0}, "--frequency_bias=-1.0", "0 draws uniformly"),
   ({"normalize": "l2"}, "--normalize='l2'", "--normalize=rms"),
   ({"optimizer": "adamw", "normalize": "rms"}, "--normalize=rms", "--optimizer=demo"),
+  ({"optimizer": "diloco", "skip_nonfinite": True}, "--skip_nonfinite", "--optimizer=adamw"),
   ({"compression_groups": "'attn'"}, "--compression_groups: \"'attn'\"", "REGEX=CHUNK:TOPK"),
   ({"compression_groups": "'attn'=8:0"}, "'attn'=8:0", "TOPK are 1 or more"),
   ({"compression_groups": "(=8:1"}, "'(' is not a regular expression", "e.g. --compression_"),
