@@ -71,13 +71,14 @@ def test_demo_matches_numpy_reference_over_12_steps(random_positions, bias, norm
     grads_W = {k: np.stack([g[k] for g in grads]).astype(np.float32) for k in SHAPES}
     params, state = step(params, state, place_grads(grads_W, mesh))
 
-  total = bad = 0
+  # Each tensor on its own, so no tensor (not even the 7 entries of "d") can hide
+  # in a pooled count. The real agreement is about 1e-7 in every tensor.
   for k in SHAPES:
-    diff = np.abs(np.asarray(params[k], np.float64) - ref_params[k])
-    total += diff.size
-    bad += int((diff > 1e-5).sum())
-  assert total > 70_000
-  assert bad / total < 1e-4, f"{bad} of {total} entries differ by more than 1e-5"
-  # The run must actually have moved the params (or the comparison proves nothing).
-  moved = np.abs(np.asarray(params["e"]) - init["e"]).max()
-  assert moved > 5 * lr
+    np.testing.assert_allclose(
+      np.asarray(params[k], np.float64), ref_params[k], rtol=0, atol=1e-6, err_msg=k
+    )
+  # Every tensor must actually have moved (or the comparison proves nothing for it):
+  # by 3.8 to 15 steps of lr here, so 2 * lr is far above the 1e-6 tolerance.
+  for k in SHAPES:
+    moved = np.abs(np.asarray(params[k]) - init[k]).max()
+    assert moved > 2 * lr, f"{k} moved only {moved}"
