@@ -173,15 +173,23 @@ def test_fsdp_trajectory_equals_unsharded(name, replicas, fsdp):
 
   _, plan, params, state = _fsdp_run(name, init, data, replicas, fsdp)
 
-  total = bad = 0
+  # Each tensor on its own, so no tensor can hide in a pooled count. DeMo agrees
+  # to ~1e-7 or exactly. AdamW's 1/sqrt(v) magnifies the rounding of the FSDP
+  # gradient's other summation order where v is tiny: 1.4e-5 at most (one entry
+  # of w2), so it gets 1e-4, still 100x below the step.
+  atol = 1e-4 if name == "distro_adamw" else 1e-6
   for key in init:
-    got, ref = np.asarray(params[key], np.float64), np.asarray(want[key], np.float64)
-    diff = np.abs(got - ref)
-    total += diff.size
-    bad += int((diff > 1e-5).sum())
-  assert bad / total < 1e-4, f"{bad} of {total} entries differ by more than 1e-5"
-  # Sign steps of LR: the params moved far beyond the tolerance.
-  assert np.abs(np.asarray(params["w1"]) - np.asarray(init["w1"])).max() > 5 * LR
+    np.testing.assert_allclose(
+      np.asarray(params[key], np.float64),
+      np.asarray(want[key], np.float64),
+      rtol=0,
+      atol=atol,
+      err_msg=key,
+    )
+  # Steps of LR: every param moved (by 2 to 19 steps) far beyond the tolerance.
+  for key in init:
+    moved = np.abs(np.asarray(params[key]) - np.asarray(init[key])).max()
+    assert moved > LR, f"{key} moved only {moved}"
 
   _assert_copies_identical(params, replicas, fsdp)
 
