@@ -18,6 +18,9 @@ def build(tx, params, mesh):
   """Returns (step, params, opt_state); step(params, state, grads_W) -> (params, state).
 
   ``grads_W`` has a leading worker axis; worker w applies ``grads_W[w]``.
+  After every call the step asserts that each device holds the same params, to
+  the bit (see :func:`assert_identical_on_every_device`); it keeps the jitted
+  step's attributes, such as ``lower``.
   """
   specs = dj.worker_state_specs(tx, params, mesh)
   state = dj.init_worker_state(tx, params, mesh)
@@ -31,7 +34,33 @@ def build(tx, params, mesh):
   step = jax.jit(
     jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
   )
-  return step, params, state
+  return _CheckedStep(step, mesh.devices.size), params, state
+
+
+class _CheckedStep:
+  """A jitted step that checks, after each call, that the params are bit-identical on every device.
+
+  Reading ``np.asarray(params)`` sees one device's copy only, so without this a
+  step that let the replicas drift apart would pass every test that reads it.
+  """
+
+  def __init__(self, jitted, num_devices):
+    self._jitted = jitted
+    self._num_devices = num_devices
+    self._calls = 0
+
+  def __call__(self, *args, **kwargs):
+    params, state = self._jitted(*args, **kwargs)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+      return params, state  # traced (make_jaxpr, an outer jit): no buffers to read
+    self._calls += 1
+    assert_identical_on_every_device(
+      params, copies=self._num_devices, context=f"after step {self._calls}"
+    )
+    return params, state
+
+  def __getattr__(self, name):
+    return getattr(self._jitted, name)
 
 
 def random_problem(shapes, workers, steps, seed):
@@ -68,3 +97,23 @@ def place_grads(grads_W, mesh):
 def per_device_copies(x):
   """Every device's own buffer of a replicated array, as NumPy."""
   return [np.asarray(s.data) for s in x.addressable_shards]
+
+
+def bits(x):
+  """``x``'s bits as unsigned ints of its width, so -0.0 != 0.0 and NaNs compare by payload."""
+  x = np.asarray(x)
+  return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def assert_identical_on_every_device(tree, copies=None, context=""):
+  """Every device's buffer of each replicated leaf of ``tree`` is the same, to the bit.
+
+  ``copies``, if given, is how many devices must hold each leaf.
+  """
+  for path, leaf in jax.tree.flatten_with_path(tree)[0]:
+    name = f"{jax.tree_util.keystr(path)} {context}".strip()
+    found = [bits(c) for c in per_device_copies(leaf)]
+    if copies is not None:
+      assert len(found) == copies, f"{name}: {len(found)} copies, not {copies}"
+    for i, c in enumerate(found[1:], 1):
+      np.testing.assert_array_equal(c, found[0], err_msg=f"{name}: device {i} differs from 0")
