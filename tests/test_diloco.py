@@ -5,7 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from sharded_step import build, mesh_of, per_device_copies, place_grads
+from sharded_step import (
+  assert_identical_on_every_device,
+  build,
+  mesh_of,
+  per_device_copies,
+  place_grads,
+)
 
 import distro_jax as dj
 
@@ -39,7 +45,7 @@ def test_matches_numpy_reference_and_replicas_stay_identical():
   for t in range(steps):
     params, state = step(params, state, {"w": place_grads(grads[t], mesh)})
     copies = per_device_copies(params["w"])
-    assert all(np.array_equal(c, copies[0]) for c in copies)
+    assert_identical_on_every_device(params["w"], copies=workers, context=f"step {t}")
     np.testing.assert_allclose(copies[0], expected[t], atol=1e-5)
   # Between synchronizations the shared params do not move.
   np.testing.assert_array_equal(expected[3], expected[4])

@@ -8,7 +8,13 @@ import numpy as np
 import optax
 import pytest
 from jaxpr_gathers import gather_branch_paths
-from sharded_step import build, mesh_of, per_device_copies, place_grads
+from sharded_step import (
+  assert_identical_on_every_device,
+  build,
+  mesh_of,
+  per_device_copies,
+  place_grads,
+)
 from sparseloco_reference import ReferenceSparseLoCo
 from sparseloco_reference import quantize as np_quantize
 
@@ -72,7 +78,7 @@ def test_matches_numpy_reference_and_replicas_stay_identical(value_bits, use_dct
     params, state = step(params, state, place_grads(grads_W, mesh))
     for k in SHAPES:
       copies = per_device_copies(params[k])
-      assert all(np.array_equal(c, copies[0]) for c in copies), f"replicas differ: {k}, step {t}"
+      assert_identical_on_every_device(params[k], copies=workers, context=f"{k}, step {t}")
       np.testing.assert_allclose(copies[0], expected[k], atol=2e-5, err_msg=f"{k}, step {t}")
     if t % h:
       # Between synchronizations the shared params do not move.
