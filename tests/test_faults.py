@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sharded_step import build, mesh_of, per_device_copies, place_grads
-from tiny_runs import read_metrics, run_tiny
+from tiny_runs import TINY, read_metrics, run_tiny
 
 import distro_jax as dj
 
@@ -166,3 +166,42 @@ def test_replica_check_fires_when_one_device_differs(spec, device, expected):
     )
   )
   assert int(check(params)) == expected
+
+
+@pytest.mark.parametrize("drifted", [["sharded"], ["sharded", "whole"]])
+def test_the_trainers_replica_check_raises_naming_the_step_and_the_count(drifted, capsys):
+  # The check the driver runs every log_every steps under --check_replicas,
+  # on params that differ in one entry of one device's copy of each drifted
+  # param: a shard (between its replicas) or a param kept whole on a site.
+  from experiments import cli, config, trainer
+
+  fields = {**TINY, "workers": 4, "fsdp": 2, "out_dir": "unused"}
+  program = trainer.build(config.resolve(trainer.TrainConfig(**fields)))
+  leaves, treedef = jax.tree.flatten(program.abstract)
+  specs = treedef.flatten_up_to(program.fsdp_plan.specs)
+  pick = {
+    "sharded": next(i for i, s in enumerate(specs) if s != P()),
+    "whole": next(i for i, s in enumerate(specs) if s == P()),
+  }
+  # 4 devices, 2 sites of 2: the second device of the second site, the first of the first.
+  assert program.mesh.devices.shape == (2, 2)
+  at = {pick[kind]: device for kind, device in zip(drifted, (3, 0))}
+
+  def params(drift):
+    return treedef.unflatten(
+      [
+        _drifted(program.mesh, a.shape, s, at.get(i) if drift else None, (0,) * a.ndim)
+        for i, (a, s) in enumerate(zip(leaves, specs))
+      ]
+    )
+
+  trainer._check_replicas(program, params(drift=False), 7)  # identical: no error
+  message = f"replicas diverged at step 7: {len(drifted)} param entries differ between workers"
+  with pytest.raises(trainer.ReplicaDivergenceError, match=message):
+    trainer._check_replicas(program, params(drift=True), 7)
+  # The CLI reports it as one error line and exit status 2.
+  with pytest.raises(SystemExit) as exited:
+    cli.report_user_errors(trainer._check_replicas, program, params(drift=True), 7)
+  assert exited.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
