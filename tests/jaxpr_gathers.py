@@ -37,6 +37,30 @@ def gathers_fed_by(jaxpr, tainted):
   return found
 
 
+def outputs_fed_by(jaxpr, tainted):
+  """For each output of ``jaxpr``, whether it depends on a ``tainted`` var.
+
+  Calls whose inner jaxpr takes and returns the equation's own vars (jit,
+  shard_map, custom derivatives, remat) are followed output by output; any
+  other equation with an inner jaxpr (cond, while, scan) counts each of its
+  outputs as fed by all of its inputs, so the answer can only over-taint.
+  """
+  tainted = set(tainted)
+  for eqn in jaxpr.eqns:
+    fed = [isinstance(v, jex_core.Var) and v in tainted for v in eqn.invars]
+    subs = list(_sub_jaxprs(eqn))
+    if (
+      len(subs) == 1
+      and len(subs[0].invars) == len(eqn.invars)
+      and len(subs[0].outvars) == len(eqn.outvars)
+    ):
+      outs = outputs_fed_by(subs[0], {iv for iv, hit in zip(subs[0].invars, fed) if hit})
+    else:
+      outs = [any(fed)] * len(eqn.outvars)
+    tainted.update(v for v, hit in zip(eqn.outvars, outs) if hit)
+  return [isinstance(v, jex_core.Var) and v in tainted for v in jaxpr.outvars]
+
+
 def gather_branch_paths(jaxpr, path=()):
   """Each all-gather's enclosing ``cond`` branches, outermost first, e.g. ``("cond[1]",)``."""
   found = []

@@ -10,7 +10,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxpr_gathers import gathers_fed_by, trainer_step_jaxpr
+from jaxpr_gathers import gathers_fed_by, outputs_fed_by, trainer_step_jaxpr
 from sharded_step import mesh_of
 
 import distro_jax as dj
@@ -233,3 +233,27 @@ def test_the_trainers_overlapped_step_looks_ahead_and_gathers_before_the_gradien
   fed = gathers_fed_by(closed.jaxpr, set(closed.jaxpr.invars[-2:]))
   # The message all-gather (and any other) starts before the batch is read.
   assert fed and not any(fed)
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_the_trainers_step_takes_its_gradient_at_the_lookahead(lookahead):
+  # The step's loss is the value of the forward pass its gradient comes from.
+  # At the lookahead (where the update in flight lands) that pass reads the
+  # message in flight, the state's pending; at the bare params it does not.
+  _, program, closed = trainer_step_jaxpr(delayed_apply=True, lookahead=lookahead)
+  jaxpr = closed.jaxpr
+  num_params = len(jax.tree.leaves(program.abstract))
+  state = jax.tree.flatten_with_path(program.abstract_state()["opt_state"])[0]
+  pending = {
+    jaxpr.invars[num_params + i]
+    for i, (path, _) in enumerate(state)
+    if jax.tree_util.keystr(path).endswith(".pending")
+  }
+  assert len(pending) == 1
+  # The outputs: params, state, then the metrics {"excluded", "loss"}.
+  *_, excluded, loss = jaxpr.outvars
+  assert (excluded.aval.dtype, loss.aval.dtype) == (jnp.int32, jnp.float32)
+  fed = outputs_fed_by(jaxpr, pending)
+  assert fed[-1] is lookahead, f"the loss reads the message in flight: {fed[-1]}"
+  # Either way the message in flight is applied to every param.
+  assert all(fed[:num_params])
