@@ -37,20 +37,27 @@ def gathers_fed_by(jaxpr, tainted):
   return found
 
 
+_CALLS = frozenset(
+  {"jit", "pjit", "closed_call", "shard_map", "custom_jvp_call", "custom_vjp_call", "checkpoint"}
+)
+
+
 def outputs_fed_by(jaxpr, tainted):
   """For each output of ``jaxpr``, whether it depends on a ``tainted`` var.
 
   Calls whose inner jaxpr takes and returns the equation's own vars (jit,
   shard_map, custom derivatives, remat) are followed output by output; any
-  other equation with an inner jaxpr (cond, while, scan) counts each of its
-  outputs as fed by all of its inputs, so the answer can only over-taint.
+  other equation (cond, while, scan, whose carries feed each other) counts
+  each of its outputs as fed by all of its inputs, so the answer can only
+  over-taint.
   """
   tainted = set(tainted)
   for eqn in jaxpr.eqns:
     fed = [isinstance(v, jex_core.Var) and v in tainted for v in eqn.invars]
     subs = list(_sub_jaxprs(eqn))
     if (
-      len(subs) == 1
+      eqn.primitive.name in _CALLS
+      and len(subs) == 1
       and len(subs[0].invars) == len(eqn.invars)
       and len(subs[0].outvars) == len(eqn.outvars)
     ):
