@@ -173,7 +173,10 @@ def test_multi_transform_mixing_it_with_sgd(name, factory):
   tx = optax.multi_transform({"ours": factory(LR), "sgd": optax.sgd(1.0)}, labels)
   updates, _ = _steps(tx, params, 3)
   np.testing.assert_allclose(updates[-1]["b"], -_grads(params, 2)["b"])
-  assert all(np.isfinite(np.asarray(u["w"])).all() for u in updates)
+  for k in ("w", "s"):
+    assert all(np.isfinite(np.asarray(u[k])).all() for u in updates), k
+    # The transformation was applied: all zeros (as if it never ran) would pass the above.
+    assert any(np.any(np.asarray(u[k])) for u in updates), f"{name}: {k} never moved"
 
 
 def _param_specs():
