@@ -15,13 +15,16 @@ import distro_jax as dj
 @pytest.mark.parametrize("value", [0, -3])
 @pytest.mark.parametrize("name", ["compression_topk", "compression_chunk"])
 def test_non_positive_sizes(name, value):
-  with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+  fix = rf"{name} must be a positive int, got {value}; use e\.g\. {name}=\d+\."
+  with pytest.raises(ValueError, match=fix):
     dj.demo(1e-3, **{name: value})
 
 
 @pytest.mark.parametrize("name", ["compression_topk", "compression_chunk"])
 def test_non_integer_sizes(name):
-  with pytest.raises(TypeError, match=name):
+  # The argument and the fix, as for the other sizes, not only the name.
+  fix = rf"{name} must be a positive int, got 2\.5; use e\.g\. {name}=\d+\."
+  with pytest.raises(TypeError, match=fix):
     dj.demo(1e-3, **{name: 2.5})
 
 
