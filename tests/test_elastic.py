@@ -172,13 +172,9 @@ def test_diloco_leaver_inner_params_are_dropped_not_folded():
   )
 
 
-sparseloco = getattr(dj, "sparseloco", None)
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(sparseloco is None, reason="dj.sparseloco lands from branch algo")
 def test_sparseloco_error_feedback_folds_and_joiners_start_from_shared_params():
-  tx = sparseloco(optax.adam(0.1), sync_every=2, compression_topk=2, compression_chunk=8)
+  tx = dj.sparseloco(optax.adam(0.1), sync_every=2, compression_topk=2, compression_chunk=8)
   params, state = _trained(tx, 8, steps=3)  # one sync done: error feedback is non-zero
   new, placed = _resize(tx, state, params, 6, leaving="fold")
   before = _blocks(state.error_feedback["w"], 8)
