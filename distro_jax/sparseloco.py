@@ -68,7 +68,13 @@ import numpy as np
 import optax
 
 from distro_jax import bitpack, codec, dct, exchange, wire
-from distro_jax.hyperparams import StaticInt, check_decay, static_positive_int
+from distro_jax.hyperparams import (
+  StaticFloat,
+  StaticInt,
+  check_decay,
+  static_positive_int,
+  unwrap_static,
+)
 
 __all__ = [
   "SparseLocoBytes",
@@ -397,7 +403,7 @@ def sparseloco(
   *,
   sync_every: int = StaticInt(30),
   outer_learning_rate: float = 1.0,
-  error_decay: float = 0.95,
+  error_decay: float = StaticFloat(0.95),
   compression_topk: int = StaticInt(64),
   compression_chunk: int = StaticInt(64),
   value_bits: int | None = StaticInt(2),
@@ -462,6 +468,7 @@ def sparseloco(
   topk = static_positive_int("compression_topk", compression_topk, example=64)
   chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
   bits = _check_value_bits(value_bits)
+  error_decay = unwrap_static(error_decay)
   check_decay(
     "error_decay", error_decay, one_allowed=True, hint="SparseLoCo's production value is 0.95."
   )
