@@ -181,7 +181,8 @@ def _curves(cfg: Any, row: dict[str, Any]) -> list[dict[str, Any]]:
   """
   method = methods.get(cfg.optimizer)
   every = method.exchange_every(cfg)
-  up, _ = time_model.link_bytes(method.collective, row["payload_bytes_per_step"], cfg.workers)
+  # The peers of the ring are the sites (--replicas overrides --workers).
+  up, _ = time_model.link_bytes(method.collective, row["payload_bytes_per_step"], cfg.sites)
   out, total = [], 0.0
   for r in read_metrics(cfg.out_dir):
     if r.step % every == 0:
@@ -240,14 +241,16 @@ def _write(rows, configs, base, out_dir) -> None:
     return
   first = config.resolve(next(iter(configs.values())))
   num_params = Summary.load(first.out_dir).num_params
+  # As run: --replicas overrides --workers, and under FSDP a site is one worker.
+  workers = f"{first.sites} workers" + (f" of {first.fsdp} devices" if first.fsdp > 1 else "")
   setup = (
-    f"Preset `{base.preset}` ({num_params / 1e6:.2f}M params), {base.workers} workers, "
+    f"Preset `{base.preset}` ({num_params / 1e6:.2f}M params), {workers}, "
     f"{base.steps} steps of {base.batch_size} x {base.seq_len} tokens, seed {base.seed}, "
     f"data: {base.data_path or 'the embedded corpus'}. Learning rates: "
     + ", ".join(f"{r['method']} {r['learning_rate']:g}" for r in rows)
     + "."
   )
-  projection = time_model.project(rows, time_model.DEFAULT_LINKS, base.steps, base.workers)
+  projection = time_model.project(rows, time_model.DEFAULT_LINKS, base.steps, first.sites)
   report = time_model.report_setting()
   text = "\n\n".join(
     [
@@ -259,7 +262,7 @@ def _write(rows, configs, base, out_dir) -> None:
       "optimizer's collective operand bytes in the compiled train step (DiLoCo's divided "
       "by H). Ratios are against the payload. Optimizer share: 1 - (loss and gradient "
       "time) / (train step time), medians of interleaved timings in this run.",
-      f"## Internet time model: these runs ({base.steps} steps, {base.workers} workers)",
+      f"## Internet time model: these runs ({base.steps} steps, {first.sites} workers)",
       time_model.markdown(projection),
       f"## The DisTrO report's setting ({time_model.REPORT.preset}, "
       f"{time_model.REPORT.workers} workers, {time_model.REPORT.steps:,} steps)",
@@ -278,7 +281,7 @@ def _write(rows, configs, base, out_dir) -> None:
   with open(os.path.join(out_dir, "projection.json"), "w") as f:
     json.dump({"this_run": projection, "report_setting": report}, f, indent=2)
   curves = {r["method"]: _curves(configs[r["method"]], r) for r in rows}
-  _plots(curves, out_dir, f"{first.preset}, {first.workers} workers")
+  _plots(curves, out_dir, f"{first.preset}, {first.sites} workers")
 
 
 def _main(
