@@ -320,9 +320,9 @@ def _all_finite(arrays: list[jax.Array]) -> jax.Array:
 
 def _all_finite_per_worker(values_W: list[jax.Array]) -> jax.Array:
   """``bool[W]``: whether each worker's decoded values are finite in every tensor."""
-  return jnp.all(
-    jnp.stack([jnp.all(jnp.isfinite(v.reshape(v.shape[0], -1)), axis=1) for v in values_W]), axis=0
-  )
+  # No reshape: values sharded with their param (under jax.jit) stay so.
+  per_tensor = [jnp.all(jnp.isfinite(v), axis=tuple(range(1, v.ndim))) for v in values_W]
+  return jnp.all(jnp.stack(per_tensor), axis=0)
 
 
 def _per_worker(
