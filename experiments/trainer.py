@@ -382,9 +382,7 @@ class _Log:
     if not math.isfinite(record.loss):
       raise FloatingPointError(
         f"the loss became {record.loss} on every worker at step {step}; no checkpoint "
-        "was written after it. Lower --learning_rate or --clip_norm"
-        + (", or pass --skip_nonfinite" if self.method.supports_skip_nonfinite else "")
-        + "."
+        f"was written after it. {_nonfinite_advice(self.method)}"
       )
     self.writer.write(record)
     self.progress.update(step, record.loss, record.tokens_per_s, self.sent)
@@ -511,9 +509,7 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
           raise FloatingPointError(
             f"the params are not finite after step {step}'s update (its loss, taken before "
             f"the update, was finite); checkpoint {step} was not written, so the last one on "
-            "disk is good. Lower --learning_rate or --clip_norm"
-            + (", or pass --skip_nonfinite" if program.method.supports_skip_nonfinite else "")
-            + "."
+            f"disk is good. {_nonfinite_advice(program.method)}"
           )
         checkpointer.save(step, {"params": params, "opt_state": opt_state}, batches.train)
     log.flush()
@@ -528,6 +524,12 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
     )
   _write_outputs(cfg, summary, log)
   return summary
+
+
+def _nonfinite_advice(method: Any) -> str:
+  """What to change when a run's loss or params stop being finite."""
+  skip = ", or pass --skip_nonfinite" if method.supports_skip_nonfinite else ""
+  return f"Lower --learning_rate or --clip_norm{skip}."
 
 
 @jax.jit
