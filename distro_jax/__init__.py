@@ -29,6 +29,7 @@ from distro_jax.hlo_bytes import (
   parse_collective_bytes,
 )
 from distro_jax.lookahead import gradient_point, lookahead_update
+from distro_jax.orthogonal import orthogonalize
 from distro_jax.overlap import gather_pending
 from distro_jax.sparseloco import (
   SparseLocoBytes,
@@ -77,6 +78,7 @@ __all__ = [
   "local_shapes",
   "local_value_and_grad",
   "lookahead_update",
+  "orthogonalize",
   "parse_collective_bytes",
   "plan_fsdp",
   "pmean_gradients",

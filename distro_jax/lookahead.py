@@ -64,7 +64,7 @@ def lookahead_update(
   use_dct: bool = True,
   weight_decay: float = 0.0,
   random_positions: bool = False,
-  normalize: str = "sign",
+  normalize: Any = "sign",
   guess: str = "momentum",
   scale: float = 1.0,
   axis_name: Hashable | None = None,
@@ -84,7 +84,8 @@ def lookahead_update(
     random_positions: as given to :func:`distro_jax.demo`. Drawn positions
       work with ``guess="momentum"`` only.
     normalize: as given to :func:`distro_jax.demo`: the guess takes the
-      sign of ``IDCT(c)``, or scales it to unit RMS, as the update does.
+      sign of ``IDCT(c)``, scales it to unit RMS or orthogonalizes it, as
+      the update does.
     guess: ``"momentum"`` (Psyche's: the momentum before error feedback) or
       ``"message"`` (this worker's own message, as sent).
     scale: a factor on the whole guess.
@@ -96,7 +97,8 @@ def lookahead_update(
   Returns:
     A tree like ``params``: zero before the first message (or after a message
     marked invalid), else ``-scale * lr_prev * (sign(IDCT(c)) + wd * p)``
-    (with ``normalize="rms"``, ``IDCT(c)`` at unit RMS in place of its sign).
+    (with ``normalize="rms"`` or ``"orth"``, ``IDCT(c)`` shaped so in place
+    of its sign).
   """
   unit_rms.check_normalize(normalize)
   if guess not in _GUESSES:
@@ -137,20 +139,21 @@ def lookahead_update(
   lr = learning_rate(jnp.maximum(state.count - 1, 0)) if callable(learning_rate) else learning_rate
   step = jnp.where(valid, scale * jnp.asarray(lr, jnp.float32), 0.0)
   out = []
-  for (idx, val), m, plan, x in zip(tensors, momenta, plans, leaves):
+  modes = carried.pick(unit_rms.normalize_modes(normalize, params))
+  for (idx, val), m, plan, x, mode in zip(tensors, momenta, plans, leaves, modes):
     if guess == "momentum":
       coeffs = dct.to_chunks(m, plan)
     else:
       rows = jnp.arange(plan.rows)[:, None]
       coeffs = jnp.zeros(plan.coeff_shape, jnp.float32).at[rows, idx].add(val, unique_indices=True)
     q = from_chunks(coeffs, plan)
-    if normalize == "rms":
+    if mode == "sign":
+      direction = jnp.sign(q).astype(x.dtype)
+    else:
       # Without axis_name the tensor is whole here; with it, every other axis
       # that q varies over holds another block of it (FSDP).
       blocks = () if axis_name is None else exchange.varying_axes(q) - {axis_name}
-      direction = unit_rms.to_unit_rms(q, blocks).astype(x.dtype)
-    else:
-      direction = jnp.sign(q).astype(x.dtype)
+      direction = unit_rms.normalized_step(q, mode, blocks).astype(x.dtype)
     if weight_decay:
       direction = direction + weight_decay * x
     delta = (-step * direction).astype(x.dtype)

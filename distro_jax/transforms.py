@@ -709,12 +709,13 @@ def demo(
   synchronous: Any = None,
   random_positions: bool = False,
   frequency_bias: float | None = None,
-  normalize: str = "sign",
+  normalize: Any = "sign",
 ) -> optax.GradientTransformationExtraArgs:
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
 
   A short ``optax.chain`` of :func:`scale_by_demo`, ``optax.scale_by_sign``
-  (or :func:`scale_to_unit_rms`, with ``normalize="rms"``),
+  (or :func:`scale_to_unit_rms` with ``normalize="rms"``, or the
+  orthogonalized step with ``normalize="orth"``),
   ``optax.add_decayed_weights`` and ``optax.scale_by_learning_rate`` (built
   with :func:`distro`, so a step in which every worker's message was left out
   for non-finite values changes nothing). Call its
@@ -746,10 +747,16 @@ def demo(
     frequency_bias: with ``random_positions``, the draw's preference for low
       frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
     normalize: how ``Q`` becomes a step: ``"sign"`` (DeMo's: every entry
-      moves by the learning rate) or ``"rms"`` (each tensor's ``Q`` scaled to
-      a root mean square of one, so entries keep their relative sizes). With
-      drawn positions ``"rms"`` trained better at some seeds and as well at
-      the others; with the top-k it trained worse (docs/results.md). Static.
+      moves by the learning rate), ``"rms"`` (each tensor's ``Q`` scaled to
+      a root mean square of one, so entries keep their relative sizes) or
+      ``"orth"`` (each matrix's ``Q`` orthogonalized as Muon does, see
+      :func:`distro_jax.orthogonalize`, then at unit RMS; other tensors at
+      unit RMS). Or a tree of these like the params (or a prefix of it), or
+      a function of the params that returns one, e.g. to keep an embedding
+      at ``"rms"``. With drawn positions ``"rms"`` trained better than the
+      sign at some seeds and as well at the others, and ``"orth"`` on the
+      hidden matrices better than ``"rms"``; with the top-k ``"rms"`` trained
+      worse (docs/results.md). Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -766,10 +773,13 @@ def demo(
     >>> updates, state = tx.update({"w": jnp.ones((64, 64))}, state, params)
     >>> params = optax.apply_updates(params, updates)
   """
-  if unit_rms.check_normalize(normalize) == "rms":
+  unit_rms.check_normalize(normalize)
+  if normalize == "sign":
+    step = optax.scale_by_sign()
+  elif normalize == "rms":
     step = unit_rms.scale_to_unit_rms(axis_name)
   else:
-    step = optax.scale_by_sign()
+    step = unit_rms.scale_by_normalize(normalize, axis_name)
   return distro(
     optax.chain(
       step,

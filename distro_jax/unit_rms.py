@@ -1,4 +1,4 @@
-"""DeMo's step scaled to unit RMS per tensor, in place of its sign.
+"""How DeMo turns its decoded aggregate into a step: its sign, unit RMS, or orthogonalized.
 
 DeMo turns the decoded aggregate into a step with its sign, so every entry
 moves by the learning rate. With one drawn coefficient of each 8x8 chunk per
@@ -6,6 +6,8 @@ worker (``random_positions``), the aggregate of a chunk is a few cosines, and
 its sign gives an entry where they cancel the same step as one where they
 agree. Scaling each tensor to a root mean square of one keeps the step's size
 (the sign's RMS is one too) and the entries' relative sizes (docs/results.md).
+``"orth"`` orthogonalizes each matrix first, as Muon does
+(:func:`distro_jax.orthogonalize`), and scales the result to unit RMS.
 """
 
 from collections.abc import Hashable, Iterable
@@ -16,21 +18,84 @@ import jax.numpy as jnp
 import optax
 
 from distro_jax import exchange
+from distro_jax.orthogonal import orthogonalize
 
 __all__ = ["NORMALIZE", "scale_to_unit_rms", "to_unit_rms"]
 
 # How dj.demo turns the decoded aggregate into a step.
-NORMALIZE = ("sign", "rms")
+NORMALIZE = ("sign", "rms", "orth")
 
 
-def check_normalize(normalize: str) -> str:
-  """``normalize``, refused unless it is one of :data:`NORMALIZE`."""
-  if normalize not in NORMALIZE:
-    raise ValueError(
-      f"normalize={normalize!r}; use normalize='sign' (DeMo's: every entry moves by the "
-      "learning rate) or normalize='rms' (each tensor's step scaled to unit RMS)."
-    )
+def check_normalize(normalize: Any) -> Any:
+  """``normalize``, refused unless it is one of :data:`NORMALIZE` or a tree of them.
+
+  A function of the params passes here; what it returns is checked when it
+  meets the params (:func:`normalize_modes`).
+  """
+  if callable(normalize):
+    return normalize
+  for mode in [normalize] if isinstance(normalize, str) else jax.tree.leaves(normalize):
+    if not isinstance(mode, str) or mode not in NORMALIZE:
+      raise ValueError(
+        f"normalize={mode!r}; use normalize='sign' (DeMo's: every entry moves by the "
+        "learning rate), normalize='rms' (each tensor's step scaled to unit RMS) or "
+        "normalize='orth' (each matrix's step orthogonalized, then at unit RMS), or a "
+        "tree of these like the params."
+      )
   return normalize
+
+
+def normalize_modes(normalize: Any, params: Any) -> list[str]:
+  """The mode of each leaf of ``params``, from a mode, a tree of them, or a function.
+
+  Args:
+    normalize: one of :data:`NORMALIZE`; a tree of them with the params'
+      structure or a prefix of it; or a function of the params that returns
+      one of those.
+    params: the tree the modes are for (params or updates).
+
+  Returns:
+    One checked mode per leaf of ``params``, in leaf order.
+  """
+  spec = check_normalize(normalize(params) if callable(normalize) else normalize)
+  leaves, treedef = jax.tree.flatten(params)
+  if isinstance(spec, str):
+    return [spec] * len(leaves)
+  try:
+    per_leaf = jax.tree.map(lambda mode, sub: jax.tree.map(lambda _: mode, sub), spec, params)
+  except ValueError as e:
+    raise ValueError(
+      "normalize= must be one of 'sign', 'rms' and 'orth', a tree of them with the "
+      f"params' structure or a prefix of it, or a function of the params that returns one: {e}"
+    ) from None
+  return treedef.flatten_up_to(per_leaf)
+
+
+def normalized_step(q: jax.Array, mode: str, sharded_over: Iterable[Hashable] = ()) -> jax.Array:
+  """The step along ``q`` that ``mode`` gives, in ``q``'s dtype.
+
+  Args:
+    q: one tensor's decoded aggregate, or under ``shard_map`` this device's
+      block of it.
+    mode: one of :data:`NORMALIZE`. ``"orth"`` orthogonalizes a matrix and
+      scales any other tensor (a vector, a scalar) to unit RMS.
+    sharded_over: the mesh axes whose devices hold the other blocks of ``q``.
+
+  Returns:
+    An array like ``q``.
+  """
+  if mode == "sign":
+    return jnp.sign(q)
+  if mode == "orth" and q.ndim == 2:
+    sharded_over = tuple(sharded_over)
+    if sharded_over:
+      raise ValueError(
+        f"normalize='orth' orthogonalizes each matrix whole, but this {q.shape} block is "
+        f"one of a matrix split over the mesh axes {sharded_over} (FSDP within a worker). "
+        "Use normalize='rms' with FSDP, or keep the params whole on each worker's devices."
+      )
+    q = orthogonalize(q)
+  return to_unit_rms(q, sharded_over)
 
 
 def to_unit_rms(x: jax.Array, sharded_over: Iterable[Hashable] = ()) -> jax.Array:
@@ -85,5 +150,34 @@ def scale_to_unit_rms(axis_name: Hashable | None = None) -> optax.GradientTransf
     return jax.tree.map(
       lambda u: to_unit_rms(u, exchange.varying_axes(u) - {axis_name}), updates
     ), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def scale_by_normalize(
+  normalize: Any, axis_name: Hashable | None = None
+) -> optax.GradientTransformation:
+  """Turns each tensor of the updates into a step as ``normalize`` says.
+
+  Args:
+    normalize: as given to :func:`distro_jax.demo`: a mode of
+      :data:`NORMALIZE`, a tree of them like the params (or a prefix of it),
+      or a function of the params that returns one.
+    axis_name: the workers' axis, as for :func:`scale_to_unit_rms`.
+
+  Returns:
+    An ``optax.GradientTransformation`` with no state.
+  """
+  check_normalize(normalize)
+
+  def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+    del params
+    leaves, treedef = jax.tree.flatten(updates)
+    modes = normalize_modes(normalize, updates)
+    steps = [
+      normalized_step(u, mode, exchange.varying_axes(u) - {axis_name})
+      for u, mode in zip(leaves, modes)
+    ]
+    return treedef.unflatten(steps), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

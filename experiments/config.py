@@ -106,7 +106,8 @@ class TrainConfig:
   normalize: str = _field(
     "sign",
     "How DeMo turns its decoded aggregate into a step: 'sign' (DeMo's, every entry moves "
-    "by the learning rate) or 'rms' (each tensor scaled to unit RMS).",
+    "by the learning rate), 'rms' (each tensor scaled to unit RMS) or 'orth' (each hidden "
+    "matrix orthogonalized as Muon does, then at unit RMS; the rest at unit RMS).",
   )
   compression_groups: str = _field(
     "",
@@ -634,7 +635,14 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
     )
   _check_overlap_exchange(cfg)
   if cfg.normalize not in NORMALIZE:
-    raise ConfigError(f"--normalize={cfg.normalize!r}; use --normalize=sign or --normalize=rms.")
+    raise ConfigError(
+      f"--normalize={cfg.normalize!r}; use --normalize=sign, --normalize=rms or --normalize=orth."
+    )
+  if cfg.normalize == "orth" and cfg.fsdp > 1:
+    raise ConfigError(
+      f"--normalize=orth orthogonalizes each matrix whole, and --fsdp={cfg.fsdp} splits "
+      "them over a site's devices; use --normalize=rms with --fsdp, or --fsdp=1."
+    )
   if cfg.normalize != "sign" and not method.supports_normalize:
     raise ConfigError(
       f"--normalize={cfg.normalize} shapes DeMo's step from its aggregate; it needs "

@@ -486,12 +486,38 @@ def _gradient_bytes_fp32(params: Any) -> int:
   return dj.wire_bytes(params).grad_fp32
 
 
+# Muon leaves the embedding and the output head to another optimizer; the
+# orthogonalized runs in docs/results.md step them at unit RMS.
+_NOT_ORTHOGONALIZED = re.compile(r"'embedding'|'lm_head'")
+
+
+def demo_normalize(name: str) -> Any:
+  """``--normalize`` as ``normalize`` of :func:`distro_jax.demo`.
+
+  ``"orth"`` orthogonalizes the hidden matrices only: the embedding and the
+  output head step at unit RMS, as Muon leaves them out.
+  """
+  if name != "orth":
+    return name
+
+  def modes(params: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(
+      lambda path, _: "rms" if _NOT_ORTHOGONALIZED.search(jax.tree_util.keystr(path)) else "orth",
+      params,
+    )
+
+  return modes
+
+
 # DisTrO clips each worker's own gradient before it enters the momentum.
 def _build_demo(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
   def demo(**sizes: int) -> optax.GradientTransformation:
     compression = {**_compression(cfg, axes), **sizes}
     return dj.demo(
-      lr_schedule(cfg), weight_decay=cfg.weight_decay, normalize=cfg.normalize, **compression
+      lr_schedule(cfg),
+      weight_decay=cfg.weight_decay,
+      normalize=demo_normalize(cfg.normalize),
+      **compression,
     )
 
   groups = compression_groups(cfg.compression_groups)
@@ -521,7 +547,7 @@ def _demo_gradient_point(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
     use_dct=cfg.use_dct,
     weight_decay=cfg.weight_decay,
     random_positions=cfg.random_positions,
-    normalize=cfg.normalize,
+    normalize=demo_normalize(cfg.normalize),
     axis_name=REPLICA,
   )
 
@@ -718,7 +744,11 @@ _COMPRESSION_OPTIONS = (
   Option(r"delayed", "delayed_apply", lambda m: True, "delayed"),
   Option(r"partial", "synchronous_params", lambda m: PARTIAL_OVERLAP, "partial"),
 )
-_DEMO_OPTIONS = (*_COMPRESSION_OPTIONS, Option(r"rms", "normalize", lambda m: "rms", "rms"))
+_DEMO_OPTIONS = (
+  *_COMPRESSION_OPTIONS,
+  Option(r"rms", "normalize", lambda m: "rms", "rms"),
+  Option(r"orth", "normalize", lambda m: "orth", "orth"),
+)
 # The DisTrO report's 1.2B run used 4e-4 with 250 warmup steps.
 _REPORT_RECIPE = Recipe(learning_rate=4e-4, warmup_steps=250)
 

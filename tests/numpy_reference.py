@@ -49,6 +49,18 @@ class Chunker:
     return blocks.transpose(0, 2, 1, 3).reshape(self.shape)
 
 
+def newton_schulz(q, steps=5):
+  """Muon's quintic iteration in float64: X <- aX + b(XX^T)X + c(XX^T)^2 X, on the short side."""
+  a, b, c = 3.4445, -4.7750, 2.0315
+  x = q.T if q.shape[0] > q.shape[1] else q
+  norm = np.linalg.norm(x)
+  x = x / norm if norm > 0 else x
+  for _ in range(steps):
+    g = x @ x.T
+    x = a * x + (b * g + c * g @ g) @ x
+  return x.T if q.shape[0] > q.shape[1] else x
+
+
 class ReferenceDeMo:
   """DeMo for W workers: one momentum buffer per worker and tensor."""
 
@@ -57,7 +69,8 @@ class ReferenceDeMo:
   ):
     """``positions(name, worker, step, k)``, if given, names each chunk's k positions
     (``(chunks, k)``) in place of the top-k by magnitude. ``normalize="rms"`` steps
-    along the decoded aggregate divided by its root mean square instead of its sign."""
+    along the decoded aggregate divided by its root mean square instead of its sign;
+    ``"orth"`` first runs :func:`newton_schulz` on each matrix's aggregate."""
     self.chunkers = {k: Chunker(s, chunk) for k, s in shapes.items()}
     self.m = [{k: np.zeros(s) for k, s in shapes.items()} for _ in range(workers)]
     self.lr, self.decay, self.topk, self.wd = lr, decay, topk, weight_decay
@@ -88,7 +101,9 @@ class ReferenceDeMo:
       agg = np.where(count > 0, total / np.maximum(count, 1), 0.0)
       q = ch.inverse(agg)
       p = np.asarray(p, np.float64) * (1 - self.lr * self.wd)
-      if self.normalize == "rms":
+      if self.normalize == "orth" and q.ndim == 2:
+        q = newton_schulz(q)
+      if self.normalize in ("rms", "orth"):
         rms = np.sqrt(np.mean(q * q))
         step = q / rms if rms > 0 else np.zeros_like(q)
       else:

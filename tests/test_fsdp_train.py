@@ -71,6 +71,7 @@ def test_the_lookahead_trains_sites_of_two_devices_as_two_workers(tmp_path, sync
     ({"replicas": 2, "fsdp": 2, "batch_size": 6}, "--replicas x --fsdp=4 devices"),
     ({"optimizer": "adamw", "delayed_apply": True}, "needs --optimizer=demo"),
     ({"fsdp": 0}, "--fsdp=0 must be 1 or more; use --fsdp=1"),
+    ({"fsdp": 2, "normalize": "orth"}, "use --normalize=rms with --fsdp, or --fsdp=1"),
   ],
 )
 def test_bad_mesh_flags_name_the_fix(tmp_path, overrides, message):

@@ -41,6 +41,7 @@ def test_method_names_map_to_config_fields():
     "frequency_bias": 1.5,
   }
   assert parse("demo-k1-c8-1bit-rand-fb1-rms")["normalize"] == "rms"
+  assert parse("demo-k1-c8-1bit-rand-fb1-orth")["normalize"] == "orth"
   assert parse("distro_adamw-k8") == {"optimizer": "distro_adamw", "compression_topk": 8}
   assert parse("diloco") == {"optimizer": "diloco"}
   assert parse("diloco-h100")["diloco_sync_every"] == 100
@@ -145,6 +146,32 @@ def test_groups_train_with_identical_replicas_and_the_bytes_they_count(tmp_path)
   # The groups' sizes, not the flags', made the message.
   assert summary.payload_bytes_per_step != methods.get("demo").payload(one, params).message
   assert np.isfinite(summary.final_train_loss)
+
+
+def test_orth_orthogonalizes_the_hidden_matrices_only():
+  params = model.abstract_params(presets.get_preset("tiny"))
+  modes = methods.demo_normalize("orth")(params)
+  by_path = {
+    jax.tree_util.keystr(path): mode
+    for path, mode in jax.tree_util.tree_flatten_with_path(modes)[0]
+  }
+  rms = sorted(p for p, m in by_path.items() if m == "rms")
+  # Muon's split: the embedding and the output head step at unit RMS.
+  assert rms == ["['embedding'].value", "['lm_head'].value"]
+  assert by_path["['blocks'][0]['attn']['wq'].value"] == "orth"
+  assert by_path["['blocks'][0]['mlp']['w_down'].value"] == "orth"
+  assert methods.demo_normalize("rms") == "rms"
+
+
+@pytest.mark.slow
+def test_orth_trains_through_the_driver_with_identical_replicas(tmp_path):
+  options = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
+  summary = tiny_runs.run_tiny(
+    tmp_path, steps=4, log_every=1, check_replicas=True, normalize="orth", **options
+  )
+  assert summary.measured_exchange_bytes_per_step == summary.payload_bytes_per_step
+  losses = [r.loss for r in tiny_runs.read_metrics(tmp_path)]
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
 def test_sparseloco_dct_option_reaches_the_transformation():

@@ -36,8 +36,16 @@ def _drawn(name, worker, step, k, bias=None):
     (True, 1.0, "sign"),
     (False, None, "rms"),
     (True, 1.0, "rms"),
+    (True, 1.0, "orth"),
   ],
-  ids=["topk", "random-positions", "random-positions-bias1", "topk-rms", "random-bias1-rms"],
+  ids=[
+    "topk",
+    "random-positions",
+    "random-positions-bias1",
+    "topk-rms",
+    "random-bias1-rms",
+    "random-bias1-orth",
+  ],
 )
 def test_demo_matches_numpy_reference_over_12_steps(random_positions, bias, normalize):
   workers, lr, wd = 4, 1e-3, 0.1

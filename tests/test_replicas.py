@@ -44,6 +44,9 @@ LOOKAHEAD = {"demo-delayed-drawn": DRAWN}
     lambda: dj.demo(3e-3, delayed_apply=True, **DRAWN),
     # Each tensor's step at unit RMS: a mean over the tensor, on every worker.
     lambda: dj.demo(3e-3, normalize="rms", **DRAWN),
+    # Each matrix's step orthogonalized (matmuls on every worker), the
+    # vector at unit RMS.
+    lambda: dj.demo(3e-3, normalize="orth", **DRAWN),
     # Groups of params with their own message sizes (--compression_groups):
     # one DeMo, message and all-gather per group.
     lambda: optax.multi_transform(
@@ -63,6 +66,7 @@ LOOKAHEAD = {"demo-delayed-drawn": DRAWN}
     "demo-partial",
     "demo-delayed-drawn",
     "demo-drawn-rms",
+    "demo-drawn-orth",
     "demo-groups",
   ],
 )
