@@ -19,6 +19,7 @@ def test_gpu_bench_runs_on_cpu_at_a_tiny_size(capsys):
     "dj.demo (defaults)",
     "dj.demo (top-k 8, 1-bit)",
     bench_update.DRAWN_NAME,
+    bench_update.ORTH_NAME,
   }
   assert all(row["ms"] > 0 for row in update.values())
   assert set(train) == set(gpu_bench.TRAIN_METHODS)
@@ -39,7 +40,7 @@ def test_bench_update_takes_a_preset_and_times_the_parts(capsys):
   )
   names = set(out["ms"])
   assert {"AdamW + grad pmean", "dj.demo (defaults)", "dj.demo (top-k 8, 1-bit)"} <= names
-  assert bench_update.DRAWN_NAME in names
+  assert {bench_update.DRAWN_NAME, bench_update.ORTH_NAME} <= names
   for part in ("transform", "top-k", "aggregate", "decode"):
     assert f"  {part} (defaults)" in names and f"  {part} (top-k 8, 1-bit)" in names
   assert out["ratio"]["AdamW + grad pmean"] == 1.0
