@@ -61,13 +61,14 @@ ALL_REDUCE = "all-reduce"
 BASELINE = "adamw"
 # What compare and frontier run with no --methods: the families, Psyche's
 # message, and the best point measured past 1,000x fewer bytes than a bf16
-# gradient (docs/results.md: drawn positions, unit RMS).
+# gradient at 1,000 steps (docs/results.md: drawn positions, each hidden
+# matrix's step orthogonalized).
 DEFAULT_COMPARISON = (
   "adamw",
   "demo",
   "demo-k8-1bit",
   "demo-k2-1bit",
-  "demo-k1-c8-1bit-rand-fb1-rms",
+  "demo-k1-c8-1bit-rand-fb1-orth",
   "diloco",
   "sparseloco",
 )

@@ -159,5 +159,5 @@ def test_the_default_methods_include_one_past_1000x_on_small():
     ratios[name] = bf16 / method.payload(cfg, params).per_step
   past = {name: r for name, r in ratios.items() if r >= 1000}
   # 1,811 bytes: a flag byte and one sign bit per 8x8 chunk.
-  assert past.keys() >= {"demo-k1-c8-1bit-rand-fb1-rms"}, ratios
-  assert int(ratios["demo-k1-c8-1bit-rand-fb1-rms"]) == 1014
+  assert past.keys() >= {"demo-k1-c8-1bit-rand-fb1-orth"}, ratios
+  assert int(ratios["demo-k1-c8-1bit-rand-fb1-orth"]) == 1014
