@@ -147,13 +147,10 @@ def lookahead_update(
       rows = jnp.arange(plan.rows)[:, None]
       coeffs = jnp.zeros(plan.coeff_shape, jnp.float32).at[rows, idx].add(val, unique_indices=True)
     q = from_chunks(coeffs, plan)
-    if mode == "sign":
-      direction = jnp.sign(q).astype(x.dtype)
-    else:
-      # Without axis_name the tensor is whole here; with it, every other axis
-      # that q varies over holds another block of it (FSDP).
-      blocks = () if axis_name is None else exchange.varying_axes(q) - {axis_name}
-      direction = unit_rms.normalized_step(q, mode, blocks).astype(x.dtype)
+    # Without axis_name the tensor is whole here; with it, every other axis
+    # that q varies over holds another block of it (FSDP).
+    blocks = () if axis_name is None else exchange.varying_axes(q) - {axis_name}
+    direction = unit_rms.normalized_step(q, mode, blocks).astype(x.dtype)
     if weight_decay:
       direction = direction + weight_decay * x
     delta = (-step * direction).astype(x.dtype)

@@ -776,8 +776,6 @@ def demo(
   unit_rms.check_normalize(normalize)
   if normalize == "sign":
     step = optax.scale_by_sign()
-  elif normalize == "rms":
-    step = unit_rms.scale_to_unit_rms(axis_name)
   else:
     step = unit_rms.scale_by_normalize(normalize, axis_name)
   return distro(

@@ -145,13 +145,7 @@ def scale_to_unit_rms(axis_name: Hashable | None = None) -> optax.GradientTransf
     1.732 -0.577 0.577 0.577
   """
 
-  def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-    del params
-    return jax.tree.map(
-      lambda u: to_unit_rms(u, exchange.varying_axes(u) - {axis_name}), updates
-    ), state
-
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+  return scale_by_normalize("rms", axis_name)
 
 
 def scale_by_normalize(

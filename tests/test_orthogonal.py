@@ -94,18 +94,6 @@ def test_normalize_per_param_as_a_tree_or_a_function():
     step({"embed": "rms"})
 
 
-def test_the_lookahead_guesses_orthogonalized_too():
-  opts = dict(compression_topk=4, normalize="orth")
-  params = {"w": jnp.zeros((16, 16))}
-  tx = dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **opts)
-  g = {"w": jnp.asarray(np.random.default_rng(3).normal(size=(16, 16)), jnp.float32)}
-  _, state = tx.update(g, tx.init(params), params)
-  at = dj.gradient_point(state, params, 0.1, **opts)
-  # The momentum before error feedback is lr * g: the guess is g orthogonalized.
-  want = _unit_rms(np.asarray(dj.orthogonalize(0.1 * g["w"]), np.float64))
-  np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * want, atol=1e-5)
-
-
 def test_a_matrix_split_within_a_worker_is_refused_with_the_fix():
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
   tx = dj.demo(1e-3, compression_topk=4, compression_chunk=8, normalize="orth")

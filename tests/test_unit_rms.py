@@ -78,16 +78,22 @@ def test_demo_rms_steps_along_the_aggregate_at_unit_rms():
   np.testing.assert_allclose(np.asarray(updates["w"]), -0.1 * w / np.sqrt(np.mean(w**2)), 1e-5)
 
 
-def test_the_lookahead_guesses_with_the_same_normalize():
-  opts = dict(compression_topk=4, normalize="rms")
+@pytest.mark.parametrize(
+  "normalize, shape, atol",
+  [("rms", lambda m: m, 1e-6), ("orth", dj.orthogonalize, 1e-5)],
+  ids=["rms", "orth"],
+)
+def test_the_lookahead_guesses_with_the_same_normalize(normalize, shape, atol):
+  opts = dict(compression_topk=4, normalize=normalize)
   params = {"w": jnp.zeros((16, 16))}
   tx = dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **opts)
   g = {"w": jnp.asarray(np.random.default_rng(3).normal(size=(16, 16)), jnp.float32)}
   _, state = tx.update(g, tx.init(params), params)
   at = dj.gradient_point(state, params, 0.1, **opts)
-  # The momentum before error feedback is lr * g: the guess is g at unit RMS.
-  w = np.asarray(g["w"], np.float64)
-  np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * w / np.sqrt(np.mean(w**2)), atol=1e-6)
+  # The momentum before error feedback is lr * g: the guess is lr * g shaped
+  # as the update is (orthogonalized or not), at unit RMS.
+  w = np.asarray(shape(0.1 * g["w"]), np.float64)
+  np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * w / np.sqrt(np.mean(w**2)), atol=atol)
   # The same state read as a sign step guesses the sign.
   sign = dj.gradient_point(state, params, 0.1, compression_topk=4)
-  np.testing.assert_allclose(np.asarray(sign["w"]), -0.1 * np.sign(w), atol=1e-7)
+  np.testing.assert_allclose(np.asarray(sign["w"]), -0.1 * np.sign(g["w"]), atol=1e-7)
