@@ -4,7 +4,11 @@ Each worker takes ``sync_every`` steps of its own inner optimizer on its own
 copy of the params; then the workers average how far they moved (the
 pseudo-gradient, one all-reduce) and take one Nesterov step with it from the
 last shared point. Traffic is one fp32 all-reduce of the params every
-``sync_every`` steps.
+``sync_every`` steps, plus the 4-byte count of the workers that took part.
+
+A worker whose round went non-finite (a NaN or inf gradient) is left out of
+that average, so its NaN reaches no replica, and restarts from the shared
+params with a fresh inner optimizer state.
 
 The params that the train step holds, checkpoints and evaluates are the
 shared outer params, identical on every worker at every step. Each worker's
@@ -24,6 +28,10 @@ from distro_jax import exchange
 from distro_jax.hyperparams import StaticInt, static_positive_int, unwrap_static
 
 __all__ = ["DilocoState", "diloco", "inner_params"]
+
+# What a synchronization all-reduces besides the float32 pseudo-gradient: the
+# count of workers whose round stayed finite, as one float32.
+COUNT_BYTES = 4
 
 
 class DilocoState(NamedTuple):
@@ -62,6 +70,11 @@ def diloco(
   ``outer <- outer - outer_lr * (g + mu * m)``; every worker restarts its inner
   params from the new outer params. Between synchronizations the update of the
   outer params is zero, so replicas stay identical.
+
+  A worker with a non-finite ``delta`` (a NaN or inf gradient during the
+  round) is left out: it adds zeros, the mean is over the workers that stayed
+  finite (counted in the same all-reduce), and its inner optimizer state
+  starts afresh. A round in which every worker failed moves nothing.
 
   A run whose length is not a multiple of ``sync_every`` would end with inner
   steps that never reach the outer params. Given ``total_steps``, the last
@@ -124,31 +137,54 @@ def diloco(
     local = optax.apply_updates(state.local_params, steps)
     count = optax.safe_increment(state.count)
 
-    def synchronize(local, momentum):
+    def synchronize(local, momentum, inner_state):
       delta = jax.tree.map(
         lambda p, q: p.astype(jnp.float32) - q.astype(jnp.float32), params, local
       )
+      # A worker whose round went non-finite (a NaN gradient) would spread it
+      # through the all-reduce to every replica. It adds zeros instead, and
+      # the mean is over the workers that stayed finite, counted in the same
+      # all-reduce (4 bytes more than the pseudo-gradient).
+      finite = exchange.all_finite(jax.tree.leaves(delta))
+      delta = jax.tree.map(lambda d: jnp.where(finite, d, 0.0), delta)
+      contributors = finite.astype(jnp.float32)
       if axis_name is not None:
-        delta = jax.lax.pmean(delta, axis_name)
-      momentum = jax.tree.map(lambda m, g: outer_momentum * m + g, momentum, delta)
+        delta, contributors = jax.lax.psum((delta, contributors), axis_name)
+      delta = jax.tree.map(lambda d: d / jnp.maximum(contributors, 1.0), delta)
+      # A round in which every worker failed moves nothing, momentum included.
+      moved = contributors > 0
+      momentum = jax.tree.map(
+        lambda m, g: jnp.where(moved, outer_momentum * m + g, m), momentum, delta
+      )
       outer_updates = jax.tree.map(
-        lambda g, m, p: (-outer_learning_rate * (g + outer_momentum * m)).astype(p.dtype),
+        lambda g, m, p: jnp.where(
+          moved, -outer_learning_rate * (g + outer_momentum * m), 0.0
+        ).astype(p.dtype),
         delta,
         momentum,
         params,
       )
       restart = exchange.worker_local(optax.apply_updates(params, outer_updates), axis_name)
-      return outer_updates, restart, momentum
+      # The failed worker restarts from the shared params like the others, and
+      # with a fresh inner state, since its own may hold the NaN. Leaves shared
+      # by every worker (a step count) took in no gradient.
+      fresh = inner.init(restart)
+      inner_state = jax.tree.map(
+        lambda s, f: s if exchange.is_shared(s, axis_name) else jnp.where(finite, s, f),
+        inner_state,
+        fresh,
+      )
+      return outer_updates, restart, momentum, inner_state
 
-    def keep_going(local, momentum):
-      return jax.tree.map(jnp.zeros_like, params), local, momentum
+    def keep_going(local, momentum, inner_state):
+      return jax.tree.map(jnp.zeros_like, params), local, momentum, inner_state
 
     sync = count % sync_every == 0
     if total_steps is not None:
       sync = sync | (count == total_steps)
     # A cond, not a select: the all-reduce must run only on synchronizing steps.
-    outer_updates, local, momentum = jax.lax.cond(
-      sync, synchronize, keep_going, local, state.outer_momentum
+    outer_updates, local, momentum, inner_state = jax.lax.cond(
+      sync, synchronize, keep_going, local, state.outer_momentum, inner_state
     )
     return outer_updates, DilocoState(count, local, inner_state, momentum)
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 __all__ = [
@@ -108,6 +109,18 @@ def varying_axes(x: jax.Array) -> frozenset[Hashable]:
 def varies_over(x: jax.Array, axis_name: Hashable) -> bool:
   """Whether ``x`` is typed as differing across ``axis_name`` inside ``shard_map``."""
   return axis_name in varying_axes(x)
+
+
+def is_shared(x: jax.Array, axis_name: Hashable | None) -> bool:
+  """Whether ``x`` is typed as the same on every worker of ``axis_name`` (never for ``None``)."""
+  return axis_name is not None and not varies_over(x, axis_name)
+
+
+def all_finite(arrays: list[jax.Array]) -> jax.Array:
+  """Whether every entry of every array is finite, as one bool (``True`` for none)."""
+  if not arrays:
+    return jnp.asarray(True)
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays]))
 
 
 def local_value_and_grad(

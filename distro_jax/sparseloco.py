@@ -313,11 +313,6 @@ def _lower_median(x_W: jax.Array, valid_W: jax.Array) -> jax.Array:
   return ordered[jnp.maximum(n - 1, 0) // 2]
 
 
-def _all_finite(arrays: list[jax.Array]) -> jax.Array:
-  """Whether every entry of every array is finite, as one bool."""
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays]))
-
-
 def _all_finite_per_worker(values_W: list[jax.Array]) -> jax.Array:
   """``bool[W]``: whether each worker's decoded values are finite in every tensor."""
   # No reshape: values sharded with their param (under jax.jit) stay so.
@@ -336,11 +331,6 @@ def _per_worker(
 def _norm_per_worker(x_W: jax.Array) -> jax.Array:
   """``float[W]``: the L2 norm of each worker's entries of ``x_W``."""
   return jnp.sqrt(jnp.sum(jnp.square(x_W), axis=tuple(range(1, x_W.ndim))))
-
-
-def _shared(x: jax.Array, axis_name: Hashable | None) -> bool:
-  """Whether ``x`` is typed as the same on every worker of ``axis_name``."""
-  return axis_name is not None and not exchange.varies_over(x, axis_name)
 
 
 def _invalid_unless(finite: jax.Array, x: jax.Array) -> jax.Array:
@@ -547,7 +537,7 @@ def sparseloco(
       all_errors = treedef.flatten_up_to(errors)
       old_errors = carried.pick(all_errors)
       selected = compress(pseudo, old_errors, layout, plans)
-      finite = _all_finite([*pseudo, *(sent for *_, sent, _ in selected)])
+      finite = exchange.all_finite([*pseudo, *(sent for *_, sent, _ in selected)])
       # A worker that is not finite keeps its buffer of before the round.
       errors = carried.merge(
         [jnp.where(finite, e, old) for (*_, e), old in zip(selected, old_errors)], all_errors
@@ -597,7 +587,7 @@ def sparseloco(
       # Its own inner state may hold the NaN, so a failed worker starts afresh.
       # Leaves shared by every worker (a step count) took in no gradient.
       inner_state = jax.tree.map(
-        lambda s, f: s if _shared(s, axis_name) else jnp.where(finite, s, f),
+        lambda s, f: s if exchange.is_shared(s, axis_name) else jnp.where(finite, s, f),
         inner_state,
         inner.init(restart),
       )

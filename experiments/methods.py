@@ -30,6 +30,7 @@ import jax
 import optax
 
 import distro_jax as dj
+from distro_jax.diloco import COUNT_BYTES as DILOCO_COUNT_BYTES
 
 if TYPE_CHECKING:
   from experiments.config import TrainConfig
@@ -830,7 +831,7 @@ register(
     name="diloco",
     description="DiLoCo: H local AdamW steps, then an fp32 all-reduce and an outer Nesterov step",
     build=_build_diloco,
-    message_bytes=lambda cfg, params: _gradient_bytes_fp32(params),
+    message_bytes=lambda cfg, params: _gradient_bytes_fp32(params) + DILOCO_COUNT_BYTES,
     collective=ALL_REDUCE,
     recipe=_DEFAULT_RECIPE,
     preset_recipes={"report-1.2b": _REPORT_RECIPE},

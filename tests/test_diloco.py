@@ -25,9 +25,12 @@ def _numpy_diloco(p0, grads_TxW, lr, sync_every, outer_lr, mu, total_steps=None)
   for t, grads_W in enumerate(grads_TxW, start=1):
     local = [x - lr * g for x, g in zip(local, grads_W)]
     if t % sync_every == 0 or t == total_steps:
-      delta = np.mean([outer - x for x in local], axis=0)
-      m = mu * m + delta
-      outer = outer - outer_lr * (delta + mu * m)
+      # A worker whose round went non-finite is left out; none left, no move.
+      finite = [outer - x for x in local if np.all(np.isfinite(x))]
+      if finite:
+        delta = np.mean(finite, axis=0)
+        m = mu * m + delta
+        outer = outer - outer_lr * (delta + mu * m)
       local = [outer.copy() for _ in local]
     history.append(outer)
   return history
@@ -51,6 +54,66 @@ def test_matches_numpy_reference_and_replicas_stay_identical():
   np.testing.assert_array_equal(expected[3], expected[4])
 
 
+def test_a_worker_that_goes_non_finite_is_left_out_and_restarts():
+  workers, steps, sync_every = 4, 7, 3
+  rng = np.random.default_rng(1)
+  p0 = rng.normal(size=(8, 16)).astype(np.float32)
+  grads = rng.normal(size=(steps, workers, 8, 16)).astype(np.float32)
+  grads[1, 2, 0, 0] = np.nan  # worker 2's second step, mid-round
+  mesh = mesh_of(workers)
+  tx = dj.diloco(optax.sgd(0.1), sync_every=sync_every, outer_learning_rate=0.7, outer_momentum=0.9)
+  step, params, state = build(tx, {"w": jnp.asarray(p0)}, mesh)
+  expected = _numpy_diloco(p0, grads, 0.1, sync_every, 0.7, 0.9)
+  for t in range(steps):
+    # build's step checks that every device holds the same params, to the bit.
+    params, state = step(params, state, {"w": place_grads(grads[t], mesh)})
+    copies = per_device_copies(params["w"])
+    assert np.all(np.isfinite(copies[0])), f"step {t}"
+    np.testing.assert_allclose(copies[0], expected[t], atol=1e-5)
+  # The first synchronization averaged three workers, not four.
+  left_out = _numpy_diloco(p0, np.nan_to_num(grads, nan=0.0), 0.1, sync_every, 0.7, 0.9)
+  assert not np.allclose(expected[2], left_out[2], atol=1e-3)
+
+
+def test_a_failed_worker_restarts_with_a_fresh_inner_state():
+  """AdamW's moments would keep the NaN, and the worker would fail every round after."""
+  workers, sync_every = 4, 2
+  rng = np.random.default_rng(2)
+  params = {"w": jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)}
+  mesh = mesh_of(workers)
+  tx = dj.diloco(optax.adamw(1e-2), sync_every=sync_every)
+  step, params, state = build(tx, params, mesh)
+  for t in range(3 * sync_every):
+    grads = rng.normal(size=(workers, 8, 16)).astype(np.float32)
+    if t == 0:
+      grads[1, 3, 3] = np.inf
+    params, state = step(params, state, {"w": place_grads(grads, mesh)})
+    if (t + 1) % sync_every == 0:
+      for leaf in jax.tree.leaves(state):
+        assert np.all(np.isfinite(np.asarray(leaf))), f"step {t + 1}"
+  assert np.all(np.isfinite(np.asarray(params["w"])))
+
+
+def test_a_round_in_which_every_worker_failed_moves_nothing():
+  tx = dj.diloco(optax.sgd(0.1), sync_every=2, axis_name=None)
+  params = {"w": jnp.ones((4, 4))}
+  state = tx.init(params)
+  moved, state = tx.update({"w": jnp.ones((4, 4))}, state, params)
+  moved, state = tx.update({"w": jnp.ones((4, 4))}, state, params)
+  params = optax.apply_updates(params, moved)
+  before = state.outer_momentum["w"]
+  nan = {"w": jnp.full((4, 4), jnp.nan)}
+  updates, state = tx.update(nan, state, params)
+  updates, state = tx.update(nan, state, params)
+  np.testing.assert_array_equal(updates["w"], np.zeros((4, 4)))
+  np.testing.assert_array_equal(state.outer_momentum["w"], before)
+  np.testing.assert_array_equal(state.local_params["w"], params["w"])
+  # The next round trains on from the shared params.
+  updates, state = tx.update({"w": jnp.ones((4, 4))}, state, params)
+  updates, state = tx.update({"w": jnp.ones((4, 4))}, state, params)
+  assert np.all(np.isfinite(updates["w"])) and np.any(updates["w"] != 0)
+
+
 def test_only_collective_is_one_fp32_all_reduce_of_the_params():
   mesh = mesh_of(8)
   params = {"w": jnp.zeros((64, 32), jnp.bfloat16), "b": jnp.zeros((32,), jnp.float32)}
@@ -59,8 +122,10 @@ def test_only_collective_is_one_fp32_all_reduce_of_the_params():
   grads = jax.tree.map(lambda p: jnp.zeros((8, *p.shape), p.dtype), params)
   measured = dj.collective_bytes(step, params, state, place_grads(grads, mesh))
   assert [k for k, v in measured.by_kind.items() if v] == ["all-reduce"]
-  # The pseudo-gradient is averaged in float32, whatever the param dtype.
-  assert measured.total == (64 * 32 + 32) * 4
+  # The pseudo-gradient is averaged in float32, whatever the param dtype, and
+  # the count of finite workers rides in the same all-reduce.
+  assert len(measured.ops) == 1
+  assert measured.total == (64 * 32 + 32) * 4 + 4
 
 
 def test_inner_params_is_where_the_gradient_is_taken():

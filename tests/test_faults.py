@@ -109,6 +109,22 @@ def test_driver_counts_the_excluded_worker_and_keeps_training(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+  "method",
+  [
+    dict(optimizer="diloco", diloco_sync_every=3),
+    dict(optimizer="sparseloco", sparseloco_sync_every=3),
+  ],
+)
+def test_driver_local_step_methods_leave_a_failed_worker_out(tmp_path, method):
+  # Worker 6's inner params go NaN at step 2; the round's exchange at step 3
+  # leaves it out, so no replica sees the NaN and the run trains on.
+  summary = _run(tmp_path, inject_nan_step=2, inject_nan_worker=6, **method)
+  assert all(np.isfinite(r.loss) for r in read_metrics(tmp_path))
+  assert np.isfinite(summary.final_val_loss)
+
+
+@pytest.mark.slow
 def test_driver_adamw_skips_a_nonfinite_step_when_asked(tmp_path):
   with pytest.raises(FloatingPointError, match="--skip_nonfinite"):
     _run(tmp_path / "a", optimizer="adamw", inject_nan_step=3)
