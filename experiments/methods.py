@@ -808,6 +808,7 @@ register(
     supports_delayed_apply=True,
     excludes_nonfinite=True,
     check=_check_compression,
+    gradient_point=_demo_gradient_point,
     overlapped_share=_demo_overlapped_share,
     supports_cold_start=True,
   )

@@ -235,12 +235,15 @@ def test_the_trainers_overlapped_step_looks_ahead_and_gathers_before_the_gradien
   assert fed and not any(fed)
 
 
+@pytest.mark.parametrize("optimizer", ["demo", "distro_adamw"])
 @pytest.mark.parametrize("lookahead", [True, False])
-def test_the_trainers_step_takes_its_gradient_at_the_lookahead(lookahead):
+def test_the_trainers_step_takes_its_gradient_at_the_lookahead(lookahead, optimizer):
   # The step's loss is the value of the forward pass its gradient comes from.
   # At the lookahead (where the update in flight lands) that pass reads the
   # message in flight, the state's pending; at the bare params it does not.
-  _, program, closed = trainer_step_jaxpr(delayed_apply=True, lookahead=lookahead)
+  _, program, closed = trainer_step_jaxpr(
+    optimizer=optimizer, delayed_apply=True, lookahead=lookahead
+  )
   jaxpr = closed.jaxpr
   num_params = len(jax.tree.leaves(program.abstract))
   state = jax.tree.flatten_with_path(program.abstract_state()["opt_state"])[0]
