@@ -144,7 +144,7 @@ def diloco(
       # A worker whose round went non-finite (a NaN gradient) would spread it
       # through the all-reduce to every replica. It adds zeros instead, and
       # the mean is over the workers that stayed finite, counted in the same
-      # all-reduce (4 bytes more than the pseudo-gradient).
+      # all-reduce (COUNT_BYTES more than the pseudo-gradient).
       finite = exchange.all_finite(jax.tree.leaves(delta))
       delta = jax.tree.map(lambda d: jnp.where(finite, d, 0.0), delta)
       contributors = finite.astype(jnp.float32)
