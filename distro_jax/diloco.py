@@ -44,12 +44,18 @@ class DilocoState(NamedTuple):
     inner_state: this worker's inner optimizer state.
     outer_momentum: the Nesterov momentum of the outer step, float32, the same
       on every worker.
+    contributors: how many workers' pseudo-gradients went into this step's
+      outer step; those that were not finite are left out (so
+      ``W - contributors`` were excluded). On a step that does not
+      synchronize no worker is left out, and it is ``W``. int32 scalar, the
+      same on every worker; 0 before the first step.
   """
 
   count: jax.Array
   local_params: Any
   inner_state: Any
   outer_momentum: Any
+  contributors: jax.Array
 
 
 def diloco(
@@ -127,12 +133,13 @@ def diloco(
       local_params=jax.tree.map(jnp.asarray, params),
       inner_state=inner.init(params),
       outer_momentum=jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params),
+      contributors=jnp.zeros([], jnp.int32),
     )
 
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError("dj.diloco needs the outer params: call tx.update(grads, state, params).")
-    exchange.bound_axis_size(axis_name)
+    num_workers = exchange.bound_axis_size(axis_name)
     steps, inner_state = inner.update(updates, state.inner_state, state.local_params)
     local = optax.apply_updates(state.local_params, steps)
     count = optax.safe_increment(state.count)
@@ -174,19 +181,20 @@ def diloco(
         inner_state,
         fresh,
       )
-      return outer_updates, restart, momentum, inner_state
+      return outer_updates, restart, momentum, inner_state, contributors.astype(jnp.int32)
 
     def keep_going(local, momentum, inner_state):
-      return jax.tree.map(jnp.zeros_like, params), local, momentum, inner_state
+      everyone = jnp.full([], num_workers, jnp.int32)
+      return jax.tree.map(jnp.zeros_like, params), local, momentum, inner_state, everyone
 
     sync = count % sync_every == 0
     if total_steps is not None:
       sync = sync | (count == total_steps)
     # A cond, not a select: the all-reduce must run only on synchronizing steps.
-    outer_updates, local, momentum, inner_state = jax.lax.cond(
+    outer_updates, local, momentum, inner_state, contributors = jax.lax.cond(
       sync, synchronize, keep_going, local, state.outer_momentum, inner_state
     )
-    return outer_updates, DilocoState(count, local, inner_state, momentum)
+    return outer_updates, DilocoState(count, local, inner_state, momentum, contributors)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

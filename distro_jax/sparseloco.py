@@ -96,7 +96,7 @@ _CODEBOOK_DTYPE = np.dtype(np.float32)
 
 
 class SparseLocoState(NamedTuple):
-  """State of :func:`sparseloco`; all but ``count`` differ from worker to worker.
+  """State of :func:`sparseloco`; all but ``count`` and ``contributors`` differ by worker.
 
   Attributes:
     count: inner steps taken, int32 scalar, the same on every worker.
@@ -110,12 +110,18 @@ class SparseLocoState(NamedTuple):
       place, as DeMo keeps its momentum, so any sharding of the param that
       does not cut a chunk places it too (``optax.tree_map_params`` gives it
       the param's spec).
+    contributors: how many workers' messages went into this step's outer
+      step; those that were not finite are left out (so ``W - contributors``
+      were excluded). On a step that does not synchronize no worker is left
+      out, and it is ``W``. int32 scalar, the same on every worker; 0 before
+      the first step.
   """
 
   count: jax.Array
   local_params: Any
   inner_state: Any
   error_feedback: Any
+  contributors: jax.Array
 
 
 class SparseLocoTensor(NamedTuple):
@@ -477,6 +483,7 @@ def sparseloco(
       local_params=jax.tree.map(jnp.asarray, params),
       inner_state=inner.init(params),
       error_feedback=jax.tree.map(dct.in_place_zeros, params),
+      contributors=jnp.zeros([], jnp.int32),
     )
 
   def compress(pseudo_grads, errors, layout, plans):
@@ -516,13 +523,14 @@ def sparseloco(
     steps, inner_state = inner.update(updates, state.inner_state, state.local_params)
     local = optax.apply_updates(state.local_params, steps)
     count = optax.safe_increment(state.count)
+    everyone = jnp.full([], num_workers, jnp.int32)
     all_leaves, treedef = jax.tree.flatten(params)
     # A zero-size param has nothing to send; it keeps an empty outer step.
     carried = wire.CarriedLeaves(all_leaves)
     leaves = carried.pick(all_leaves)
     if not leaves:
       # Nothing to exchange (an empty tree, or optax.masked selecting nothing).
-      return updates, SparseLocoState(count, local, inner_state, state.error_feedback)
+      return updates, SparseLocoState(count, local, inner_state, state.error_feedback, everyone)
     layout = sparseloco_layout(
       leaves, compression_topk=topk, compression_chunk=chunk, value_bits=bits
     )
@@ -591,20 +599,20 @@ def sparseloco(
         inner_state,
         inner.init(restart),
       )
-      return outer, restart, treedef.unflatten(errors), inner_state
+      return outer, restart, treedef.unflatten(errors), inner_state, contributors
 
     def keep_going(local, errors, inner_state):
-      return jax.tree.map(jnp.zeros_like, params), local, errors, inner_state
+      return jax.tree.map(jnp.zeros_like, params), local, errors, inner_state, everyone
 
     # A cond, not a select: the all-gather must run only on synchronizing steps.
     # Both branches must return the buffer typed alike, and the synchronizing
     # one makes it differ by worker, so it enters as such (else tracing it from
     # a shared buffer, as dj.worker_state_specs does first, fails).
     errors = exchange.worker_local(state.error_feedback, axis_name)
-    outer_updates, local, errors, inner_state = jax.lax.cond(
+    outer_updates, local, errors, inner_state, contributors = jax.lax.cond(
       count % sync_every == 0, synchronize, keep_going, local, errors, inner_state
     )
-    return outer_updates, SparseLocoState(count, local, inner_state, errors)
+    return outer_updates, SparseLocoState(count, local, inner_state, errors, contributors)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -841,6 +841,7 @@ register(
     supports_fsdp=False,
     tuning={"learning_rate": (1.5e-3, 3e-3), "diloco_outer_lr": (0.7, 1.0)},
     final_exchange=True,
+    excludes_nonfinite=True,
     check=_check_diloco,
   )
 )
@@ -867,6 +868,7 @@ register(
     exchange_every=lambda cfg: cfg.sparseloco_sync_every,
     supports_fsdp=False,
     tuning={"learning_rate": (1.5e-3, 3e-3), "sparseloco_outer_lr": (0.7, 1.0)},
+    excludes_nonfinite=True,
     check=_check_sparseloco,
   )
 )

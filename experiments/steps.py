@@ -160,7 +160,7 @@ def _apply(params, opt_state, step, loss, grads, *, tx, fault, cold_until, gathe
     extra["gathered"] = gathered
   updates, opt_state = tx.update(grads, opt_state, params, **extra)
   params = optax.apply_updates(params, updates)
-  # Optimizers with no DemoState count every worker as contributing; with two
+  # Optimizers whose state counts no contributors count every worker; with two
   # exchanges (a partial overlap) a worker left out of either counts.
   workers = jax.lax.axis_size(REPLICA)
   counts = [c for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "contributors")]

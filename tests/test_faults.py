@@ -120,7 +120,9 @@ def test_driver_local_step_methods_leave_a_failed_worker_out(tmp_path, method):
   # Worker 6's inner params go NaN at step 2; the round's exchange at step 3
   # leaves it out, so no replica sees the NaN and the run trains on.
   summary = _run(tmp_path, inject_nan_step=2, inject_nan_worker=6, **method)
-  assert all(np.isfinite(r.loss) for r in read_metrics(tmp_path))
+  records = read_metrics(tmp_path)
+  assert [r.excluded_contributions for r in records] == [0, 0, 1, 0, 0, 0]
+  assert all(np.isfinite(r.loss) for r in records)
   assert np.isfinite(summary.final_val_loss)
 
 

@@ -271,6 +271,7 @@ def test_a_worker_that_is_not_finite_is_left_out_and_restarts(value_bits, clip):
   step4, params4, state4 = build(tx(), init, mesh_of(4))
   step3, params3, state3 = build(tx(), init, mesh_of(3))
   params4, state4 = step4(params4, state4, place_grads(grads[0], mesh_of(4)))
+  assert int(state4.contributors) == 3
   others = {k: g[[0, 2, 3]] for k, g in grads[0].items()}
   params3, _ = step3(params3, state3, place_grads(others, mesh_of(3)))
   for k in SHAPES:
@@ -285,6 +286,7 @@ def test_a_worker_that_is_not_finite_is_left_out_and_restarts(value_bits, clip):
   mu = np.asarray(state4.inner_state[0].mu["a"]).reshape(4, *SHAPES["a"])
   assert not mu[1].any() and np.isfinite(mu).all()
   params4, state4 = step4(params4, state4, place_grads(grads[1], mesh_of(4)))
+  assert int(state4.contributors) == 4
   assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves((params4, state4)))
   errors = np.asarray(state4.error_feedback["a"]).reshape(4, *SHAPES["a"])
   assert errors[1].any()
