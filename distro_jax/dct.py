@@ -29,12 +29,20 @@ accelerator.
 
 import functools
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.shard_alike import shard_alike
+
+# jax 0.11.2 (seen on a GPU machine) has no jax.experimental.shard_alike, and
+# its private module is gone too. The library must still import there; only
+# the sharding hint for an auto mesh in from_blocks is then skipped.
+try:
+  from jax.experimental.shard_alike import shard_alike
+except ImportError:
+  shard_alike = getattr(jax.sharding, "shard_alike", None)
 
 __all__ = [
   "ChunkPlan",
@@ -354,8 +362,22 @@ def from_blocks(
     # On an auto mesh the sharding is the compiler's to choose; ask for the
     # one it gives ``like`` (results decoded from a replicated message would
     # otherwise come back replicated).
-    y, _ = shard_alike(y, like)
+    if shard_alike is None:
+      _warn_no_shard_alike()
+    else:
+      y, _ = shard_alike(y, like)
   return y
+
+
+@functools.cache
+def _warn_no_shard_alike() -> None:
+  warnings.warn(
+    f"jax {jax.__version__} has no shard_alike, so on a mesh of AxisType.Auto DeMo's "
+    "update and momentum may come back replicated instead of sharded like the params "
+    "(the values are the same). Use a mesh with AxisType.Explicit to keep the "
+    "params' sharding, or a jax that has jax.experimental.shard_alike.",
+    stacklevel=3,
+  )
 
 
 def _along_c1(basis: jax.Array, x: jax.Array) -> jax.Array:
