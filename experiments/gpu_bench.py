@@ -5,16 +5,21 @@ of the gradient (the data-parallel baseline), timed in interleaved rounds on
 every visible device:
 
 1. **Update.** One optimizer update on the preset's params tree, from a
-   different gradient per worker: DeMo at the defaults, at Psyche's top-k 8
-   with 1-bit values and with one drawn position of each 8x8 chunk, against
-   ``pmean`` + AdamW (``experiments.bench_update``'s step).
+   different gradient per worker: DeMo at the defaults and at Psyche's top-k 8
+   with 1-bit values (``--methods=all`` adds the drawn-position messages),
+   against ``pmean`` + AdamW (``experiments.bench_update``'s step).
 2. **Train step.** A full step of the Llama model (forward, backward, exchange,
    update) against the same step without the optimizer; the optimizer's share
    is ``1 - gradient time / step time``.
 
-``--presets=medium,largest`` runs ``medium`` and then the largest of
-``report-1.2b``, ``1b`` and ``base`` that fits in memory. Sized to finish in a
-few minutes on one GPU.
+The default ``--presets=base,medium,largest`` runs ``base``, ``medium`` and
+then the largest of ``report-1.2b``, ``1b`` and ``base`` that fits in memory,
+printing each preset's figures as it ends. Each program's first call (its
+compile) is printed as it happens, since compiling may be what a short
+device lease runs out of: the first run on an H200 (jax 0.11.2) printed no
+figure in 225 s at ``base``. On the CPU, DeMo's update compiles for 10 s at
+``base`` and 20 s at ``medium`` (AdamW's: 0.3 s and 0.4 s), one pipeline per
+tensor; how long the GPU's compiler takes was not seen (``docs/performance.md``).
 
   python -m experiments.gpu_bench
   python -m experiments.gpu_bench --presets=tiny --batch_size=2 --seq_len=16  # CPU smoke
@@ -43,6 +48,11 @@ from experiments.presets import get_preset
 
 LARGEST = ("report-1.2b", "1b", "base")
 BASELINE = "AdamW + grad pmean"
+# DeMo's update unrolls one pipeline per tensor (50,000 lines of optimized HLO
+# at base on the CPU, AdamW's 3,600), and an H200 gave no figure in 225 s at
+# base with all five methods. Three keep a run shorter; --methods=all adds the
+# drawn-position ones, which compile for twice as long.
+DEFAULT_METHODS = (BASELINE, "dj.demo (defaults)", "dj.demo (top-k 8, 1-bit)")
 # The train step compiles the whole model per method; two keep the run short.
 TRAIN_METHODS = (BASELINE, "dj.demo (defaults)")
 
@@ -90,13 +100,34 @@ def _median_ratio(times: list[float], base: list[float]) -> float:
   return statistics.median(t / b for t, b in zip(times, base))
 
 
-def time_updates(params: Any, mesh: jax.sharding.Mesh, rounds: int) -> dict[str, Any]:
+def _chosen(methods: Sequence[str] | None) -> dict[str, optax.GradientTransformation]:
+  """``bench_update``'s methods named in ``methods`` (all of them for ``None``), baseline first."""
+  every = bench_update.methods()
+  if methods is None:
+    return every
+  unknown = sorted(set(methods) - set(every))
+  if unknown:
+    raise ValueError(f"Unknown methods {unknown}; choose from {sorted(every)}.")
+  return {name: tx for name, tx in every.items() if name == BASELINE or name in methods}
+
+
+def _first_call(label: str, fn: Callable[..., Any], *args: Any) -> Any:
+  """Runs ``fn(*args)`` once (compile and run), waits, and prints how long it took."""
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  print(f"  compiled {label:<36} {time.perf_counter() - t0:>7.1f} s (first call)", flush=True)
+  return out
+
+
+def time_updates(
+  params: Any, mesh: jax.sharding.Mesh, rounds: int, methods: Sequence[str] | None = None
+) -> dict[str, Any]:
   """Median ms of one update per method and its ratio to AdamW + all-reduce."""
   grads = _worker_grads(params, mesh)
   steps: dict[str, list[Any]] = {}
-  for name, tx in bench_update.methods().items():
+  for name, tx in _chosen(methods).items():
     step, carry = bench_update.build_update(tx, params, mesh)
-    steps[name] = [step, jax.block_until_ready(step(*carry, grads))]
+    steps[name] = [step, _first_call(f"update {name}", step, *carry, grads)]
 
   def call(name: str) -> Callable[[], Any]:
     def run():
@@ -169,8 +200,11 @@ def time_train_steps(
     if name not in TRAIN_METHODS:
       continue
     full_step, grad_step, state = _train_steps(graphdef, tx, params, mesh)
-    carry = jax.block_until_ready(full_step(jax.tree.map(jnp.copy, params), state, tokens)[:2])
-    jax.block_until_ready(grad_step(*carry, tokens))
+    out = _first_call(
+      f"train step {name}", full_step, jax.tree.map(jnp.copy, params), state, tokens
+    )
+    carry = out[:2]
+    _first_call(f"gradient step {name}", grad_step, *carry, tokens)
     runs[name] = [full_step, grad_step, carry]
 
   def step_call(name: str) -> Callable[[], Any]:
@@ -220,6 +254,7 @@ def run(
   train_rounds: int = 3,
   batch_size: int = 8,
   seq_len: int = 512,
+  methods: Sequence[str] | None = DEFAULT_METHODS,
 ) -> dict[str, Any]:
   """Measures every preset (``largest``: the biggest of :data:`LARGEST` that fits).
 
@@ -230,6 +265,8 @@ def run(
     train_rounds: interleaved rounds of the train-step timing.
     batch_size: sequences per worker per train step.
     seq_len: tokens per sequence.
+    methods: the update methods timed (names in ``bench_update.methods()``;
+      AdamW is always in), or ``None`` for all of them.
 
   Returns:
     ``{preset: {"params": int, "update": {...}, "train_step": {...}}}``, as printed.
@@ -247,7 +284,7 @@ def run(
         params = jax.device_put(params, NamedSharding(mesh, P()))
         numel = sum(x.size for x in jax.tree.leaves(params))
         print(f"\n== {name}: {numel / 1e6:,.1f}M params", flush=True)
-        update = time_updates(params, mesh, rounds)
+        update = time_updates(params, mesh, rounds, methods)
         for method, row in update.items():
           print(f"  update {method:<28} {row['ms']:>9.2f} ms  {row['x_adamw']:>6.2f}x AdamW")
         train = time_train_steps(
@@ -278,16 +315,28 @@ def run(
 
 def main() -> None:
   """Defines the flags only when run as a command, so the module imports anywhere."""
-  presets = flags.DEFINE_list("presets", ["medium", "largest"], "Presets, or 'largest'.")
+  presets = flags.DEFINE_list("presets", ["base", "medium", "largest"], "Presets, or 'largest'.")
   workers = flags.DEFINE_integer("workers", None, "Devices on the data axis (default: all).")
   rounds = flags.DEFINE_integer("rounds", 5, "Interleaved rounds of the update timing.")
   train_rounds = flags.DEFINE_integer("train_rounds", 3, "Interleaved train-step rounds.")
   batch_size = flags.DEFINE_integer("batch_size", 8, "Sequences per worker per train step.")
   seq_len = flags.DEFINE_integer("seq_len", 512, "Tokens per sequence.")
   out = flags.DEFINE_string("out", None, "Also write the results here as JSON.")
+  methods = flags.DEFINE_list(
+    "methods",
+    ["defaults", "top-k 8, 1-bit"],
+    "DeMo updates to time, as the text in brackets of bench_update's names "
+    "('defaults', 'top-k 8, 1-bit', '1 drawn of 8x8, 1-bit', '1 drawn, 1-bit, orth'), "
+    "or 'all'.",
+  )
 
   def _main(argv: list[str]) -> None:
     del argv
+    chosen = None if methods.value == ["all"] else [f"dj.demo ({m})" for m in methods.value]
+    try:
+      _chosen(chosen)  # a misspelt method fails here, before any compile
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
     results = run(
       presets.value,
       workers=workers.value,
@@ -295,6 +344,7 @@ def main() -> None:
       train_rounds=train_rounds.value,
       batch_size=batch_size.value,
       seq_len=seq_len.value,
+      methods=chosen,
     )
     if out.value:
       with open(out.value, "w") as f:

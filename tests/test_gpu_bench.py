@@ -14,18 +14,25 @@ def test_gpu_bench_runs_on_cpu_at_a_tiny_size(capsys):
   assert tiny["params"] > 0
   update, train = tiny["update"], tiny["train_step"]
   assert update[gpu_bench.BASELINE]["x_adamw"] == 1.0
-  assert set(update) == {
-    gpu_bench.BASELINE,
-    "dj.demo (defaults)",
-    "dj.demo (top-k 8, 1-bit)",
-    bench_update.DRAWN_NAME,
-    bench_update.ORTH_NAME,
-  }
+  assert set(update) == set(gpu_bench.DEFAULT_METHODS)
   assert all(row["ms"] > 0 for row in update.values())
   assert set(train) == set(gpu_bench.TRAIN_METHODS)
   assert all(0.0 <= row["optimizer_share"] < 1.0 for row in train.values())
   printed = capsys.readouterr().out
   assert "x AdamW" in printed and "of the step" in printed
+  # Every compile is printed as it ends: the update and both train programs.
+  assert printed.count("(first call)") == len(update) + 2 * len(train)
+
+
+def test_methods_are_chosen_by_name_with_the_baseline_always_in():
+  every = bench_update.methods()
+  assert set(gpu_bench._chosen(None)) == set(every)
+  assert list(gpu_bench._chosen([bench_update.ORTH_NAME])) == [
+    gpu_bench.BASELINE,
+    bench_update.ORTH_NAME,
+  ]
+  with pytest.raises(ValueError, match="Unknown methods.*choose from"):
+    gpu_bench._chosen(["dj.demo (top-k 3)"])
 
 
 def test_importing_it_defines_no_flags():
