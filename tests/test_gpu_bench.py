@@ -51,4 +51,8 @@ def test_bench_update_takes_a_preset_and_times_the_parts(capsys):
   for part in ("transform", "top-k", "aggregate", "decode"):
     assert f"  {part} (defaults)" in names and f"  {part} (top-k 8, 1-bit)" in names
   assert out["ratio"]["AdamW + grad pmean"] == 1.0
+  # An update's first call compiles it, which is slower than a compiled call.
+  updates = set(bench_update.methods())
+  assert set(out["first_call_s"]) == updates
+  assert all(out["first_call_s"][n] * 1e3 > out["ms"][n] for n in updates)
   assert "tree: tiny" in capsys.readouterr().out
