@@ -27,6 +27,8 @@ def test_gpu_bench_runs_on_cpu_at_a_tiny_size(capsys):
 def test_methods_are_chosen_by_name_with_the_baseline_always_in():
   every = bench_update.methods()
   assert set(gpu_bench._chosen(None)) == set(every)
+  # --methods' short keys name every DeMo update there is, and nothing else.
+  assert set(gpu_bench.METHOD_KEYS.values()) | {gpu_bench.BASELINE} == set(every)
   assert list(gpu_bench._chosen([bench_update.ORTH_NAME])) == [
     gpu_bench.BASELINE,
     bench_update.ORTH_NAME,
