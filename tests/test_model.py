@@ -69,8 +69,9 @@ def test_causal(tiny_model):
     dict(n_kv_heads=4),  # plain multi-head
     dict(tie_embeddings=True),
     dict(param_dtype="bfloat16", compute_dtype="bfloat16"),
+    dict(scan_layers=True),
   ],
-  ids=["mqa", "mha", "tied", "bf16"],
+  ids=["mqa", "mha", "tied", "bf16", "scan"],
 )
 def test_variants_build_and_run(overrides):
   config = dataclasses.replace(TINY, **overrides)
@@ -82,6 +83,46 @@ def test_variants_build_and_run(overrides):
   has_head = "lm_head" in nnx.state(model, nnx.Param)
   assert has_head == (not config.tie_embeddings)
   assert param_count(config) == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_scanned_layers_compute_what_the_unrolled_ones_do(tiny_model):
+  # The unrolled model's weights, stacked layer by layer into the scanned
+  # model's arrays, give the same logits and the same (stacked) gradients.
+  graphdef, params = nnx.split(tiny_model, nnx.Param)
+  scanned = Llama(dataclasses.replace(TINY, scan_layers=True), rngs=nnx.Rngs(0))
+  s_graphdef, s_params = nnx.split(scanned, nnx.Param)
+  plain = nnx.to_pure_dict(params)
+  stacked = nnx.to_pure_dict(s_params)
+  layers = [plain["blocks"][i] for i in range(TINY.n_layers)]
+  stacked["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  for name in ("embedding", "final_norm", "lm_head"):
+    stacked[name] = plain[name]
+  nnx.replace_by_pure_dict(s_params, stacked)
+  assert jax.tree.leaves(s_params)[0].shape[0] == TINY.n_layers
+
+  tokens = _tokens(TINY, 2, 17, seed=5)
+
+  def loss(graphdef, params):
+    logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+    return next_token_loss(logits, tokens[:, 1:])
+
+  want, want_grads = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(
+    graphdef, params
+  )
+  got, got_grads = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(
+    s_graphdef, s_params
+  )
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  want_grads = nnx.to_pure_dict(want_grads)
+  got_grads = nnx.to_pure_dict(got_grads)
+  for i in range(TINY.n_layers):
+    for g, w in zip(
+      jax.tree.leaves(jax.tree.map(lambda x, i=i: x[i], got_grads["blocks"])),
+      jax.tree.leaves(want_grads["blocks"][i]),
+      strict=True,
+    ):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(got_grads["embedding"], want_grads["embedding"], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow
