@@ -25,6 +25,7 @@ tensor; how long the GPU's compiler takes was not seen (``docs/performance.md``)
   python -m experiments.gpu_bench --presets=tiny --batch_size=2 --seq_len=16  # CPU smoke
 """
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -262,6 +263,7 @@ def run(
   batch_size: int = 8,
   seq_len: int = 512,
   methods: Sequence[str] | None = DEFAULT_METHODS,
+  scan_layers: bool = False,
 ) -> dict[str, Any]:
   """Measures every preset (``largest``: the biggest of :data:`LARGEST` that fits).
 
@@ -274,6 +276,9 @@ def run(
     seq_len: tokens per sequence.
     methods: the update methods timed (names in ``bench_update.methods()``;
       AdamW is always in), or ``None`` for all of them.
+    scan_layers: build the models with their layers stacked and scanned
+      (:class:`experiments.model.ModelConfig`), so DeMo's update is one
+      pipeline per kind of weight and compiles in seconds.
 
   Returns:
     ``{preset: {"params": int, "update": {...}, "train_step": {...}}}``, as printed.
@@ -285,12 +290,13 @@ def run(
   for preset in presets:
     candidates = LARGEST if preset == "largest" else (preset,)
     for name in candidates:
-      config = get_preset(name)
+      config = dataclasses.replace(get_preset(name), scan_layers=scan_layers)
       try:
         graphdef, params = _random_params(config)
         params = jax.device_put(params, NamedSharding(mesh, P()))
         numel = sum(x.size for x in jax.tree.leaves(params))
-        print(f"\n== {name}: {numel / 1e6:,.1f}M params", flush=True)
+        layers = ", layers stacked and scanned" if scan_layers else ""
+        print(f"\n== {name}: {numel / 1e6:,.1f}M params{layers}", flush=True)
         update = time_updates(params, mesh, rounds, methods)
         for method, row in update.items():
           print(f"  update {method:<28} {row['ms']:>9.2f} ms  {row['x_adamw']:>6.2f}x AdamW")
@@ -329,6 +335,9 @@ def main() -> None:
   batch_size = flags.DEFINE_integer("batch_size", 8, "Sequences per worker per train step.")
   seq_len = flags.DEFINE_integer("seq_len", 512, "Tokens per sequence.")
   out = flags.DEFINE_string("out", None, "Also write the results here as JSON.")
+  scan_layers = flags.DEFINE_bool(
+    "scan_layers", False, "Stack and scan the layers: far shorter compiles (ModelConfig)."
+  )
   methods = flags.DEFINE_list(
     "methods",
     ["defaults", "k8-1bit"],
@@ -349,6 +358,7 @@ def main() -> None:
       batch_size=batch_size.value,
       seq_len=seq_len.value,
       methods=chosen,
+      scan_layers=scan_layers.value,
     )
     if out.value:
       with open(out.value, "w") as f:
