@@ -42,7 +42,7 @@ import numpy as np
 try:
   from jax.experimental.shard_alike import shard_alike
 except ImportError:
-  shard_alike = getattr(jax.sharding, "shard_alike", None)
+  shard_alike = None
 
 __all__ = [
   "ChunkPlan",
@@ -372,8 +372,9 @@ def from_blocks(
 @functools.cache
 def _warn_no_shard_alike() -> None:
   warnings.warn(
-    f"jax {jax.__version__} has no shard_alike, so on a mesh of AxisType.Auto DeMo's "
-    "update and momentum may come back replicated instead of sharded like the params "
+    f"jax {jax.__version__} has no shard_alike, so on a mesh of AxisType.Auto the "
+    "update and optimizer state (DeMo's, SparseLoCo's) may come back replicated instead "
+    "of sharded like the params "
     "(the values are the same). Use a mesh with AxisType.Explicit to keep the "
     "params' sharding, or a jax that has jax.experimental.shard_alike.",
     stacklevel=3,
