@@ -101,6 +101,20 @@ def _worker_grads(params: Any, mesh: jax.sharding.Mesh, seed: int = 1) -> Any:
   )
 
 
+def first_call(label: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+  """Calls ``fn(*args)`` once and waits; prints and returns its seconds with the result.
+
+  A jitted function's first call compiles it. The line is printed as soon as
+  the call ends, since on an accelerator compiling DeMo's per-tensor
+  pipeline may take minutes, and a run cut short should say how far it got.
+  """
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  seconds = time.perf_counter() - t0
+  print(f"  compiled {label:<40}{seconds:>8.1f} s (first call)", flush=True)
+  return out, seconds
+
+
 def build_update(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh):
   """A jitted update with params and state donated, and its first carry (compiled, warm)."""
   specs = dj.worker_state_specs(tx, params, mesh)
@@ -207,15 +221,11 @@ def run(
   grads = _worker_grads(params, mesh)
 
   timed: dict[str, tuple[Callable[..., Any], Any, bool]] = {}
-  # An update's first call compiles it; printed as it ends, since on an
-  # accelerator compiling DeMo's per-tensor pipeline may take minutes.
   first_s: dict[str, float] = {}
   for name, tx in methods().items():
     step, carry = build_update(tx, params, mesh)
-    t0 = time.perf_counter()
-    timed[name] = (step, jax.block_until_ready(step(*carry, grads)), True)
-    first_s[name] = time.perf_counter() - t0
-    print(f"compiled {name:<36}{first_s[name]:>8.1f} s (first call)", flush=True)
+    carry, first_s[name] = first_call(name, step, *carry, grads)
+    timed[name] = (step, carry, True)
   for label, kw in [("defaults", (32, False)), ("top-k 8, 1-bit", (8, True))]:
     parts = demo_parts(params, grads, mesh, topk=kw[0], quantize_1bit=kw[1])
     for part, (fn, args) in parts.items():

@@ -49,11 +49,6 @@ from experiments.presets import get_preset
 
 LARGEST = ("report-1.2b", "1b", "base")
 BASELINE = "AdamW + grad pmean"
-# DeMo's update unrolls one pipeline per tensor (50,000 lines of optimized HLO
-# at base on the CPU, AdamW's 3,600), and an H200 gave no figure in 225 s at
-# base with all five methods. Three keep a run shorter; --methods=all adds the
-# drawn-position ones, which compile for twice as long.
-DEFAULT_METHODS = (BASELINE, "dj.demo (defaults)", "dj.demo (top-k 8, 1-bit)")
 # --methods names DeMo's updates by these keys (the full names hold commas).
 METHOD_KEYS = {
   "defaults": "dj.demo (defaults)",
@@ -61,6 +56,12 @@ METHOD_KEYS = {
   "drawn": bench_update.DRAWN_NAME,
   "drawn-orth": bench_update.ORTH_NAME,
 }
+# DeMo's update unrolls one pipeline per tensor (50,000 lines of optimized HLO
+# at base on the CPU, AdamW's 3,600), and an H200 gave no figure in 225 s at
+# base with all five methods. Three keep a run shorter; --methods=all adds the
+# drawn-position ones, which compile for twice as long.
+DEFAULT_KEYS = ("defaults", "k8-1bit")
+DEFAULT_METHODS = (BASELINE, *(METHOD_KEYS[k] for k in DEFAULT_KEYS))
 # The train step compiles the whole model per method; two keep the run short.
 TRAIN_METHODS = (BASELINE, "dj.demo (defaults)")
 
@@ -119,14 +120,6 @@ def _chosen(methods: Sequence[str] | None) -> dict[str, optax.GradientTransforma
   return {name: tx for name, tx in every.items() if name == BASELINE or name in methods}
 
 
-def _first_call(label: str, fn: Callable[..., Any], *args: Any) -> Any:
-  """Runs ``fn(*args)`` once (compile and run), waits, and prints how long it took."""
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(fn(*args))
-  print(f"  compiled {label:<36} {time.perf_counter() - t0:>7.1f} s (first call)", flush=True)
-  return out
-
-
 def time_updates(
   params: Any, mesh: jax.sharding.Mesh, rounds: int, methods: Sequence[str] | None = None
 ) -> dict[str, Any]:
@@ -135,7 +128,7 @@ def time_updates(
   steps: dict[str, list[Any]] = {}
   for name, tx in _chosen(methods).items():
     step, carry = bench_update.build_update(tx, params, mesh)
-    steps[name] = [step, _first_call(f"update {name}", step, *carry, grads)]
+    steps[name] = [step, bench_update.first_call(f"update {name}", step, *carry, grads)[0]]
 
   def call(name: str) -> Callable[[], Any]:
     def run():
@@ -208,11 +201,10 @@ def time_train_steps(
     if name not in TRAIN_METHODS:
       continue
     full_step, grad_step, state = _train_steps(graphdef, tx, params, mesh)
-    out = _first_call(
-      f"train step {name}", full_step, jax.tree.map(jnp.copy, params), state, tokens
-    )
+    first = bench_update.first_call
+    out, _ = first(f"train step {name}", full_step, jax.tree.map(jnp.copy, params), state, tokens)
     carry = out[:2]
-    _first_call(f"gradient step {name}", grad_step, *carry, tokens)
+    first(f"gradient step {name}", grad_step, *carry, tokens)
     runs[name] = [full_step, grad_step, carry]
 
   def step_call(name: str) -> Callable[[], Any]:
@@ -340,7 +332,7 @@ def main() -> None:
   )
   methods = flags.DEFINE_list(
     "methods",
-    ["defaults", "k8-1bit"],
+    list(DEFAULT_KEYS),
     f"DeMo updates to time (AdamW always is): some of {', '.join(METHOD_KEYS)}, or 'all'.",
   )
 
