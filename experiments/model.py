@@ -51,8 +51,9 @@ class ModelConfig:
       array per kind of weight, and run the blocks with a scan, as MaxText's
       ``scan_layers`` does. The program is then one block, not ``n_layers``,
       and DeMo's update, one pipeline per tensor, compiles about ten times
-      faster at ``medium``'s sizes (``docs/performance.md``); it cuts the
-      same chunks and sends the same bytes as for separate layers
+      faster at ``medium``'s sizes (``docs/performance.md``). Each layer's
+      norm scale is then a ``(1, d_model)`` row, so DeMo cuts the same chunks
+      and sends the same bytes as for separate layers
       (``tests/test_stacked_layers.py``).
   """
 
@@ -127,8 +128,19 @@ def _normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: jnp.dtype
 class RMSNorm(nnx.Module):
   """Root-mean-square norm with a learned per-feature scale."""
 
-  def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype, compute_dtype: jnp.dtype):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+  def __init__(
+    self,
+    dim: int,
+    *,
+    eps: float,
+    param_dtype: jnp.dtype,
+    compute_dtype: jnp.dtype,
+    as_row: bool = False,
+  ):
+    # A stacked layer's scale is a (1, dim) row, so the stack is (n_layers, 1,
+    # dim): DeMo then chunks each layer's scale on its own, as for separate
+    # layers, where an (n_layers, dim) stack would be chunked across layers.
+    self.scale = nnx.Param(jnp.ones((1, dim) if as_row else (dim,), param_dtype))
     self.eps = eps
     self.compute_dtype = compute_dtype
 
@@ -210,7 +222,13 @@ class Block(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     pdt, cdt = jnp.dtype(config.param_dtype), jnp.dtype(config.compute_dtype)
-    norm = lambda: RMSNorm(config.d_model, eps=config.norm_eps, param_dtype=pdt, compute_dtype=cdt)
+    norm = lambda: RMSNorm(
+      config.d_model,
+      eps=config.norm_eps,
+      param_dtype=pdt,
+      compute_dtype=cdt,
+      as_row=config.scan_layers,
+    )
     self.attn_norm = norm()
     self.attn = Attention(config, rngs=rngs)
     self.mlp_norm = norm()

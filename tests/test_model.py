@@ -94,7 +94,10 @@ def test_scanned_layers_compute_what_the_unrolled_ones_do(tiny_model):
   plain = nnx.to_pure_dict(params)
   stacked = nnx.to_pure_dict(s_params)
   layers = [plain["blocks"][i] for i in range(TINY.n_layers)]
-  stacked["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  # A layer's norm scale is a (1, d) row in the stack.
+  stacked["blocks"] = jax.tree.map(
+    lambda into, *xs: jnp.stack(xs).reshape(into.shape), stacked["blocks"], *layers
+  )
   for name in ("embedding", "final_norm", "lm_head"):
     stacked[name] = plain[name]
   nnx.replace_by_pure_dict(s_params, stacked)
@@ -121,7 +124,7 @@ def test_scanned_layers_compute_what_the_unrolled_ones_do(tiny_model):
       jax.tree.leaves(want_grads["blocks"][i]),
       strict=True,
     ):
-      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+      np.testing.assert_allclose(np.reshape(g, w.shape), w, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(got_grads["embedding"], want_grads["embedding"], rtol=1e-5, atol=1e-7)
 
 
