@@ -49,6 +49,7 @@ _ADDED_LATER = {
   "frequency_bias": 0.0,
   "normalize": "sign",
   "compression_groups": "",
+  "scan_layers": False,
 }
 
 

@@ -38,6 +38,7 @@ __all__ = [
   "config_from_flags",
   "define_flags",
   "fingerprint",
+  "model_config",
   "parse_field",
   "positive_ints",
   "resolve",
@@ -66,6 +67,14 @@ class TrainConfig:
     "demo", "Optimizer family, a name in experiments/methods.py (demo, adamw, ...).", enum=True
   )
   preset: str = _field("tiny", "Model preset (experiments/presets.py).")
+  scan_layers: bool = _field(
+    False,
+    "Hold each kind of block weight as one (n_layers, ...) array and run the blocks "
+    "with nnx.scan: the same model and DeMo message, far shorter compiles (a GPU "
+    "compiles one block, not n_layers; docs/performance.md). Params then have no "
+    "per-layer paths, and --normalize=rms/orth and SparseLoCo's clip would treat a "
+    "stack as one tensor, so those are refused.",
+  )
   data_path: str | None = _field(
     None, "Text file (bytes), .npy or uint16 .bin tokens; default: embedded corpus."
   )
@@ -350,6 +359,11 @@ def parse_field(name: str, text: str) -> Any:
     raise ConfigError(f"{name}={text!r} is not {_KIND_WORDS[kind]}.") from None
 
 
+def model_config(cfg: TrainConfig) -> Any:
+  """The :class:`experiments.model.ModelConfig` a run builds: its preset, laid out as asked."""
+  return dataclasses.replace(checked_preset(cfg.preset), scan_layers=cfg.scan_layers)
+
+
 def checked_preset(name: str) -> Any:
   """The model config of preset ``name``; an unknown name is a ConfigError naming ``--preset``."""
   from experiments import presets
@@ -577,7 +591,7 @@ def _supporting(attribute: str) -> str:
 
 def _check_synchronous(cfg: TrainConfig) -> None:
   """``--synchronous_params`` needs the delay, and must be a pattern that picks some params."""
-  from experiments import model, presets
+  from experiments import model
 
   if not cfg.delayed_apply:
     raise ConfigError(
@@ -591,7 +605,7 @@ def _check_synchronous(cfg: TrainConfig) -> None:
     raise ConfigError(
       f"--synchronous_params={cfg.synchronous_params!r} is not a regular expression ({e})."
     ) from None
-  paths = model.param_paths(presets.get_preset(cfg.preset))
+  paths = model.param_paths(model_config(cfg))
   if not any(pattern.search(p) for p in paths):
     raise ConfigError(
       f"--synchronous_params={cfg.synchronous_params!r} matches no param of preset "
@@ -672,7 +686,29 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       "--skip_nonfinite is not supported with --fsdp > 1 (its skip counter would "
       "differ between a site's shards); drop it or use --fsdp=1."
     )
+  if cfg.scan_layers:
+    _check_scan_layers(cfg, method)
   method.check(cfg)
+
+
+def _check_scan_layers(cfg: TrainConfig, method: Any) -> None:
+  """What treats each param as a whole, and so would see a stack of layers as one tensor.
+
+  A method's own such settings are its check's (SparseLoCo's median clip).
+  """
+  if cfg.normalize != "sign" and method.supports_normalize:
+    raise ConfigError(
+      f"--normalize={cfg.normalize} scales each tensor as a whole (and 'orth' "
+      "orthogonalizes each matrix), so with --scan_layers it would treat the stack of "
+      "all layers as one tensor, a different step. Use --normalize=sign with "
+      "--scan_layers, or drop --scan_layers."
+    )
+  if cfg.fsdp > 1:
+    raise ConfigError(
+      f"--scan_layers with --fsdp={cfg.fsdp} is not built: a site's devices would split "
+      "the stacks along the layers, which no test covers yet. Use --fsdp=1 with "
+      "--scan_layers, or drop --scan_layers."
+    )
 
 
 def validate(cfg: TrainConfig) -> None:

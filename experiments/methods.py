@@ -642,14 +642,20 @@ def _check_sparseloco(cfg: TrainConfig) -> None:
       f"--sparseloco_sync_every<={cfg.steps} (e.g. the method sparseloco-h"
       f"{max(cfg.steps // 4, 1)}), or more --steps."
     )
+  if cfg.scan_layers and cfg.sparseloco_clip:
+    raise ConfigError(
+      "SparseLoCo clips each worker's contribution to each tensor at the median norm, "
+      "so with --scan_layers it would clip the stack of all layers as one tensor. Add "
+      "--nosparseloco_clip, or drop --scan_layers."
+    )
   _check_topk_fits(cfg, "sparseloco", "the paper sends 64 of 4096")
 
 
 def overlapped_share(cfg: TrainConfig) -> float:
   """The share of ``cfg``'s message sent during the next step's compute (the time model's)."""
-  from experiments import model, presets
+  from experiments import config, model
 
-  params = model.abstract_params(presets.get_preset(cfg.preset))
+  params = model.abstract_params(config.model_config(cfg))
   return get(cfg.optimizer).overlapped_share(cfg, params)
 
 
@@ -683,8 +689,8 @@ def _check_topk_fits(cfg: TrainConfig, prefix: str, usual: str) -> None:
 
 def _check_groups(cfg: TrainConfig) -> None:
   """``--compression_groups``: well formed, each pattern takes a param, each top-k fits."""
-  from experiments import model, presets
-  from experiments.config import ConfigError
+  from experiments import model
+  from experiments.config import ConfigError, model_config
 
   groups = compression_groups(cfg.compression_groups)
   if not groups:
@@ -699,7 +705,7 @@ def _check_groups(cfg: TrainConfig) -> None:
       "--compression_groups is not built for --fsdp > 1; use --fsdp=1, or drop "
       "--compression_groups."
     )
-  paths = model.param_paths(presets.get_preset(cfg.preset))
+  paths = model.param_paths(model_config(cfg))
   for g in groups:
     if not any(re.search(g.pattern, p) for p in paths):
       raise ConfigError(

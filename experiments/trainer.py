@@ -102,7 +102,7 @@ class Program:
     )
 
   def init_params(self) -> Any:
-    model_cfg = presets.get_preset(self.cfg.preset)
+    model_cfg = config.model_config(self.cfg)
     make = lambda: nnx.split(model_lib.Llama(model_cfg, rngs=nnx.Rngs(self.cfg.seed)), nnx.Param)
     return jax.jit(lambda: make()[1], out_shardings=self.sharding(self.fsdp_plan.specs))()
 
@@ -126,7 +126,7 @@ def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Pro
   :func:`experiments.steps.train_step` takes.
   """
   method = methods.get(cfg.optimizer)
-  model_cfg = presets.get_preset(cfg.preset)
+  model_cfg = config.model_config(cfg)
   mesh = make_mesh(cfg.workers, cfg.fsdp)
   graphdef, abstract = nnx.split(
     nnx.eval_shape(lambda: model_lib.Llama(model_cfg, rngs=nnx.Rngs(cfg.seed))), nnx.Param
