@@ -8,8 +8,13 @@ agree. Scaling each tensor to a root mean square of one keeps the step's size
 (the sign's RMS is one too) and the entries' relative sizes (docs/results.md).
 ``"orth"`` orthogonalizes each matrix first, as Muon does
 (:func:`distro_jax.orthogonalize`), and scales the result to unit RMS.
+
+A model that stacks its layers (one ``(n_layers, ...)`` array per kind of
+weight, as a scanned model does) marks those params :class:`PerLayer`, so
+each layer is normalized on its own, as a separate param would be.
 """
 
+import dataclasses
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -20,10 +25,52 @@ import optax
 from distro_jax import exchange
 from distro_jax.orthogonal import orthogonalize
 
-__all__ = ["NORMALIZE", "scale_to_unit_rms", "to_unit_rms"]
+__all__ = ["NORMALIZE", "PerLayer", "scale_to_unit_rms", "to_unit_rms"]
 
 # How dj.demo turns the decoded aggregate into a step.
 NORMALIZE = ("sign", "rms", "orth")
+
+
+@dataclasses.dataclass(frozen=True)
+class PerLayer:
+  """A normalize mode for a param whose leading axes stack layers: each layer on its own.
+
+  ``normalize="rms"`` scales a whole tensor to unit RMS and ``"orth"``
+  orthogonalizes a matrix. On a stack of layers ``(n_layers, ...)``, as a
+  scanned model holds them, that would be one step for all layers at once.
+  ``PerLayer(mode)`` applies ``mode`` to each ``x[i]`` instead, which is
+  what the layers held as separate params get. A layer of shape ``(1, n)``
+  is the row layout of a vector (chunked on its own, see
+  :func:`distro_jax.dct.plan_chunks`), so ``"orth"`` scales it to unit RMS,
+  as it does a vector.
+
+  Attributes:
+    mode: one of :data:`NORMALIZE`.
+    axes: how many leading axes index the layers.
+
+  Example:
+    >>> import jax.numpy as jnp, distro_jax as dj
+    >>> modes = {"blocks": dj.PerLayer("orth"), "embedding": "rms"}
+    >>> tx = dj.demo(1e-3, axis_name=None, normalize=modes)
+    >>> params = {"blocks": jnp.ones((2, 8, 8)), "embedding": jnp.ones((16, 8))}
+    >>> updates, _ = tx.update(params, tx.init(params), params)
+    >>> updates["blocks"].shape
+    (2, 8, 8)
+  """
+
+  mode: str
+  axes: int = 1
+
+  def __post_init__(self) -> None:
+    if self.mode not in NORMALIZE:
+      raise ValueError(
+        f"PerLayer(mode={self.mode!r}); use one of {', '.join(map(repr, NORMALIZE))}."
+      )
+    if not isinstance(self.axes, int) or isinstance(self.axes, bool) or self.axes < 1:
+      raise ValueError(
+        f"PerLayer(axes={self.axes!r}) counts the leading axes that index the layers; "
+        "use an int of 1 or more (1 for a (n_layers, ...) stack)."
+      )
 
 
 def check_normalize(normalize: Any) -> Any:
@@ -35,12 +82,14 @@ def check_normalize(normalize: Any) -> Any:
   if callable(normalize):
     return normalize
   for mode in [normalize] if isinstance(normalize, str) else jax.tree.leaves(normalize):
+    if isinstance(mode, PerLayer):
+      continue
     if not isinstance(mode, str) or mode not in NORMALIZE:
       raise ValueError(
         f"normalize={mode!r}; use normalize='sign' (DeMo's: every entry moves by the "
         "learning rate), normalize='rms' (each tensor's step scaled to unit RMS) or "
         "normalize='orth' (each matrix's step orthogonalized, then at unit RMS), or a "
-        "tree of these like the params."
+        "tree of these (or of dj.PerLayer(mode) for stacked layers) like the params."
       )
   return normalize
 
@@ -71,19 +120,24 @@ def normalize_modes(normalize: Any, params: Any) -> list[str]:
   return treedef.flatten_up_to(per_leaf)
 
 
-def normalized_step(q: jax.Array, mode: str, sharded_over: Iterable[Hashable] = ()) -> jax.Array:
+def normalized_step(
+  q: jax.Array, mode: str | PerLayer, sharded_over: Iterable[Hashable] = ()
+) -> jax.Array:
   """The step along ``q`` that ``mode`` gives, in ``q``'s dtype.
 
   Args:
     q: one tensor's decoded aggregate, or under ``shard_map`` this device's
       block of it.
-    mode: one of :data:`NORMALIZE`. ``"orth"`` orthogonalizes a matrix and
-      scales any other tensor (a vector, a scalar) to unit RMS.
+    mode: one of :data:`NORMALIZE`, or a :class:`PerLayer` of one.
+      ``"orth"`` orthogonalizes a matrix and scales any other tensor (a
+      vector, a scalar) to unit RMS.
     sharded_over: the mesh axes whose devices hold the other blocks of ``q``.
 
   Returns:
     An array like ``q``.
   """
+  if isinstance(mode, PerLayer):
+    return _per_layer_step(q, mode, tuple(sharded_over))
   if mode == "sign":
     return jnp.sign(q)
   if mode == "orth" and q.ndim == 2:
@@ -96,6 +150,28 @@ def normalized_step(q: jax.Array, mode: str, sharded_over: Iterable[Hashable] = 
       )
     q = orthogonalize(q)
   return to_unit_rms(q, sharded_over)
+
+
+def _per_layer_step(q: jax.Array, mode: PerLayer, sharded_over: tuple[Hashable, ...]) -> jax.Array:
+  if mode.mode == "sign":
+    return jnp.sign(q)
+  if q.ndim <= mode.axes:
+    raise ValueError(
+      f"PerLayer(axes={mode.axes}) marks a tensor of shape {q.shape}, which has no axes "
+      "left for a layer; mark only the stacked params, with axes= the number of layer axes."
+    )
+  if sharded_over:
+    raise ValueError(
+      f"PerLayer({mode.mode!r}) normalizes each layer of a stack whole, but this "
+      f"{q.shape} block is one of a stack split over the mesh axes {sharded_over} (FSDP "
+      "within a worker). Keep stacked params whole on each worker's devices, or use "
+      "normalize='sign'."
+    )
+  layer_shape = q.shape[mode.axes :]
+  matrix = mode.mode == "orth" and len(layer_shape) == 2 and min(layer_shape) > 1
+  per_layer = "orth" if matrix else "rms"
+  layers = q.reshape(-1, *layer_shape)
+  return jax.vmap(lambda x: normalized_step(x, per_layer))(layers).reshape(q.shape)
 
 
 def to_unit_rms(x: jax.Array, sharded_over: Iterable[Hashable] = ()) -> jax.Array:

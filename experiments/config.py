@@ -72,8 +72,8 @@ class TrainConfig:
     "Hold each kind of block weight as one (n_layers, ...) array and run the blocks "
     "with nnx.scan: the same model and DeMo message, far shorter compiles (a GPU "
     "compiles one block, not n_layers; docs/performance.md). Params then have no "
-    "per-layer paths, and --normalize=rms/orth and SparseLoCo's clip would treat a "
-    "stack as one tensor, so those are refused.",
+    "per-layer paths, and SparseLoCo's median clip would treat a stack as one tensor, "
+    "so it is refused.",
   )
   data_path: str | None = _field(
     None, "Text file (bytes), .npy or uint16 .bin tokens; default: embedded corpus."
@@ -694,15 +694,9 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
 def _check_scan_layers(cfg: TrainConfig, method: Any) -> None:
   """What treats each param as a whole, and so would see a stack of layers as one tensor.
 
-  A method's own such settings are its check's (SparseLoCo's median clip).
+  ``--normalize`` marks the stacks :class:`distro_jax.PerLayer`; a method's
+  own such settings are its check's (SparseLoCo's median clip).
   """
-  if cfg.normalize != "sign" and method.supports_normalize:
-    raise ConfigError(
-      f"--normalize={cfg.normalize} scales each tensor as a whole (and 'orth' "
-      "orthogonalizes each matrix), so with --scan_layers it would treat the stack of "
-      "all layers as one tensor, a different step. Use --normalize=sign with "
-      "--scan_layers, or drop --scan_layers."
-    )
   if cfg.fsdp > 1:
     raise ConfigError(
       f"--scan_layers with --fsdp={cfg.fsdp} is not built: a site's devices would split "

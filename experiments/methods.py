@@ -493,22 +493,27 @@ def _gradient_bytes_fp32(params: Any) -> int:
 _NOT_ORTHOGONALIZED = re.compile(r"'embedding'|'lm_head'")
 
 
-def demo_normalize(name: str) -> Any:
+# A scanned model's stacked layers: everything under its blocks.
+_STACKED = re.compile(r"^\['blocks'\]")
+
+
+def demo_normalize(name: str, scan_layers: bool = False) -> Any:
   """``--normalize`` as ``normalize`` of :func:`distro_jax.demo`.
 
   ``"orth"`` orthogonalizes the hidden matrices only: the embedding and the
-  output head step at unit RMS, as Muon leaves them out.
+  output head step at unit RMS, as Muon leaves them out. With
+  ``scan_layers``, the stacked blocks are :class:`distro_jax.PerLayer`, so
+  each layer steps as it would as a param of its own.
   """
-  if name != "orth":
+  if name == "sign" or (name == "rms" and not scan_layers):
     return name
 
-  def modes(params: Any) -> Any:
-    return jax.tree_util.tree_map_with_path(
-      lambda path, _: "rms" if _NOT_ORTHOGONALIZED.search(jax.tree_util.keystr(path)) else "orth",
-      params,
-    )
+  def mode(path: Any, _: Any) -> Any:
+    key = jax.tree_util.keystr(path)
+    m = "rms" if name == "orth" and _NOT_ORTHOGONALIZED.search(key) else name
+    return dj.PerLayer(m) if scan_layers and _STACKED.search(key) else m
 
-  return modes
+  return lambda params: jax.tree_util.tree_map_with_path(mode, params)
 
 
 # DisTrO clips each worker's own gradient before it enters the momentum.
@@ -518,7 +523,7 @@ def _build_demo(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
     return dj.demo(
       lr_schedule(cfg),
       weight_decay=cfg.weight_decay,
-      normalize=demo_normalize(cfg.normalize),
+      normalize=demo_normalize(cfg.normalize, cfg.scan_layers),
       **compression,
     )
 
@@ -549,7 +554,7 @@ def _demo_gradient_point(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
     use_dct=cfg.use_dct,
     weight_decay=cfg.weight_decay,
     random_positions=cfg.random_positions,
-    normalize=demo_normalize(cfg.normalize),
+    normalize=demo_normalize(cfg.normalize, cfg.scan_layers),
     axis_name=REPLICA,
   )
 

@@ -1,22 +1,26 @@
 """``--scan_layers``: the driver trains a model with stacked layers, and refuses what would change.
 
 The stacked layout compiles DeMo's update in a fraction of the time
-(docs/performance.md). It must send the bytes of the separate layers,
-resume exactly, keep the replicas identical, and refuse every setting that
-treats a param as a whole, since a stack is then all layers at once.
+(docs/performance.md). It must send the bytes of the separate layers, step
+each layer as it would step alone, resume exactly, keep the replicas
+identical, and refuse every setting that would treat a stack as one tensor.
 """
 
+import dataclasses
+
+import jax
+import numpy as np
 import pytest
 import tiny_runs
+from flax import nnx
 
-from experiments import config
+from distro_jax.unit_rms import normalized_step
+from experiments import config, methods, model, presets
 
 
 @pytest.mark.parametrize(
   "flags, message",
   [
-    (dict(normalize="orth"), "Use --normalize=sign with --scan_layers"),
-    (dict(normalize="rms"), "Use --normalize=sign with --scan_layers"),
     (dict(workers=4, fsdp=2), "Use --fsdp=1 with --scan_layers"),
     (dict(optimizer="sparseloco", steps=60), "Add --nosparseloco_clip"),
     # Layers have no paths of their own once stacked.
@@ -26,7 +30,7 @@ from experiments import config
     ),
     (dict(compression_groups=r"\['blocks'\]\[0\]=8:2"), "matches no param of preset 'tiny'"),
   ],
-  ids=["orth", "rms", "fsdp", "sparseloco-clip", "synchronous-layer", "group-layer"],
+  ids=["fsdp", "sparseloco-clip", "synchronous-layer", "group-layer"],
 )
 def test_the_driver_refuses_what_a_stack_would_change(flags, message):
   cfg = config.TrainConfig(**{"preset": "tiny", "workers": 4, **flags, "scan_layers": True})
@@ -43,6 +47,8 @@ def test_what_works_on_every_param_alike_is_accepted():
     dict(optimizer="sparseloco", steps=60, sparseloco_clip=False),
     dict(delayed_apply=True, synchronous_params="'attn'"),
     dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True),
+    dict(normalize="orth", delayed_apply=True),
+    dict(normalize="rms"),
   ]:
     config.resolve(config.TrainConfig(preset="tiny", workers=4, scan_layers=True, **flags))
 
@@ -62,3 +68,37 @@ def test_a_scanned_run_sends_the_same_bytes_resumes_exactly_and_keeps_replicas_e
   assert [r.loss for r in a] == [r.loss for r in b]
   assert straight.params_digest == resumed.params_digest
   assert a[-1].loss < a[0].loss
+
+
+@pytest.mark.parametrize("name", ["rms", "orth"])
+def test_normalize_steps_each_stacked_layer_as_its_separate_param(name):
+  # The modes --normalize gives the scanned tree, applied to a stacked
+  # aggregate, equal the modes it gives the separate layers, applied to each
+  # layer: the same step whichever way the model holds its layers.
+  tiny = presets.get_preset("tiny")
+  separate = nnx.to_pure_dict(model.abstract_params(tiny))
+  scanned = nnx.to_pure_dict(model.abstract_params(dataclasses.replace(tiny, scan_layers=True)))
+
+  def modes(tree, scan_layers):
+    given = methods.demo_normalize(name, scan_layers)
+    given = given(tree) if callable(given) else jax.tree.map(lambda _: given, tree)
+    flat = jax.tree_util.tree_flatten_with_path(given)[0]
+    shapes = [x.shape for x in jax.tree.leaves(tree)]
+    return {jax.tree_util.keystr(p): (m, shape) for (p, m), shape in zip(flat, shapes)}
+
+  want_modes, got_modes = modes(separate, False), modes(scanned, True)
+  rng = np.random.default_rng(0)
+  layers_checked = 0
+  for key, (mode, shape) in got_modes.items():
+    q = rng.normal(size=shape).astype(np.float32)
+    got = normalized_step(q, mode)
+    if not key.startswith("['blocks']"):
+      want_mode, _ = want_modes[key]
+      np.testing.assert_allclose(got, normalized_step(q, want_mode), rtol=1e-5, atol=1e-5)
+      continue
+    for layer in range(tiny.n_layers):
+      want_mode, want_shape = want_modes[key.replace("['blocks']", f"['blocks'][{layer}]", 1)]
+      want = normalized_step(q[layer].reshape(want_shape), want_mode)
+      np.testing.assert_allclose(got[layer].reshape(want_shape), want, rtol=1e-5, atol=1e-5)
+      layers_checked += 1
+  assert layers_checked == tiny.n_layers * 9  # four attention, three MLP weights, two norms

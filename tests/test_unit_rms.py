@@ -97,3 +97,60 @@ def test_the_lookahead_guesses_with_the_same_normalize(normalize, shape, atol):
   # The same state read as a sign step guesses the sign.
   sign = dj.gradient_point(state, params, 0.1, compression_topk=4)
   np.testing.assert_allclose(np.asarray(sign["w"]), -0.1 * np.sign(g["w"]), atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["sign", "rms", "orth"])
+def test_per_layer_normalizes_each_layer_as_a_separate_param(mode):
+  from distro_jax.unit_rms import normalized_step
+
+  rng = np.random.default_rng(3)
+  stack_LxMxN = jnp.asarray(rng.normal(size=(3, 16, 24)) * [[[1.0]], [[1e-3]], [[50.0]]])
+  rows_Lx1xD = jnp.asarray(rng.normal(size=(3, 1, 32)) * [[[1.0]], [[1e-3]], [[50.0]]])
+  got = jax.jit(normalized_step, static_argnums=1)(stack_LxMxN, dj.PerLayer(mode))
+  got_rows = jax.jit(normalized_step, static_argnums=1)(rows_Lx1xD, dj.PerLayer(mode))
+  for i in range(3):
+    # A layer steps as the same matrix held as a param of its own.
+    np.testing.assert_allclose(got[i], normalized_step(stack_LxMxN[i], mode), rtol=2e-5, atol=1e-5)
+    # A (1, d) layer is a vector in row layout, which "orth" scales as a vector.
+    want = normalized_step(rows_Lx1xD[i, 0], mode)
+    np.testing.assert_allclose(got_rows[i, 0], want, rtol=2e-5, atol=1e-5)
+  if mode != "sign":
+    # The whole stack as one tensor is another step: that is what PerLayer is for.
+    whole = normalized_step(stack_LxMxN, mode)
+    assert not np.allclose(whole, got, rtol=1e-2)
+
+
+def test_per_layer_refuses_what_it_cannot_mean():
+  from distro_jax.unit_rms import normalized_step
+
+  with pytest.raises(ValueError, match="use one of 'sign', 'rms', 'orth'"):
+    dj.PerLayer("muon")
+  with pytest.raises(ValueError, match="use an int of 1 or more"):
+    dj.PerLayer("orth", axes=0)
+  with pytest.raises(ValueError, match="no axes left for a layer"):
+    normalized_step(jnp.ones((4,)), dj.PerLayer("rms"))
+  # A tree of modes may hold PerLayer leaves, and nothing else but modes.
+  dj.demo(1e-3, normalize={"w": dj.PerLayer("orth"), "b": "rms"})
+  with pytest.raises(ValueError, match="dj.PerLayer"):
+    dj.demo(1e-3, normalize={"w": "orthogonal"})
+
+
+@pytest.mark.parametrize("mode", ["rms", "orth"])
+def test_demo_on_a_stack_marked_per_layer_updates_as_on_its_layers(mode):
+  # Three steps of DeMo on a (3, 64, 96) stack and on its three matrices: the
+  # same chunks, messages and error feedback; the step of each layer normalized
+  # alone. Equal up to the batched Newton-Schulz matmuls' rounding.
+  rng = np.random.default_rng(4)
+  grads = [rng.normal(size=(3, 64, 96)).astype(np.float32) for _ in range(3)]
+  stacked = {"w": jnp.zeros((3, 64, 96))}
+  separate = {f"w{i}": jnp.zeros((64, 96)) for i in range(3)}
+  tx_stacked = dj.demo(1e-3, axis_name=None, normalize={"w": dj.PerLayer(mode)})
+  tx_separate = dj.demo(1e-3, axis_name=None, normalize=mode)
+  s_stacked, s_separate = tx_stacked.init(stacked), tx_separate.init(separate)
+  for g in grads:
+    u_stacked, s_stacked = jax.jit(tx_stacked.update)({"w": jnp.asarray(g)}, s_stacked, stacked)
+    u_separate, s_separate = jax.jit(tx_separate.update)(
+      {f"w{i}": jnp.asarray(g[i]) for i in range(3)}, s_separate, separate
+    )
+    for i in range(3):
+      np.testing.assert_allclose(u_stacked["w"][i], u_separate[f"w{i}"], rtol=1e-4, atol=1e-9)
