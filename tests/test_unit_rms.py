@@ -114,6 +114,9 @@ def test_per_layer_normalizes_each_layer_as_a_separate_param(mode):
     # A (1, d) layer is a vector in row layout, which "orth" scales as a vector.
     want = normalized_step(rows_Lx1xD[i, 0], mode)
     np.testing.assert_allclose(got_rows[i, 0], want, rtol=2e-5, atol=1e-5)
+  # Two layer axes, (1, 3, ...), index the same three layers.
+  got_2 = normalized_step(stack_LxMxN[None], dj.PerLayer(mode, axes=2))
+  np.testing.assert_allclose(got_2[0], got, rtol=2e-5, atol=1e-5)
   if mode != "sign":
     # The whole stack as one tensor is another step: that is what PerLayer is for.
     whole = normalized_step(stack_LxMxN, mode)
