@@ -16,8 +16,10 @@ Psyche's top-k 8 with 1-bit values.
 
   python -m experiments.bench_update                  # 13.4M-param stacked tree
   python -m experiments.bench_update --preset=small   # a model preset's params
+  python -m experiments.bench_update --preset=medium --scan_layers   # its layers stacked
 """
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -58,13 +60,18 @@ def transformer_params(d_model: int, layers: int, vocab: int, dtype: Any) -> dic
   return {k: jnp.asarray(rng.normal(size=s) * 0.02, dtype) for k, s in shapes.items()}
 
 
-def preset_params(name: str, dtype: Any) -> Any:
-  """Random params with the tree and shapes of the model preset ``name``."""
+def preset_params(name: str, dtype: Any, scan_layers: bool = False) -> Any:
+  """Random params with the tree and shapes of the model preset ``name``.
+
+  With ``scan_layers``, the tree of the model with its layers stacked
+  (:class:`experiments.model.ModelConfig`): the same message, far fewer
+  tensors, so a far shorter compile.
+  """
   from experiments.model import abstract_params
   from experiments.presets import get_preset
 
   rng = np.random.default_rng(0)
-  abstract = abstract_params(get_preset(name))
+  abstract = abstract_params(dataclasses.replace(get_preset(name), scan_layers=scan_layers))
   return jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.02, dtype), abstract)
 
 
@@ -198,7 +205,15 @@ def demo_parts(
 
 
 def run(
-  *, workers: int, preset: str, d_model: int, layers: int, vocab: int, repeats: int, dtype: str
+  *,
+  workers: int,
+  preset: str,
+  d_model: int,
+  layers: int,
+  vocab: int,
+  repeats: int,
+  dtype: str,
+  scan_layers: bool = False,
 ) -> dict[str, Any]:
   """Times every method and DeMo's parts; prints the table and returns the medians.
 
@@ -213,9 +228,14 @@ def run(
   mesh = jax.make_mesh((workers,), ("data",), devices=devices)
   jdtype = jnp.dtype(dtype)
   if preset == SYNTHETIC:
+    if scan_layers:
+      raise ValueError(
+        f"--scan_layers stacks a model preset's layers, and the '{SYNTHETIC}' tree has its "
+        "layers stacked already; pass --preset=NAME with it, or drop --scan_layers."
+      )
     params = transformer_params(d_model, layers, vocab, jdtype)
   else:
-    params = preset_params(preset, jdtype)
+    params = preset_params(preset, jdtype, scan_layers)
   numel = sum(x.size for x in jax.tree.leaves(params))
   params = jax.device_put(params, NamedSharding(mesh, P()))
   grads = _worker_grads(params, mesh)
@@ -244,7 +264,10 @@ def run(
   base = times["AdamW + grad pmean"]
   ms = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
   ratio = {name: statistics.median(t / b for t, b in zip(ts, base)) for name, ts in times.items()}
-  label = preset if preset != SYNTHETIC else f"{SYNTHETIC} (d_model {d_model}, {layers} layers)"
+  if preset == SYNTHETIC:
+    label = f"{SYNTHETIC} (d_model {d_model}, {layers} layers)"
+  else:
+    label = f"{preset}, layers stacked" if scan_layers else preset
   print(
     f"devices: {workers} x {devices[0].platform}, params: {numel / 1e6:.2f}M ({jdtype.name}), "
     f"tree: {label}, {len(jax.tree.leaves(params))} tensors"
@@ -286,6 +309,9 @@ def main() -> None:
   vocab = flags.DEFINE_integer("vocab", 8192, f"Embedding rows of the '{SYNTHETIC}' tree.")
   repeats = flags.DEFINE_integer("repeats", 11, "Timed rounds (one call of each update).")
   dtype = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
+  scan_layers = flags.DEFINE_bool(
+    "scan_layers", False, "With --preset: the model's tree with its layers stacked (ModelConfig)."
+  )
 
   def _main(argv: list[str]) -> None:
     del argv
@@ -300,6 +326,7 @@ def main() -> None:
         vocab=vocab.value,
         repeats=repeats.value,
         dtype=dtype.value,
+        scan_layers=scan_layers.value,
       )
     except ValueError as e:
       raise app.UsageError(str(e)) from e

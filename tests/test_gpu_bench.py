@@ -1,5 +1,6 @@
 """The accelerator benchmark runs end to end, here on CPU at the smallest size."""
 
+import jax
 import pytest
 from absl import flags
 
@@ -58,3 +59,24 @@ def test_bench_update_takes_a_preset_and_times_the_parts(capsys):
   assert set(out["first_call_s"]) == updates
   assert all(out["first_call_s"][n] * 1e3 > out["ms"][n] for n in updates)
   assert "tree: tiny" in capsys.readouterr().out
+
+
+def test_bench_update_stacks_a_presets_layers_when_asked():
+  separate = bench_update.preset_params("tiny", "float32")
+  stacked = bench_update.preset_params("tiny", "float32", scan_layers=True)
+  assert len(jax.tree.leaves(stacked)) < len(jax.tree.leaves(separate))
+  assert sum(x.size for x in jax.tree.leaves(stacked)) == sum(
+    x.size for x in jax.tree.leaves(separate)
+  )
+  # Its own synthetic tree is stacked already; asking again is a usage error.
+  with pytest.raises(ValueError, match="pass --preset=NAME with it"):
+    bench_update.run(
+      workers=1,
+      preset="stacked",
+      d_model=64,
+      layers=1,
+      vocab=64,
+      repeats=1,
+      dtype="float32",
+      scan_layers=True,
+    )
