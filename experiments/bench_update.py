@@ -19,7 +19,6 @@ Psyche's top-k 8 with 1-bit values.
   python -m experiments.bench_update --preset=medium --scan_layers   # its layers stacked
 """
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -71,7 +70,7 @@ def preset_params(name: str, dtype: Any, scan_layers: bool = False) -> Any:
   from experiments.presets import get_preset
 
   rng = np.random.default_rng(0)
-  abstract = abstract_params(dataclasses.replace(get_preset(name), scan_layers=scan_layers))
+  abstract = abstract_params(get_preset(name, scan_layers=scan_layers))
   return jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.02, dtype), abstract)
 
 

@@ -361,15 +361,15 @@ def parse_field(name: str, text: str) -> Any:
 
 def model_config(cfg: TrainConfig) -> Any:
   """The :class:`experiments.model.ModelConfig` a run builds: its preset, laid out as asked."""
-  return dataclasses.replace(checked_preset(cfg.preset), scan_layers=cfg.scan_layers)
+  return checked_preset(cfg.preset, scan_layers=cfg.scan_layers)
 
 
-def checked_preset(name: str) -> Any:
+def checked_preset(name: str, *, scan_layers: bool = False) -> Any:
   """The model config of preset ``name``; an unknown name is a ConfigError naming ``--preset``."""
   from experiments import presets
 
   try:
-    return presets.get_preset(name)
+    return presets.get_preset(name, scan_layers=scan_layers)
   except ValueError as e:
     raise ConfigError(str(e).replace("unknown preset", "unknown --preset", 1)) from None
 

@@ -27,7 +27,6 @@ with separate layers, the first run there printed no figure in 225 s at
   python -m experiments.gpu_bench --presets=tiny --batch_size=2 --seq_len=16  # CPU smoke
 """
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -285,7 +284,7 @@ def run(
   for preset in presets:
     candidates = LARGEST if preset == "largest" else (preset,)
     for name in candidates:
-      config = dataclasses.replace(get_preset(name), scan_layers=scan_layers)
+      config = get_preset(name, scan_layers=scan_layers)
       try:
         graphdef, params = _random_params(config)
         params = jax.device_put(params, NamedSharding(mesh, P()))

@@ -137,9 +137,10 @@ class RMSNorm(nnx.Module):
     compute_dtype: jnp.dtype,
     as_row: bool = False,
   ):
-    # A stacked layer's scale is a (1, dim) row, so the stack is (n_layers, 1,
-    # dim): DeMo then chunks each layer's scale on its own, as for separate
-    # layers, where an (n_layers, dim) stack would be chunked across layers.
+    # In a stack of layers each scale is a (1, dim) row, so the stack is
+    # (n_layers, 1, dim) and DeMo chunks each layer's scale on its own, as it
+    # does a separate layer's. An (n_layers, dim) stack would be cut into
+    # chunks that span the layers, with one top-k across them.
     self.scale = nnx.Param(jnp.ones((1, dim) if as_row else (dim,), param_dtype))
     self.eps = eps
     self.compute_dtype = compute_dtype

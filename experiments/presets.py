@@ -86,16 +86,22 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def get_preset(name: str) -> ModelConfig:
+def get_preset(name: str, *, scan_layers: bool = False) -> ModelConfig:
   """The :class:`ModelConfig` called ``name`` in :data:`PRESETS`.
+
+  Args:
+    name: a key of :data:`PRESETS`.
+    scan_layers: the same model with its layers stacked and scanned
+      (:attr:`ModelConfig.scan_layers`).
 
   Raises:
     ValueError: ``name`` is not a preset.
   """
   try:
-    return PRESETS[name]
+    config = PRESETS[name]
   except KeyError:
     raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+  return dataclasses.replace(config, scan_layers=True) if scan_layers else config
 
 
 def describe_presets(num_workers: int = 8) -> str:

@@ -6,8 +6,6 @@ each layer as it would step alone, resume exactly, keep the replicas
 identical, and refuse every setting that would treat a stack as one tensor.
 """
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -77,7 +75,7 @@ def test_normalize_steps_each_stacked_layer_as_its_separate_param(name):
   # layer: the same step whichever way the model holds its layers.
   tiny = presets.get_preset("tiny")
   separate = nnx.to_pure_dict(model.abstract_params(tiny))
-  scanned = nnx.to_pure_dict(model.abstract_params(dataclasses.replace(tiny, scan_layers=True)))
+  scanned = nnx.to_pure_dict(model.abstract_params(presets.get_preset("tiny", scan_layers=True)))
 
   def modes(tree, scan_layers):
     given = methods.demo_normalize(name, scan_layers)

@@ -66,14 +66,11 @@ def test_a_stack_of_vectors_needs_a_row_axis_to_update_as_its_vectors_do():
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "medium"])
 def test_a_scanned_preset_sends_the_bytes_of_its_separate_layers(preset):
-  import dataclasses
-
   from experiments.model import abstract_params
   from experiments.presets import get_preset
 
-  config = get_preset(preset)
-  separate = abstract_params(config)
-  scanned = abstract_params(dataclasses.replace(config, scan_layers=True))
+  separate = abstract_params(get_preset(preset))
+  scanned = abstract_params(get_preset(preset, scan_layers=True))
   assert len(jax.tree.leaves(scanned)) < len(jax.tree.leaves(separate))
   for kwargs in [{}, {"compression_topk": 8, "quantize_1bit": True}]:
     assert dj.wire_bytes(scanned, **kwargs).payload == dj.wire_bytes(separate, **kwargs).payload
