@@ -695,13 +695,15 @@ def _check_scan_layers(cfg: TrainConfig, method: Any) -> None:
   """What treats each param as a whole, and so would see a stack of layers as one tensor.
 
   ``--normalize`` marks the stacks :class:`distro_jax.PerLayer`; a method's
-  own such settings are its check's (SparseLoCo's median clip).
+  own such settings are its check's (SparseLoCo's median clip). Under FSDP a
+  stack may be split along its layers or within them, and a per-layer RMS
+  would need to know which; the sign needs neither.
   """
-  if cfg.fsdp > 1:
+  if cfg.fsdp > 1 and cfg.normalize == "rms":
     raise ConfigError(
-      f"--scan_layers with --fsdp={cfg.fsdp} is not built: a site's devices would split "
-      "the stacks along the layers, which no test covers yet. Use --fsdp=1 with "
-      "--scan_layers, or drop --scan_layers."
+      f"--normalize=rms with --scan_layers scales each stacked layer to unit RMS, and "
+      f"--fsdp={cfg.fsdp} splits the stacks over a site's devices, which that step does not "
+      "support; use --normalize=sign with --fsdp, or --fsdp=1, or drop --scan_layers."
     )
 
 

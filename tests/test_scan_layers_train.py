@@ -12,6 +12,7 @@ import pytest
 import tiny_runs
 from flax import nnx
 
+import distro_jax as dj
 from distro_jax.unit_rms import normalized_step
 from experiments import config, methods, model, presets
 
@@ -19,7 +20,7 @@ from experiments import config, methods, model, presets
 @pytest.mark.parametrize(
   "flags, message",
   [
-    (dict(workers=4, fsdp=2), "Use --fsdp=1 with --scan_layers"),
+    (dict(workers=4, fsdp=2, normalize="rms"), "use --normalize=sign with --fsdp"),
     (dict(optimizer="sparseloco", steps=60), "Add --nosparseloco_clip"),
     # Layers have no paths of their own once stacked.
     (
@@ -28,7 +29,7 @@ from experiments import config, methods, model, presets
     ),
     (dict(compression_groups=r"\['blocks'\]\[0\]=8:2"), "matches no param of preset 'tiny'"),
   ],
-  ids=["fsdp", "sparseloco-clip", "synchronous-layer", "group-layer"],
+  ids=["fsdp-rms", "sparseloco-clip", "synchronous-layer", "group-layer"],
 )
 def test_the_driver_refuses_what_a_stack_would_change(flags, message):
   cfg = config.TrainConfig(**{"preset": "tiny", "workers": 4, **flags, "scan_layers": True})
@@ -47,6 +48,8 @@ def test_what_works_on_every_param_alike_is_accepted():
     dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True),
     dict(normalize="orth", delayed_apply=True),
     dict(normalize="rms"),
+    dict(fsdp=2),
+    dict(fsdp=2, delayed_apply=True),
   ]:
     config.resolve(config.TrainConfig(preset="tiny", workers=4, scan_layers=True, **flags))
 
@@ -66,6 +69,32 @@ def test_a_scanned_run_sends_the_same_bytes_resumes_exactly_and_keeps_replicas_e
   assert [r.loss for r in a] == [r.loss for r in b]
   assert straight.params_digest == resumed.params_digest
   assert a[-1].loss < a[0].loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delayed_apply", [False, True], ids=["plain", "overlapped"])
+def test_sites_of_two_devices_split_the_stacks_and_train_as_two_workers(tmp_path, delayed_apply):
+  flags = dict(steps=5, scan_layers=True, log_every=1, delayed_apply=delayed_apply)
+  whole = tiny_runs.run_tiny(tmp_path / "whole", workers=2, **flags)
+  split = tiny_runs.run_tiny(tmp_path / "fsdp", replicas=2, fsdp=2, check_replicas=True, **flags)
+  a = [r.loss for r in tiny_runs.read_metrics(tmp_path / "whole")]
+  b = [r.loss for r in tiny_runs.read_metrics(tmp_path / "fsdp")]
+  # As in tests/test_fsdp_train.py: only the site's gradient sum is ordered
+  # differently, and the lookahead's sign turns that into a little more.
+  np.testing.assert_allclose(b, a, rtol=1e-3 if delayed_apply else 1e-4)
+  assert a[-1] < a[0]
+
+  # Every stack splits along its layers or within them; on tiny only the final
+  # norm (one 64-wide chunk) stays whole, where the separate layers keep
+  # every block param whole and each device of a site sends all of them.
+  assert split.params_kept_whole == ["['final_norm']['scale'].value"]
+  stacked = presets.get_preset("tiny", scan_layers=True)
+  norm = {"final_norm": model.abstract_params(stacked)["final_norm"]}
+  kept = dj.wire_bytes(norm, num_workers=2).payload
+  # The site's devices together send the whole message once, and the kept
+  # norm's share once per device: no chunk is lost or sent twice.
+  assert 2 * split.payload_bytes_per_step == whole.payload_bytes_per_step + kept
+  assert split.measured_by_axes["replica"] == split.payload_bytes_per_step
 
 
 @pytest.mark.parametrize("name", ["rms", "orth"])
