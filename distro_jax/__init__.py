@@ -38,7 +38,7 @@ from distro_jax.sparseloco import (
   sparseloco_bytes,
 )
 from distro_jax.transforms import DemoState, demo, distro, distro_adamw, scale_by_demo
-from distro_jax.unit_rms import PerLayer, scale_to_unit_rms
+from distro_jax.unit_rms import PerLayer, Split, scale_to_unit_rms
 from distro_jax.wire import WireBytes, wire_bytes
 from distro_jax.worker_state import abstract_worker_state, init_worker_state, worker_state_specs
 
@@ -59,6 +59,7 @@ __all__ = [
   "PerLayer",
   "SparseLocoBytes",
   "SparseLocoState",
+  "Split",
   "WireBytes",
   "abstract_state_of_workers",
   "abstract_worker_state",

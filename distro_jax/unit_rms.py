@@ -11,7 +11,9 @@ agree. Scaling each tensor to a root mean square of one keeps the step's size
 
 A model that stacks its layers (one ``(n_layers, ...)`` array per kind of
 weight, as a scanned model does) marks those params :class:`PerLayer`, so
-each layer is normalized on its own, as a separate param would be.
+each layer is normalized on its own, as a separate param would be. A param
+split across a worker's devices (FSDP) is marked :class:`Split`, so each
+device takes its block of the whole tensor's step.
 """
 
 import dataclasses
@@ -25,7 +27,7 @@ import optax
 from distro_jax import exchange
 from distro_jax.orthogonal import orthogonalize
 
-__all__ = ["NORMALIZE", "PerLayer", "scale_to_unit_rms", "to_unit_rms"]
+__all__ = ["NORMALIZE", "PerLayer", "Split", "scale_to_unit_rms", "to_unit_rms"]
 
 # How dj.demo turns the decoded aggregate into a step.
 NORMALIZE = ("sign", "rms", "orth")
@@ -73,6 +75,50 @@ class PerLayer:
       )
 
 
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """A normalize mode for a param split across a worker's devices: each takes its block.
+
+  Under FSDP a worker's devices each hold a block of a param, cut along one
+  axis. ``"orth"`` (and :class:`PerLayer`, when the cut falls within the
+  layers) needs the whole tensor, so ``Split(mode, axis, over)`` all-gathers
+  the decoded aggregate over ``over`` (the worker's own devices, on fast
+  links), applies ``mode`` to the whole tensor and keeps this device's
+  block: the step the unsplit param gets (up to the rounding of another
+  compiled program). Every device computes it from the same gathered
+  values, so the blocks of every worker agree bit for bit.
+  ``"sign"`` needs no gather. Use it inside ``jax.shard_map``, with
+  ``axis`` and ``over`` as the param's ``PartitionSpec`` names them
+  (:func:`distro_jax.plan_fsdp` gives both).
+
+  Attributes:
+    mode: one of :data:`NORMALIZE`, or a :class:`PerLayer` of one.
+    axis: the param's axis that is cut into blocks.
+    over: the mesh axis (or tuple of axes) whose devices hold the blocks.
+
+  Example:
+    >>> import distro_jax as dj
+    >>> modes = {"w": dj.Split("orth", axis=1, over="fsdp"), "b": "rms"}
+  """
+
+  mode: Any
+  axis: int
+  over: Hashable = "fsdp"
+
+  def __post_init__(self) -> None:
+    inner = self.mode.mode if isinstance(self.mode, PerLayer) else self.mode
+    if not isinstance(inner, str) or inner not in NORMALIZE:
+      raise ValueError(
+        f"Split(mode={self.mode!r}); use one of {', '.join(map(repr, NORMALIZE))} or a "
+        "dj.PerLayer of one."
+      )
+    if not isinstance(self.axis, int) or isinstance(self.axis, bool) or self.axis < 0:
+      raise ValueError(
+        f"Split(axis={self.axis!r}) names the param's axis that is cut into blocks; use a "
+        "non-negative int, the position of the mesh axis in the param's PartitionSpec."
+      )
+
+
 def check_normalize(normalize: Any) -> Any:
   """``normalize``, refused unless it is one of :data:`NORMALIZE` or a tree of them.
 
@@ -82,7 +128,7 @@ def check_normalize(normalize: Any) -> Any:
   if callable(normalize):
     return normalize
   for mode in [normalize] if isinstance(normalize, str) else jax.tree.leaves(normalize):
-    if isinstance(mode, PerLayer):
+    if isinstance(mode, PerLayer | Split):
       continue
     if not isinstance(mode, str) or mode not in NORMALIZE:
       raise ValueError(
@@ -128,14 +174,17 @@ def normalized_step(
   Args:
     q: one tensor's decoded aggregate, or under ``shard_map`` this device's
       block of it.
-    mode: one of :data:`NORMALIZE`, or a :class:`PerLayer` of one.
-      ``"orth"`` orthogonalizes a matrix and scales any other tensor (a
-      vector, a scalar) to unit RMS.
-    sharded_over: the mesh axes whose devices hold the other blocks of ``q``.
+    mode: one of :data:`NORMALIZE`, or a :class:`PerLayer` or :class:`Split`
+      of one. ``"orth"`` orthogonalizes a matrix and scales any other tensor
+      (a vector, a scalar) to unit RMS.
+    sharded_over: the mesh axes whose devices hold the other blocks of ``q``
+      (ignored for a :class:`Split` mode, which names its own).
 
   Returns:
     An array like ``q``.
   """
+  if isinstance(mode, Split):
+    return _split_step(q, mode)
   if isinstance(mode, PerLayer):
     return _per_layer_step(q, mode, tuple(sharded_over))
   if mode == "sign":
@@ -146,7 +195,8 @@ def normalized_step(
       raise ValueError(
         f"normalize='orth' orthogonalizes each matrix whole, but this {q.shape} block is "
         f"one of a matrix split over the mesh axes {sharded_over} (FSDP within a worker). "
-        "Use normalize='rms' with FSDP, or keep the params whole on each worker's devices."
+        "Mark it dj.Split('orth', axis=..., over=...), use normalize='rms' with FSDP, or "
+        "keep the params whole on each worker's devices."
       )
     q = orthogonalize(q)
   return to_unit_rms(q, sharded_over)
@@ -164,14 +214,29 @@ def _per_layer_step(q: jax.Array, mode: PerLayer, sharded_over: tuple[Hashable, 
     raise ValueError(
       f"PerLayer({mode.mode!r}) normalizes each layer of a stack whole, but this "
       f"{q.shape} block is one of a stack split over the mesh axes {sharded_over} (FSDP "
-      "within a worker). Keep stacked params whole on each worker's devices, or use "
-      "normalize='sign'."
+      "within a worker). Mark it dj.Split(dj.PerLayer(...), axis=..., over=...), keep "
+      "stacked params whole on each worker's devices, or use normalize='sign'."
     )
   layer_shape = q.shape[mode.axes :]
   matrix = mode.mode == "orth" and len(layer_shape) == 2 and min(layer_shape) > 1
   per_layer = "orth" if matrix else "rms"
   layers = q.reshape(-1, *layer_shape)
   return jax.vmap(lambda x: normalized_step(x, per_layer))(layers).reshape(q.shape)
+
+
+def _split_step(q: jax.Array, mode: Split) -> jax.Array:
+  inner = mode.mode.mode if isinstance(mode.mode, PerLayer) else mode.mode
+  if inner == "sign":
+    return jnp.sign(q)
+  if mode.axis >= q.ndim:
+    raise ValueError(
+      f"Split(axis={mode.axis}) marks a block of shape {q.shape}, which has no axis "
+      f"{mode.axis}; give the axis the param's PartitionSpec cuts."
+    )
+  whole = jax.lax.all_gather(q, mode.over, axis=mode.axis, tiled=True)
+  step = normalized_step(whole, mode.mode)
+  n = q.shape[mode.axis]
+  return jax.lax.dynamic_slice_in_dim(step, jax.lax.axis_index(mode.over) * n, n, mode.axis)
 
 
 def to_unit_rms(x: jax.Array, sharded_over: Iterable[Hashable] = ()) -> jax.Array:

@@ -652,11 +652,6 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
     raise ConfigError(
       f"--normalize={cfg.normalize!r}; use --normalize=sign, --normalize=rms or --normalize=orth."
     )
-  if cfg.normalize == "orth" and cfg.fsdp > 1:
-    raise ConfigError(
-      f"--normalize=orth orthogonalizes each matrix whole, and --fsdp={cfg.fsdp} splits "
-      "them over a site's devices; use --normalize=rms with --fsdp, or --fsdp=1."
-    )
   if cfg.normalize != "sign" and not method.supports_normalize:
     raise ConfigError(
       f"--normalize={cfg.normalize} shapes DeMo's step from its aggregate; it needs "
@@ -686,25 +681,7 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       "--skip_nonfinite is not supported with --fsdp > 1 (its skip counter would "
       "differ between a site's shards); drop it or use --fsdp=1."
     )
-  if cfg.scan_layers:
-    _check_scan_layers(cfg, method)
   method.check(cfg)
-
-
-def _check_scan_layers(cfg: TrainConfig, method: Any) -> None:
-  """What treats each param as a whole, and so would see a stack of layers as one tensor.
-
-  ``--normalize`` marks the stacks :class:`distro_jax.PerLayer`; a method's
-  own such settings are its check's (SparseLoCo's median clip). Under FSDP a
-  stack may be split along its layers or within them, and a per-layer RMS
-  would need to know which; the sign needs neither.
-  """
-  if cfg.fsdp > 1 and cfg.normalize == "rms":
-    raise ConfigError(
-      f"--normalize=rms with --scan_layers scales each stacked layer to unit RMS, and "
-      f"--fsdp={cfg.fsdp} splits the stacks over a site's devices, which that step does not "
-      "support; use --normalize=sign with --fsdp, or --fsdp=1, or drop --scan_layers."
-    )
 
 
 def validate(cfg: TrainConfig) -> None:

@@ -497,23 +497,46 @@ _NOT_ORTHOGONALIZED = re.compile(r"'embedding'|'lm_head'")
 _STACKED = re.compile(r"^\['blocks'\]")
 
 
-def demo_normalize(name: str, scan_layers: bool = False) -> Any:
+def demo_normalize(
+  name: str, scan_layers: bool = False, split: Mapping[str, int] | None = None
+) -> Any:
   """``--normalize`` as ``normalize`` of :func:`distro_jax.demo`.
 
   ``"orth"`` orthogonalizes the hidden matrices only: the embedding and the
   output head step at unit RMS, as Muon leaves them out. With
   ``scan_layers``, the stacked blocks are :class:`distro_jax.PerLayer`, so
-  each layer steps as it would as a param of its own.
+  each layer steps as it would as a param of its own. ``split`` maps the
+  path of each param that FSDP cuts to the cut axis (:func:`fsdp_split`);
+  those that need the whole tensor (an orthogonalized matrix, a stack's
+  layers) are :class:`distro_jax.Split`, so each device takes its block of
+  the whole tensor's step. (A whole tensor's unit RMS takes its sum over
+  the blocks without a gather.)
   """
   if name == "sign" or (name == "rms" and not scan_layers):
     return name
+  from experiments.launch import FSDP
 
   def mode(path: Any, _: Any) -> Any:
     key = jax.tree_util.keystr(path)
     m = "rms" if name == "orth" and _NOT_ORTHOGONALIZED.search(key) else name
-    return dj.PerLayer(m) if scan_layers and _STACKED.search(key) else m
+    m = dj.PerLayer(m) if scan_layers and _STACKED.search(key) else m
+    if split and key in split and m != "rms":
+      m = dj.Split(m, axis=split[key], over=FSDP)
+    return m
 
   return lambda params: jax.tree_util.tree_map_with_path(mode, params)
+
+
+def fsdp_split(cfg: TrainConfig) -> dict[str, int]:
+  """Each param's path to the axis the run's FSDP plan cuts (none with ``--fsdp=1``)."""
+  if cfg.fsdp == 1:
+    return {}
+  from experiments import config, model
+
+  abstract = model.abstract_params(config.model_config(cfg))
+  plan = dj.plan_fsdp(abstract, cfg.fsdp, compression_chunk=cfg.compression_chunk)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+  return {p: axis for p, axis in zip(paths, plan.axes) if axis is not None}
 
 
 # DisTrO clips each worker's own gradient before it enters the momentum.
@@ -523,7 +546,7 @@ def _build_demo(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
     return dj.demo(
       lr_schedule(cfg),
       weight_decay=cfg.weight_decay,
-      normalize=demo_normalize(cfg.normalize, cfg.scan_layers),
+      normalize=demo_normalize(cfg.normalize, cfg.scan_layers, fsdp_split(cfg)),
       **compression,
     )
 
@@ -554,7 +577,7 @@ def _demo_gradient_point(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
     use_dct=cfg.use_dct,
     weight_decay=cfg.weight_decay,
     random_positions=cfg.random_positions,
-    normalize=demo_normalize(cfg.normalize, cfg.scan_layers),
+    normalize=demo_normalize(cfg.normalize, cfg.scan_layers, fsdp_split(cfg)),
     axis_name=REPLICA,
   )
 

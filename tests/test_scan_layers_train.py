@@ -20,7 +20,6 @@ from experiments import config, methods, model, presets
 @pytest.mark.parametrize(
   "flags, message",
   [
-    (dict(workers=4, fsdp=2, normalize="rms"), "use --normalize=sign with --fsdp"),
     (dict(optimizer="sparseloco", steps=60), "Add --nosparseloco_clip"),
     # Layers have no paths of their own once stacked.
     (
@@ -29,7 +28,7 @@ from experiments import config, methods, model, presets
     ),
     (dict(compression_groups=r"\['blocks'\]\[0\]=8:2"), "matches no param of preset 'tiny'"),
   ],
-  ids=["fsdp-rms", "sparseloco-clip", "synchronous-layer", "group-layer"],
+  ids=["sparseloco-clip", "synchronous-layer", "group-layer"],
 )
 def test_the_driver_refuses_what_a_stack_would_change(flags, message):
   cfg = config.TrainConfig(**{"preset": "tiny", "workers": 4, **flags, "scan_layers": True})
@@ -50,6 +49,8 @@ def test_what_works_on_every_param_alike_is_accepted():
     dict(normalize="rms"),
     dict(fsdp=2),
     dict(fsdp=2, delayed_apply=True),
+    dict(fsdp=2, normalize="rms"),
+    dict(fsdp=2, normalize="orth"),
   ]:
     config.resolve(config.TrainConfig(preset="tiny", workers=4, scan_layers=True, **flags))
 

@@ -138,6 +138,62 @@ def test_per_layer_refuses_what_it_cannot_mean():
     dj.demo(1e-3, normalize={"w": "orthogonal"})
 
 
+@pytest.mark.parametrize(
+  ("mode", "shape", "axis"),
+  [
+    ("orth", (16, 32), 1),
+    ("orth", (32, 16), 0),
+    ("rms", (32, 8), 0),
+    ("sign", (16, 32), 1),
+    (dj.PerLayer("orth"), (4, 16, 24), 0),
+    (dj.PerLayer("orth"), (3, 16, 24), 2),
+    (dj.PerLayer("rms"), (3, 16, 24), 1),
+  ],
+  ids=[
+    "orth-cols",
+    "orth-rows",
+    "rms",
+    "sign",
+    "layers-split-by-layer",
+    "layers-split-within",
+    "layers-rms-within",
+  ],
+)
+def test_a_split_param_takes_its_block_of_the_whole_tensors_step(mode, shape, axis):
+  from distro_jax.unit_rms import normalized_step
+
+  # Blocks over "fsdp" of a tensor every "data" worker holds: each device
+  # gets its block of the step the whole tensor gets (the same arithmetic in
+  # another compiled program, so up to rounding), and the blocks of every
+  # worker agree bit for bit.
+  mesh = jax.make_mesh((2, 4 if shape[axis] % 4 == 0 else 1), ("data", "fsdp"))
+  x = jnp.asarray(np.random.default_rng(5).normal(size=shape) * np.arange(1, shape[-1] + 1))
+  spec = P(*([None] * axis), "fsdp")
+  split = dj.Split(mode, axis=axis, over="fsdp")
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=spec, out_specs=P("data", *spec))
+  def stepped(block):
+    return normalized_step(block, split)[None]
+
+  got = np.asarray(stepped(jax.device_put(x, NamedSharding(mesh, spec))))
+  whole = np.asarray(jax.jit(normalized_step, static_argnums=1)(x, mode))
+  np.testing.assert_array_equal(got[0], got[1])
+  np.testing.assert_allclose(got[0], whole, rtol=2e-5, atol=1e-5)
+  if mode == "orth":
+    # Unmarked, a block of a split matrix is refused, and the error names the fix.
+    with pytest.raises(ValueError, match="dj.Split"):
+      normalized_step(x, "orth", ("fsdp",))
+
+
+def test_split_refuses_what_it_cannot_mean():
+  with pytest.raises(ValueError, match="or a dj.PerLayer of one"):
+    dj.Split("muon", axis=0)
+  with pytest.raises(ValueError, match="non-negative int"):
+    dj.Split("orth", axis=-1)
+  dj.demo(1e-3, normalize={"w": dj.Split(dj.PerLayer("orth"), axis=2), "b": "rms"})
+
+
 @pytest.mark.parametrize("mode", ["rms", "orth"])
 def test_demo_on_a_stack_marked_per_layer_updates_as_on_its_layers(mode):
   # Three steps of DeMo on a (3, 64, 96) stack and on its three matrices: the
