@@ -82,11 +82,14 @@ def test_steps_that_need_the_whole_tensor_train_sites_as_workers(
     steps=5, log_every=1, normalize=normalize, scan_layers=scan_layers, delayed_apply=delayed_apply
   )
   tiny_runs.run_tiny(tmp_path / "plain", workers=2, **flags)
-  tiny_runs.run_tiny(tmp_path / "fsdp", replicas=2, fsdp=2, check_replicas=True, **flags)
+  split = tiny_runs.run_tiny(tmp_path / "fsdp", replicas=2, fsdp=2, check_replicas=True, **flags)
   a = [r.loss for r in tiny_runs.read_metrics(tmp_path / "plain")]
   b = [r.loss for r in tiny_runs.read_metrics(tmp_path / "fsdp")]
   np.testing.assert_allclose(b, a, rtol=1e-3 if delayed_apply else 1e-4)
   assert a[-1] < a[0]
+  # The gathers of the aggregate stay within the site: across "replica"
+  # goes the device's message alone.
+  assert split.measured_by_axes["replica"] == split.payload_bytes_per_step
 
 
 @pytest.mark.parametrize(
