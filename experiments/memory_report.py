@@ -3,9 +3,12 @@ r"""Per-device bytes of params plus optimizer state under FSDP: DeMo against Ada
 Everything is built under ``jax.eval_shape``, so the 1.2B preset needs no
 memory. Each device's state is ``tx.init`` of its own param shards, planned by
 ``dj.plan_fsdp`` so that no DeMo chunk straddles two shards; AdamW's two
-moment buffers are sharded the same way (ZeRO-3 style).
+moment buffers are sharded the same way (ZeRO-3 style). Beside the memory it
+prints each device's DeMo message (``dj.wire_bytes`` of its shards) and how
+many params a site keeps whole, which every device of the site then sends.
 
   python -m experiments.memory_report --preset=report-1.2b --fsdp=1,2,4,8
+  python -m experiments.memory_report --preset=small --fsdp=2,4,8 --scan_layers
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def optimizers(compression_chunk: int = 64) -> dict[str, optax.GradientTransform
 
 
 def measure(
-  preset: str, fsdps: tuple[int, ...], compression_chunk: int = 64
+  preset: str, fsdps: tuple[int, ...], compression_chunk: int = 64, scan_layers: bool = False
 ) -> dict[int, dict[str, dj.DeviceBytes]]:
   """Per-device bytes for every fsdp size and optimizer.
 
@@ -40,11 +43,12 @@ def measure(
     preset: a name in ``experiments.presets.PRESETS``.
     fsdps: the fsdp sizes to measure.
     compression_chunk: DeMo's chunk target, which the sharding plan respects.
+    scan_layers: the model with its layers stacked (``--scan_layers``).
 
   Returns:
     ``{fsdp: {optimizer: DeviceBytes}}``.
   """
-  params = abstract_params(presets.get_preset(preset))
+  params = abstract_params(presets.get_preset(preset, scan_layers=scan_layers))
   txs = optimizers(compression_chunk)
   out = {}
   for fsdp in fsdps:
@@ -55,28 +59,49 @@ def measure(
   return out
 
 
+def device_message(
+  preset: str, fsdp: int, compression_chunk: int = 64, scan_layers: bool = False
+) -> tuple[int, int]:
+  """One device's DeMo message at the defaults' top-k, and the params a site keeps whole.
+
+  Args:
+    preset: a name in ``experiments.presets.PRESETS``.
+    fsdp: devices per site.
+    compression_chunk: DeMo's chunk target, which the sharding plan respects.
+    scan_layers: the model with its layers stacked (``--scan_layers``).
+
+  Returns:
+    ``(bytes, params kept whole)``: the payload of the device's shards, and
+    how many params every device of a site holds, and sends, whole.
+  """
+  params = abstract_params(presets.get_preset(preset, scan_layers=scan_layers))
+  plan = dj.plan_fsdp(params, fsdp, compression_chunk=compression_chunk)
+  local = dj.local_shapes(params, plan.specs, {"fsdp": fsdp})
+  payload = dj.wire_bytes(local, compression_chunk=compression_chunk).payload
+  return int(payload), len(plan.whole)
+
+
 def _gb(n: int) -> str:
   return f"{n / 1e9:.3f} GB"
 
 
-def _report(preset: str, fsdps: tuple[int, ...], chunk: int) -> None:
-  rows = measure(preset, fsdps, chunk)
-  params = abstract_params(presets.get_preset(preset))
-  for fsdp in fsdps:
-    whole = dj.plan_fsdp(params, fsdp, compression_chunk=chunk).whole
-    if whole:
-      print(f"fsdp={fsdp}: {len(whole)} params stay whole on every device of a site")
+def _report(preset: str, fsdps: tuple[int, ...], chunk: int, scan_layers: bool) -> None:
+  rows = measure(preset, fsdps, chunk, scan_layers)
+  if scan_layers:
+    print(f"{preset}, layers stacked (--scan_layers)")
   print(
     f"| fsdp | params | DeMo state | DeMo total | vs fsdp={fsdps[0]} | "
-    "AdamW state (2 moments) | AdamW total |"
+    "AdamW state (2 moments) | AdamW total | DeMo message per device | params kept whole |"
   )
-  print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+  print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
   base = rows[fsdps[0]]["demo"].total
   for fsdp in fsdps:
     demo, adamw = rows[fsdp]["demo"], rows[fsdp]["adamw"]
+    message, whole = device_message(preset, fsdp, chunk, scan_layers)
     print(
       f"| {fsdp} | {_gb(demo.params)} | {_gb(demo.opt_state)} | {_gb(demo.total)} | "
-      f"{demo.total / base:.3f} | {_gb(adamw.opt_state)} | {_gb(adamw.total)} |"
+      f"{demo.total / base:.3f} | {_gb(adamw.opt_state)} | {_gb(adamw.total)} | "
+      f"{message:,} B | {whole} |"
     )
   delayed = rows[fsdps[0]]["demo-delayed"].opt_state - rows[fsdps[0]]["demo"].opt_state
   print(f"delayed_apply adds the pending message: {delayed:,} bytes per device at fsdp={fsdps[0]}")
@@ -94,13 +119,16 @@ def main(argv: Sequence[str] | None = None) -> None:
   preset = flags.DEFINE_string("preset", "report-1.2b", "Model preset (experiments/presets.py).")
   fsdp = flags.DEFINE_list("fsdp", ["1", "2", "4", "8"], "Devices per site to report.")
   chunk = flags.DEFINE_integer("compression_chunk", 64, "DeMo's chunk target.")
+  scan_layers = flags.DEFINE_bool(
+    "scan_layers", False, "The model with its layers stacked, as --scan_layers trains it."
+  )
 
   def run(argv: Sequence[str]) -> None:
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
 
     def report() -> None:
-      _report(*_checked(preset.value, fsdp.value, chunk.value))
+      _report(*_checked(preset.value, fsdp.value, chunk.value), scan_layers.value)
 
     cli.report_user_errors(report)
 

@@ -279,3 +279,17 @@ def test_report_preset_memory_at_fsdp_8():
 
   rows = memory_report.measure("report-1.2b", (1, 8))
   assert rows[8]["demo"].total * 6 <= rows[1]["demo"].total
+
+
+def test_stacked_layers_keep_fewer_params_whole_and_send_less_per_device():
+  from experiments import memory_report
+
+  # On tiny, fsdp 2 keeps every d_model-wide matrix whole when the layers are
+  # separate (each is one chunk); stacked, the layer axis can be split. The
+  # bytes are those the compiled step moves (tests/test_scan_layers_train.py).
+  assert memory_report.device_message("tiny", 2) == (6024, 19)
+  assert memory_report.device_message("tiny", 2, scan_layers=True) == (3440, 1)
+  # At fsdp 1 a device holds and sends everything, stacked or not.
+  assert memory_report.device_message("tiny", 1) == memory_report.device_message(
+    "tiny", 1, scan_layers=True
+  )
