@@ -166,7 +166,7 @@ def test_a_split_param_takes_its_block_of_the_whole_tensors_step(mode, shape, ax
   # gets its block of the step the whole tensor gets (the same arithmetic in
   # another compiled program, so up to rounding), and the blocks of every
   # worker agree bit for bit.
-  mesh = jax.make_mesh((2, 4 if shape[axis] % 4 == 0 else 1), ("data", "fsdp"))
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
   x = jnp.asarray(np.random.default_rng(5).normal(size=shape) * np.arange(1, shape[-1] + 1))
   spec = P(*([None] * axis), "fsdp")
   split = dj.Split(mode, axis=axis, over="fsdp")
@@ -192,6 +192,11 @@ def test_split_refuses_what_it_cannot_mean():
   with pytest.raises(ValueError, match="non-negative int"):
     dj.Split("orth", axis=-1)
   dj.demo(1e-3, normalize={"w": dj.Split(dj.PerLayer("orth"), axis=2), "b": "rms"})
+  from distro_jax.unit_rms import normalized_step
+
+  # The axis is checked against the block before anything is gathered.
+  with pytest.raises(ValueError, match="has no axis 2; give the axis"):
+    normalized_step(jnp.ones((4, 4)), dj.Split("orth", axis=2))
 
 
 @pytest.mark.parametrize("mode", ["rms", "orth"])
