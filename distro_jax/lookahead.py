@@ -148,14 +148,10 @@ def lookahead_update(
       coeffs = jnp.zeros(plan.coeff_shape, jnp.float32).at[rows, idx].add(val, unique_indices=True)
     q = from_chunks(coeffs, plan)
     # Without axis_name the tensor is whole here; with it, every other axis
-    # that the param is split over holds another block of it (FSDP). q is
-    # typed by the message, which differs across a site's devices even where
-    # the param is whole on each, so the param's own typing decides.
-    blocks = (
-      ()
-      if axis_name is None
-      else (exchange.varying_axes(q) & exchange.varying_axes(x)) - {axis_name}
-    )
+    # that the param is split over holds another block of it (FSDP). The
+    # param's typing decides, not q's: q is typed by the message, which
+    # differs across a site's devices even where the param is whole on each.
+    blocks = () if axis_name is None else exchange.varying_axes(x) - {axis_name}
     direction = unit_rms.normalized_step(q, mode, blocks).astype(x.dtype)
     if weight_decay:
       direction = direction + weight_decay * x
