@@ -71,6 +71,7 @@ __all__ = [
   "select_topk_blocks",
   "select_topk_many",
   "unsharded",
+  "worker_order",
   "zero_selected",
   "zero_selected_blocks",
 ]
@@ -783,6 +784,22 @@ def _worker_keys(
   return keys[0], keys[1]
 
 
+def worker_order(indices_WxRxK: jax.Array, values_WxRxK: jax.Array, chunk_size: int) -> jax.Array:
+  """The canonical order in which :func:`aggregate_blocks` folds the workers in.
+
+  Args:
+    indices_WxRxK: int32 chunk-local indices, ``(W, rows, k)``.
+    values_WxRxK: float32 values, same shape.
+    chunk_size: coefficients per chunk.
+
+  Returns:
+    int32 ``(W,)``, a permutation of the workers sorted by a hash of what each
+    sent, the same whichever way the workers are numbered.
+  """
+  key_a, key_b = _worker_keys(indices_WxRxK, values_WxRxK, chunk_size)
+  return jnp.lexsort((key_b, key_a)).astype(jnp.int32)
+
+
 def aggregate_blocks(
   selections: list[tuple[jax.Array, jax.Array]],
   block_shapes: list[tuple[int, ...]],
@@ -817,8 +834,7 @@ def aggregate_blocks(
     rows = math.prod(lead) * a * b
     idx = idx.astype(jnp.int32).reshape(num_workers, rows, -1)
     val = val.astype(jnp.float32).reshape(num_workers, rows, -1)
-    key_a, key_b = _worker_keys(idx, val, c1 * c2)
-    orders.append(jnp.lexsort((key_b, key_a)))
+    orders.append(worker_order(idx, val, c1 * c2))
     k = idx.shape[-1]
     prepared.append(
       (idx.reshape(num_workers, *lead, a, b, k), val.reshape(num_workers, *lead, a, b, k))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from distro_jax import codec, dct, exchange, unit_rms, wire
+from distro_jax import codec, cpu_kernels, dct, exchange, unit_rms, wire
 from distro_jax.hyperparams import (
   StaticFloat,
   StaticInt,
@@ -237,18 +237,28 @@ def _compress(
   selected from it (the top-k, or the positions ``drawn()`` gives), and the
   momentum with them zeroed (error feedback).
   """
-  blocks = []
-  for g, m, plan in zip(grads, momentum_blocks, plans):
+  n = len(grads)
+  blocks: list[jax.Array] = []
+  sel_idx: list[jax.Array | None] = [None] * n
+  sel_val: list[jax.Array | None] = [None] * n
+  for i, (g, m, plan, t) in enumerate(zip(grads, momentum_blocks, plans, layout.tensors)):
     g = dct.to_blocks(g, plan)
+    if use_dct and drawn is None and t.k <= 512 and cpu_kernels.serves(plan, g, m):
+      # Transform, momentum and top-k in one pass (distro_jax.cpu_kernels).
+      b, sel_idx[i], sel_val[i] = cpu_kernels.compress(g, m, decay, lr, t.k)
+      blocks.append(b)
+      continue
     coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
     blocks.append(decay * m + lr * coeffs)
   if drawn is not None:
     sel_idx = drawn()
     sel_val = [codec.gather_blocks(b, idx) for b, idx in zip(blocks, sel_idx)]
   else:
-    selections = codec.select_topk_many(blocks, [t.k for t in layout.tensors])
-    sel_idx = [idx for idx, _ in selections]
-    sel_val = [val for _, val in selections]
+    rest = [i for i in range(n) if sel_idx[i] is None]
+    ks = [layout.tensors[i].k for i in rest]
+    selections = codec.select_topk_many([blocks[i] for i in rest], ks)
+    for i, (idx, val) in zip(rest, selections):
+      sel_idx[i], sel_val[i] = idx, val
   kept = [codec.zero_selected_blocks(m, idx) for m, idx in zip(blocks, sel_idx)]
   return blocks, sel_idx, sel_val, kept
 
@@ -304,11 +314,13 @@ def _exchange(
   axis_name: Hashable | None,
   num_workers: int,
   draw_sent: Callable[[jax.Array], list[jax.Array]] | None,
-) -> tuple[list[jax.Array], jax.Array]:
+  use_dct: bool,
+) -> tuple[list[jax.Array], list[bool], jax.Array]:
   """All-gathers ``message`` (unless ``gathered`` holds it) and averages what arrived.
 
-  Returns each tensor's aggregate in its block view and the count of valid
-  messages. With no ``axis_name`` the one message is its own aggregate,
+  Returns each tensor's aggregate in its block view, whether each is already
+  through the inverse DCT (the CPU kernels do both at once), and the count of
+  valid messages. With no ``axis_name`` the one message is its own aggregate,
   scattered into zeros shaped like ``kept`` at indices shaped like ``sel_idx``.
   """
   if gathered is None:
@@ -322,6 +334,9 @@ def _exchange(
     # messages by the senders' indices on axis_name.
     positions = jax.vmap(draw_sent)(jnp.arange(num_workers))
   tensors, valid_W = codec.decode_message(gathered, layout, positions)
+  native = [
+    use_dct and axis_name is not None and cpu_kernels.serves(p, m) for p, m in zip(plans, kept)
+  ]
   if axis_name is None:
     # One message and no collective (delayed_apply with one worker): its mean
     # is itself. (With an axis bound, even of size 1, the all-gather types the
@@ -335,13 +350,31 @@ def _exchange(
       for (i, v), m, s in zip(tensors, kept, sel_idx)
     ]
   else:
-    aggregates = codec.aggregate_blocks(tensors, [p.block_shape for p in plans], valid_W)
-    dense = [mean for mean, _ in aggregates]
-  return dense, jnp.sum(valid_W, dtype=jnp.int32)
+    rest = [i for i, is_native in enumerate(native) if not is_native]
+    aggregates = codec.aggregate_blocks(
+      [tensors[i] for i in rest], [plans[i].block_shape for i in rest], valid_W
+    )
+    dense = [None] * len(plans)
+    for i, (mean, _) in zip(rest, aggregates):
+      dense[i] = mean
+    for i, plan in enumerate(plans):
+      if native[i]:
+        # Mean and inverse DCT in one pass (distro_jax.cpu_kernels), in the
+        # worker order aggregate_blocks would take.
+        idx, val = tensors[i]
+        rows = plan.rows
+        order = codec.worker_order(
+          idx.astype(jnp.int32).reshape(num_workers, rows, -1),
+          val.astype(jnp.float32).reshape(num_workers, rows, -1),
+          plan.chunk_size,
+        )
+        dense[i] = cpu_kernels.decode(idx, val, order, valid_W, plan.block_shape)
+  return dense, native, jnp.sum(valid_W, dtype=jnp.int32)
 
 
 def _directions(
   dense: list[jax.Array],
+  decoded: list[bool],
   plans: list[dct.ChunkPlan],
   wire_dtypes: list[jax.ShapeDtypeStruct],
   grads: list[jax.Array],
@@ -350,8 +383,8 @@ def _directions(
 ) -> list[jax.Array]:
   """The aggregates decoded: each tensor's ``Q`` in its param's shape and dtype."""
   directions = []
-  for d, plan, x, g in zip(dense, plans, wire_dtypes, grads):
-    q = dct.inverse_blocks(d, plan) if use_dct else d
+  for d, done, plan, x, g in zip(dense, decoded, plans, wire_dtypes, grads):
+    q = dct.inverse_blocks(d, plan) if use_dct and not done else d
     direction = dct.from_blocks(q, plan, like=g).astype(x.dtype)
     whole = tuple(a for a in site_axes if not exchange.varies_over(g, a))
     if whole:
@@ -611,6 +644,7 @@ def scale_by_demo(
 
     if axis_name is None and not delayed_apply:
       dense = _own_selection(sel_idx, sel_val, kept, layout, send, quantize_1bit)
+      decoded = [False] * len(dense)
       contributors, pending = send.astype(jnp.int32), None
     else:
       message = codec.encode_message(sel_idx, sel_val, layout, valid=send)
@@ -618,7 +652,7 @@ def scale_by_demo(
       if delayed_apply:
         _check_pending(state.pending, message)
         message, pending = state.pending, message
-      dense, contributors = _exchange(
+      dense, decoded, contributors = _exchange(
         message,
         gathered,
         layout,
@@ -628,8 +662,9 @@ def scale_by_demo(
         axis_name=axis_name,
         num_workers=num_workers,
         draw_sent=draw_sent if random_positions else None,
+        use_dct=use_dct,
       )
-    directions = _directions(dense, plans, wire_dtypes, grads, site_axes, use_dct)
+    directions = _directions(dense, decoded, plans, wire_dtypes, grads, site_axes, use_dct)
 
     if site_axes:
       # Equal on every device of a site already; this only types it so.
