@@ -181,18 +181,24 @@ def serves(plan: dct.ChunkPlan, *arrays: jax.Array) -> bool:
 @functools.cache
 def _tables_np() -> np.ndarray:
   parts = []
-  for m in range(5, -1, -1):
+  for m in range(5, 0, -1):
     size = 1 << m
-    r = np.arange(size)[:, None]
-    n = np.arange(size)[None, :]
-    parts.append(np.cos(np.pi * (2 * n + 1) * (2 * r + 1) / (4.0 * size)).reshape(-1))
-  parts.append(np.array([np.sqrt(1.0 / CHUNK), np.sqrt(2.0 / CHUNK)]))
+    parts.append(2.0 * np.cos(np.pi * (2 * np.arange(size) + 1) / (4.0 * size)))
+  parts.append(np.array([np.cos(np.pi / 4), np.sqrt(1.0 / CHUNK), np.sqrt(2.0 / CHUNK)]))
   parts.append(dct._basis_np(CHUNK).reshape(-1))
   return np.concatenate(parts).astype(np.float32)
 
 
+def _require() -> None:
+  if not _library():
+    raise RuntimeError(
+      "distro_jax's CPU kernels could not be built here (see the warning above); "
+      "check cpu_kernels.available() before calling them, or install a C++ compiler."
+    )
+
+
 def tables() -> jax.Array:
-  """The kernels' DCT tables: DCT-IV matrices of sizes 32 to 1, the two scales, the basis."""
+  """The kernels' DCT tables: DCT-IV twiddles for sizes 32 to 1, two scales, the basis."""
   return jnp.asarray(_tables_np())
 
 
@@ -218,6 +224,7 @@ def compress(
     ``(m', indices, values)``: ``m'`` in the block view, and int32 indices and
     float32 values of shape ``(*lead, A, B, k)`` in ``jax.lax.top_k``'s order.
   """
+  _require()
   *lead, a, _, b, _ = g_blocks.shape
   scalars = jnp.stack([jnp.asarray(decay, jnp.float32), jnp.asarray(lr, jnp.float32)])
   shape = (*lead, a, b, k)
@@ -254,6 +261,7 @@ def decode(
     float32 of shape ``block_shape``: what :func:`distro_jax.dct.inverse_blocks`
     gives of :func:`distro_jax.codec.aggregate_blocks`'s mean.
   """
+  _require()
   num_workers = indices.shape[0]
   *lead, a, c1, b, c2 = block_shape
   rows = int(np.prod(lead, dtype=np.int64)) * a * b

@@ -37,14 +37,15 @@ constexpr int kN = kC * kC;      // coefficients per chunk
 constexpr int kGroup = 8;        // entries per group in the top-k's first stage
 constexpr int kGroups = kN / kGroup;
 
-// The caller's table: the unnormalized DCT-IV matrices of sizes 32, 16, ...,
-// 1 (entry [r][n] = cos(pi (2n+1)(2r+1) / 4M)), then the two orthonormal
-// scales (1/8 and 1/sqrt(32)), then the orthonormal 64x64 DCT-II basis.
-constexpr int kDct4Floats = 1024 + 256 + 64 + 16 + 4 + 1;
-constexpr int kTableFloats = kDct4Floats + 2 + kN;
+// The caller's table: for sizes M = 32, 16, ..., 2 the twiddles
+// 2 cos(pi (2n+1) / 4M), n < M, then cos(pi / 4) (the DCT-IV of size 1), then
+// the two orthonormal scales (1/8 and 1/sqrt(32)), then the orthonormal
+// 64x64 DCT-II basis.
+constexpr int kTwiddleFloats = 32 + 16 + 8 + 4 + 2 + 1;
+constexpr int kTableFloats = kTwiddleFloats + 2 + kN;
 
 struct Tables {
-  const float* dct4[7];  // by log2 of the size; [6] unused
+  const float* twiddle[6];  // by log2 of the size; [0] is cos(pi / 4)
   float scale0, scale;
   const float* basis;
 };
@@ -53,8 +54,8 @@ Tables ReadTables(const float* t) {
   Tables out{};
   const float* p = t;
   for (int m = 5; m >= 0; --m) {
-    out.dct4[m] = p;
-    p += (1 << m) * (1 << m);
+    out.twiddle[m] = p;
+    p += 1 << m;
   }
   out.scale0 = p[0];
   out.scale = p[1];
@@ -62,90 +63,83 @@ Tables ReadTables(const float* t) {
   return out;
 }
 
-// out[r] = sum_n dct4[r][n] * v[n] for M = 2^m rows of kC floats each.
-void Dct4Rows(const Tables& t, const float* v, float* out, int m) {
-  const int M = 1 << m;
-  const float* c = t.dct4[m];
-  if (M == 1) {
-    for (int w = 0; w < kC; ++w) out[w] = c[0] * v[w];
-    return;
-  }
-  for (int r = 0; r < M; r += 2) {
-    // Two output rows per sweep over v halve its loads.
-    float acc0[kC], acc1[kC];
-    for (int w = 0; w < kC; ++w) acc0[w] = acc1[w] = 0.f;
-    const float* c0 = c + r * M;
-    const float* c1 = c0 + M;
-    for (int n = 0; n < M; ++n) {
-      const float a = c0[n], b = c1[n];
-      const float* vn = v + n * kC;
+// The 1-D transforms below run down the rows of an array of rows of kC
+// floats, one transform per column, so each step is a vector op over a row.
+// Row r of an input or output sits at base + r * stride floats, which lets
+// the even and odd halves of an output land in place without a copy. N is a
+// compile-time size so every loop unrolls as far as the compiler likes.
+template <int N>
+struct Dct {
+  static constexpr int H = N / 2;
+
+  // Unnormalized DCT-II: out_k = sum_n x_n cos(pi (2n+1) k / 2N). Its even
+  // outputs are the half-size DCT-II of the folded sums, its odd outputs the
+  // half-size DCT-IV of the folded differences.
+  static void II(const Tables& t, const float* x, int64_t xs, float* out, int64_t os,
+                 float* scratch) {
+    float* u = scratch;
+    float* v = u + H * kC;
+    for (int n = 0; n < H; ++n) {
+      const float* lo = x + n * xs;
+      const float* hi = x + (N - 1 - n) * xs;
       for (int w = 0; w < kC; ++w) {
-        acc0[w] += a * vn[w];
-        acc1[w] += b * vn[w];
+        u[n * kC + w] = lo[w] + hi[w];
+        v[n * kC + w] = lo[w] - hi[w];
       }
     }
-    std::memcpy(out + r * kC, acc0, sizeof(acc0));
-    std::memcpy(out + (r + 1) * kC, acc1, sizeof(acc1));
+    Dct<H>::IV(t, v, kC, out + os, 2 * os, v + H * kC);
+    Dct<H>::II(t, u, kC, out, 2 * os, v + H * kC);
   }
-}
 
-// Unnormalized DCT-II down the 2^n_log rows of x (each row kC floats, one
-// transform per column): even outputs are the half-size DCT-II of the folded
-// sums, odd ones the half-size DCT-IV of the folded differences.
-void Dct2Rows(const Tables& t, const float* x, float* out, int n_log, float* scratch) {
-  const int N = 1 << n_log;
-  if (N == 1) {
+  // Unnormalized DCT-III, the transpose of II: out_n = sum_k z_k cos(pi (2n+1) k / 2N).
+  static void III(const Tables& t, const float* z, int64_t zs, float* out, int64_t os,
+                  float* scratch) {
+    float* a = scratch;
+    float* b = a + H * kC;
+    Dct<H>::III(t, z, 2 * zs, a, kC, b + H * kC);
+    Dct<H>::IV(t, z + zs, 2 * zs, b, kC, b + H * kC);  // a DCT-IV matrix is symmetric
+    for (int n = 0; n < H; ++n) {
+      float* lo = out + n * os;
+      float* hi = out + (N - 1 - n) * os;
+      for (int w = 0; w < kC; ++w) {
+        lo[w] = a[n * kC + w] + b[n * kC + w];
+        hi[w] = a[n * kC + w] - b[n * kC + w];
+      }
+    }
+  }
+
+  // Unnormalized DCT-IV: out_k = sum_n v_n cos(pi (2n+1)(2k+1) / 4N). With V
+  // the DCT-II of v_n * 2 cos(pi (2n+1) / 4N), V_0 = 2 out_0 and
+  // V_k = out_k + out_{k-1} (a product of cosines is a sum of two), so out
+  // follows from V in one pass: O(N log N) in all, not the N^2 of the matrix.
+  static void IV(const Tables& t, const float* v, int64_t vs, float* out, int64_t os,
+                 float* scratch) {
+    const float* tw = t.twiddle[Log2()];
+    float* u = scratch;
+    for (int n = 0; n < N; ++n)
+      for (int w = 0; w < kC; ++w) u[n * kC + w] = v[n * vs + w] * tw[n];
+    II(t, u, kC, out, os, u + N * kC);
+    for (int w = 0; w < kC; ++w) out[w] = out[w] * 0.5f;
+    for (int k = 1; k < N; ++k)
+      for (int w = 0; w < kC; ++w) out[k * os + w] = out[k * os + w] - out[(k - 1) * os + w];
+  }
+
+  static constexpr int Log2() { return N == 1 ? 0 : 1 + Dct<H>::Log2(); }
+};
+
+template <>
+struct Dct<1> {
+  static void II(const Tables&, const float* x, int64_t, float* out, int64_t, float*) {
     std::memcpy(out, x, kC * sizeof(float));
-    return;
   }
-  const int H = N / 2;
-  float* u = scratch;
-  float* v = u + H * kC;
-  for (int n = 0; n < H; ++n) {
-    const float* lo = x + n * kC;
-    const float* hi = x + (N - 1 - n) * kC;
-    for (int w = 0; w < kC; ++w) {
-      u[n * kC + w] = lo[w] + hi[w];
-      v[n * kC + w] = lo[w] - hi[w];
-    }
-  }
-  float* even = v + H * kC;
-  float* odd = even + H * kC;
-  Dct4Rows(t, v, odd, n_log - 1);
-  Dct2Rows(t, u, even, n_log - 1, odd + H * kC);
-  for (int r = 0; r < H; ++r) {
-    std::memcpy(out + (2 * r) * kC, even + r * kC, kC * sizeof(float));
-    std::memcpy(out + (2 * r + 1) * kC, odd + r * kC, kC * sizeof(float));
-  }
-}
-
-// The transpose of Dct2Rows (an unnormalized DCT-III down the rows).
-void Dct3Rows(const Tables& t, const float* z, float* out, int n_log, float* scratch) {
-  const int N = 1 << n_log;
-  if (N == 1) {
+  static void III(const Tables&, const float* z, int64_t, float* out, int64_t, float*) {
     std::memcpy(out, z, kC * sizeof(float));
-    return;
   }
-  const int H = N / 2;
-  float* ze = scratch;
-  float* zo = ze + H * kC;
-  for (int r = 0; r < H; ++r) {
-    std::memcpy(ze + r * kC, z + (2 * r) * kC, kC * sizeof(float));
-    std::memcpy(zo + r * kC, z + (2 * r + 1) * kC, kC * sizeof(float));
+  static void IV(const Tables& t, const float* v, int64_t, float* out, int64_t, float*) {
+    for (int w = 0; w < kC; ++w) out[w] = t.twiddle[0][0] * v[w];
   }
-  float* a = zo + H * kC;
-  float* b = a + H * kC;
-  Dct4Rows(t, zo, b, n_log - 1);  // a DCT-IV matrix is symmetric
-  Dct3Rows(t, ze, a, n_log - 1, b + H * kC);
-  for (int n = 0; n < H; ++n) {
-    float* lo = out + n * kC;
-    float* hi = out + (N - 1 - n) * kC;
-    for (int w = 0; w < kC; ++w) {
-      lo[w] = a[n * kC + w] + b[n * kC + w];
-      hi[w] = a[n * kC + w] - b[n * kC + w];
-    }
-  }
-}
+  static constexpr int Log2() { return 0; }
+};
 
 void Transpose(const float* in, float* out) {
   for (int i = 0; i < kC; i += 8)
@@ -157,21 +151,23 @@ void Transpose(const float* in, float* out) {
 // Scratch a chunk's work needs, in floats.
 constexpr int kScratch = 8 * kN;
 
-// Orthonormal 2-D DCT of one chunk x (rows contiguous) into y.
-void Dct2d(const Tables& t, const float* x, float* y, float* scratch) {
+// The orthonormal scale of frequency i: 1/8 for 0, 1/sqrt(32) for the rest.
+inline float Scale(const Tables& t, int i) { return i ? t.scale : t.scale0; }
+
+// Orthonormal 2-D DCT of a chunk given transposed (xt[j][i] = x[i][j]), into
+// y in the chunk's own orientation. Starting transposed saves a transpose:
+// C xt = C x^T, its transpose is x C^T, and C (x C^T) is the transform.
+void Dct2dFromTransposed(const Tables& t, const float* xt, float* y, float* scratch) {
   float* t1 = scratch;
   float* t2 = t1 + kN;
   float* rest = t2 + kN;
-  Dct2Rows(t, x, t1, 6, rest);  // along the chunk's first axis
+  Dct<kC>::II(t, xt, kC, t1, kC, rest);
   Transpose(t1, t2);
-  Dct2Rows(t, t2, t1, 6, rest);  // along its second, transposed
+  Dct<kC>::II(t, t2, kC, y, kC, rest);
   float s[kC];
-  for (int i = 0; i < kC; ++i) s[i] = i ? t.scale : t.scale0;
-  // Transposed back in 8x8 tiles, scaled by both frequencies' factors.
-  for (int i0 = 0; i0 < kC; i0 += 8)
-    for (int j0 = 0; j0 < kC; j0 += 8)
-      for (int i = i0; i < i0 + 8; ++i)
-        for (int j = j0; j < j0 + 8; ++j) y[i * kC + j] = t1[j * kC + i] * s[i] * s[j];
+  for (int i = 0; i < kC; ++i) s[i] = Scale(t, i);
+  for (int i = 0; i < kC; ++i)
+    for (int j = 0; j < kC; ++j) y[i * kC + j] = y[i * kC + j] * s[i] * s[j];
 }
 
 struct Entry {
@@ -191,7 +187,6 @@ inline bool Before(const Entry& a, const Entry& b) {
 // first non-finite value in the first slot, so the caller sees it.
 void SelectTopK(const float* y, int k, int32_t* idx, float* val, std::vector<Entry>& cands) {
   alignas(64) float maxima[kGroups];
-  bool finite = true;
   for (int g = 0; g < kGroups; ++g) maxima[g] = y[g * kGroup] < 0 ? -y[g * kGroup] : y[g * kGroup];
   for (int e = 1; e < kGroup; ++e)
     for (int g = 0; g < kGroups; ++g) {
@@ -199,21 +194,22 @@ void SelectTopK(const float* y, int k, int32_t* idx, float* val, std::vector<Ent
       a = a < 0 ? -a : a;
       maxima[g] = maxima[g] < a ? a : maxima[g];
     }
-  float bad = 0.f;
+  // Any entry with an all-ones exponent (inf or NaN)? An OR over the words
+  // vectorizes where a search with an early exit would not.
+  uint32_t special = 0;
   for (int p = 0; p < kN; ++p) {
-    // x - x is 0 for finite x and NaN for inf or NaN.
-    if (!(y[p] - y[p] == 0.f)) {
-      finite = false;
-      bad = y[p];
-      break;
-    }
+    uint32_t u;
+    std::memcpy(&u, y + p, sizeof(u));
+    special |= (u & 0x7f800000u) == 0x7f800000u;
   }
-  if (!finite) {
+  if (special) {
+    int first = 0;
+    while (y[first] - y[first] == 0.f) ++first;
     for (int e = 0; e < k; ++e) {
       idx[e] = e;
       val[e] = y[e];
     }
-    val[0] = bad;
+    val[0] = y[first];
     return;
   }
   // tau, the k-th largest maximum, by bisection on the bit patterns (a
@@ -252,6 +248,21 @@ void SelectTopK(const float* y, int k, int32_t* idx, float* val, std::vector<Ent
   }
 }
 
+// Each thread's buffers for a chunk's work, allocated once: a fresh
+// allocation per piece of work would map and fault in new pages every time.
+struct Workspace {
+  std::vector<float> floats;
+  std::vector<int32_t> ints;
+  std::vector<Entry> cands;
+  std::vector<int32_t> touched;
+  Workspace() : floats(3 * kN + kScratch), ints(kN, 0) {}
+};
+
+Workspace& ThreadWorkspace() {
+  thread_local Workspace w;
+  return w;
+}
+
 // Runs body(begin, end) over [0, total) in pieces on the calling thread and
 // on XLA's intra-op pool. The caller takes pieces too and waits only for
 // pieces others have claimed, so a busy or single-threaded pool costs no
@@ -286,6 +297,26 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t total, int64_t grain,
   while (shared->busy.load() != 0) std::this_thread::yield();
 }
 
+// One chunk of CompressImpl; g, m and m_out point at the chunk's first entry
+// in matrices with rows of `stride` floats.
+void CompressChunk(const Tables& t, const float* g, const float* m, float* m_out, int64_t stride,
+                   float decay, float lr, int k, int32_t* idx, float* val, float* x, float* y,
+                   float* scratch, std::vector<Entry>& cands) {
+  // Read in 8x8 tiles, transposed: x[j][i] = g[i][j].
+  for (int i0 = 0; i0 < kC; i0 += 8)
+    for (int j0 = 0; j0 < kC; j0 += 8)
+      for (int i = i0; i < i0 + 8; ++i)
+        for (int j = j0; j < j0 + 8; ++j) x[j * kC + i] = g[i * stride + j];
+  Dct2dFromTransposed(t, x, y, scratch);
+  for (int i = 0; i < kC; ++i) {
+    const float* mr = m + i * stride;
+    float* yr = y + i * kC;
+    for (int j = 0; j < kC; ++j) yr[j] = decay * mr[j] + lr * yr[j];
+  }
+  SelectTopK(y, k, idx, val, cands);
+  for (int i = 0; i < kC; ++i) std::memcpy(m_out + i * stride, y + i * kC, kC * sizeof(float));
+}
+
 }  // namespace
 
 // DeMo's worker side for one tensor of 64x64 chunks: the momentum
@@ -311,24 +342,18 @@ static ffi::Error CompressImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
   float* mo = m_out->typed_data();
   int32_t* ip = idx_out->typed_data();
   float* vp = val_out->typed_data();
-  ParallelFor(pool, chunks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(2 * kN + kScratch + 16);
-    float* x = buf.data();
+  ParallelFor(pool, chunks, 64, [&](int64_t begin, int64_t end) {
+    Workspace& ws = ThreadWorkspace();
+    float* x = ws.floats.data();
     float* y = x + kN;
     float* scratch = y + kN;
-    std::vector<Entry> cands(static_cast<size_t>(8 * k));
+    std::vector<Entry>& cands = ws.cands;
+    if (cands.size() < static_cast<size_t>(8 * k)) cands.resize(static_cast<size_t>(8 * k));
     for (int64_t c = begin; c < end; ++c) {
       const int64_t b = c / (A * B), a = (c / B) % A, col = c % B;
       const int64_t base = (b * n1 + a * kC) * n2 + col * kC;
-      for (int i = 0; i < kC; ++i) std::memcpy(x + i * kC, gp + base + i * n2, kC * sizeof(float));
-      Dct2d(t, x, y, scratch);
-      for (int i = 0; i < kC; ++i) {
-        const float* mr = mp + base + i * n2;
-        float* yr = y + i * kC;
-        for (int j = 0; j < kC; ++j) yr[j] = decay * mr[j] + lr * yr[j];
-      }
-      SelectTopK(y, static_cast<int>(k), ip + c * k, vp + c * k, cands);
-      for (int i = 0; i < kC; ++i) std::memcpy(mo + base + i * n2, y + i * kC, kC * sizeof(float));
+      CompressChunk(t, gp + base, mp + base, mo + base, n2, decay, lr, static_cast<int>(k),
+                    ip + c * k, vp + c * k, x, y, scratch, cands);
     }
   });
   return ffi::Error::Success();
@@ -370,17 +395,16 @@ static ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> idx,
   const int32_t* op = order.typed_data();
   const int32_t* ok = valid.typed_data();
   float* qp = out->typed_data();
-  ParallelFor(pool, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(3 * kN + kScratch + 16);
-    float* z = buf.data();
+  ParallelFor(pool, rows, 64, [&](int64_t begin, int64_t end) {
+    Workspace& ws = ThreadWorkspace();
+    float* z = ws.floats.data();
     float* r = z + kN;
     float* q = r + kN;
     float* scratch = q + kN;
     // z and count stay zero between chunks: each chunk clears what it touched.
-    std::fill(buf.begin(), buf.begin() + kN, 0.f);
-    std::vector<int32_t> count(kN, 0);
-    std::vector<int32_t> touched;
-    touched.reserve(static_cast<size_t>(workers * k));
+    std::fill(z, z + kN, 0.f);
+    std::vector<int32_t>& count = ws.ints;
+    std::vector<int32_t>& touched = ws.touched;
     for (int64_t c = begin; c < end; ++c) {
       touched.clear();
       for (int64_t i = 0; i < workers; ++i) {
@@ -410,7 +434,7 @@ static ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> idx,
       for (int j = 0; j < kC; ++j) r[j] *= t.scale0;
       for (int i = 1; i < kC; ++i)
         for (int j = 0; j < kC; ++j) r[i * kC + j] *= t.scale;
-      Dct3Rows(t, r, q, 6, scratch);
+      Dct<kC>::III(t, r, kC, q, kC, scratch);
       const int64_t b = c / (A * B), a = (c / B) % A, col = c % B;
       const int64_t base = (b * n1 + a * kC) * n2 + col * kC;
       for (int i = 0; i < kC; ++i) std::memcpy(qp + base + i * n2, q + i * kC, kC * sizeof(float));

@@ -1,0 +1,173 @@
+"""DeMo's fused CPU kernels: the XLA path's results, replicas identical, and a fallback."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from sharded_step import build, mesh_of, place_grads, random_problem
+
+import distro_jax as dj
+from distro_jax import codec, cpu_kernels, dct
+
+pytestmark = pytest.mark.skipif(
+  not cpu_kernels.available(), reason="no C++ compiler here to build the CPU kernels"
+)
+
+# Float32 rounding of the two DCTs, relative to the largest coefficient: the
+# kernels' recursion against the dense matmuls (measured about 1e-6 and 4e-7).
+DCT_RTOL = 4e-6
+
+
+def _float64_dct_blocks(x_blocks):
+  n = 64
+  k, i = np.arange(n)[:, None], np.arange(n)[None, :]
+  d = np.sqrt(2.0 / n) * np.cos(np.pi * (2 * i + 1) * k / (2 * n))
+  d[0] /= np.sqrt(2.0)
+  return np.einsum("ip,...apbq,jq->...aibj", d, np.asarray(x_blocks, np.float64), d)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (128, 192), (3, 64, 128), (2, 2, 128, 64)])
+@pytest.mark.parametrize("k", [1, 8, 32, 512])
+def test_compress_is_the_momentum_and_its_top_k(shape, k):
+  rng = np.random.default_rng(0)
+  plan = dct.plan_chunks(shape, 64)
+  g = dct.to_blocks(jnp.asarray(rng.normal(size=shape), jnp.float32), plan)
+  m = dct.to_blocks(jnp.asarray(rng.normal(size=shape) * 0.01, jnp.float32), plan)
+  lr = jnp.float32(3e-3)
+  m_new, idx, val = jax.jit(lambda g, m, lr: cpu_kernels.compress(g, m, 0.95, lr, k))(g, m, lr)
+
+  want = 0.95 * np.asarray(m, np.float64) + 3e-3 * _float64_dct_blocks(g)
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(np.asarray(m_new), want, rtol=0, atol=DCT_RTOL * scale)
+  # The selection is exactly the library's top-k of the momentum it returns.
+  want_idx, want_val = codec.select_topk_blocks(m_new, k)
+  np.testing.assert_array_equal(idx, want_idx)
+  np.testing.assert_array_equal(val, want_val)
+
+
+def test_compress_breaks_ties_as_top_k_does():
+  # No gradient, so m' = decay * m exactly, with many equal magnitudes.
+  rng = np.random.default_rng(1)
+  plan = dct.plan_chunks((64, 128), 64)
+  m = rng.integers(-3, 4, size=(64, 128)).astype(np.float32)
+  m_blocks = dct.to_blocks(jnp.asarray(m), plan)
+  zeros = jnp.zeros_like(m_blocks)
+  m_new, idx, val = cpu_kernels.compress(zeros, m_blocks, 0.5, 1.0, 32)
+  np.testing.assert_array_equal(m_new, 0.5 * m_blocks)
+  want_idx, want_val = codec.select_topk_blocks(m_new, 32)
+  np.testing.assert_array_equal(idx, want_idx)
+  np.testing.assert_array_equal(val, want_val)
+
+
+def test_compress_marks_a_chunk_with_a_non_finite_gradient():
+  plan = dct.plan_chunks((64, 128), 64)
+  g = np.ones((64, 128), np.float32)
+  g[3, 70] = np.nan  # in the second chunk
+  g_blocks = dct.to_blocks(jnp.asarray(g), plan)
+  _, _, val = cpu_kernels.compress(g_blocks, jnp.zeros_like(g_blocks), 0.9, 1.0, 4)
+  val = np.asarray(val).reshape(2, 4)
+  assert np.isfinite(val[0]).all()
+  assert not np.isfinite(val[1]).all()
+
+
+def test_decode_is_the_inverse_dct_of_the_workers_mean():
+  rng = np.random.default_rng(2)
+  workers, k = 8, 32
+  plan = dct.plan_chunks((2, 128, 64), 64)
+  rows = plan.rows
+  # Few positions, so several workers send the same coefficients.
+  idx = rng.integers(0, 48, size=(workers, rows, k)).astype(np.int32)
+  for w in range(workers):
+    for r in range(rows):
+      idx[w, r] = rng.choice(48, size=k, replace=False)
+  val = rng.normal(size=(workers, rows, k)).astype(np.float32)
+  valid = jnp.asarray([True, True, False, True, True, True, True, True])
+  lead = plan.block_shape[:-4] + (plan.block_shape[-4], plan.block_shape[-2], k)
+  idx_b, val_b = jnp.asarray(idx).reshape(workers, *lead), jnp.asarray(val).reshape(workers, *lead)
+
+  order = codec.worker_order(jnp.asarray(idx), jnp.asarray(val), plan.chunk_size)
+  got = cpu_kernels.decode(idx_b, val_b, order, valid, plan.block_shape)
+  ((mean, _),) = codec.aggregate_blocks([(idx_b, val_b)], [plan.block_shape], valid)
+  n = 64
+  kk, i = np.arange(n)[:, None], np.arange(n)[None, :]
+  d = np.sqrt(2.0 / n) * np.cos(np.pi * (2 * i + 1) * kk / (2 * n))
+  d[0] /= np.sqrt(2.0)
+  want = np.einsum("pi,...apbq,qj->...aibj", d, np.asarray(mean, np.float64), d)
+  np.testing.assert_allclose(got, want, rtol=0, atol=DCT_RTOL * np.abs(want).max())
+
+
+SHAPES = {"w": (128, 192), "stack": (2, 64, 128), "bias": (192,)}
+
+
+def _run(tx, steps=4):
+  init, grads = random_problem(SHAPES, workers=8, steps=steps, seed=3)
+  mesh = mesh_of(8)
+  # build() asserts after every step that the params are the same on every device.
+  step, params, state = build(tx, init, mesh)
+  for g in grads:
+    g = place_grads(g, mesh)
+    params, state = step(params, state, g)
+  return step, params, state, g
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_update_keeps_replicas_identical_and_agrees_with_the_xla_path(delayed):
+  def tx():
+    return dj.demo(3e-3, weight_decay=0.01, delayed_apply=delayed)
+
+  step, params, state, g = _run(tx())
+  hlo = step.lower(params, state, g).compile().as_text()
+  assert "distro_jax_demo_compress" in hlo and "distro_jax_demo_decode" in hlo
+  with cpu_kernels.disabled():
+    xla_step, xla_params, xla_state, _ = _run(tx())
+    xla_hlo = xla_step.lower(xla_params, xla_state, g).compile().as_text()
+  assert "distro_jax_demo" not in xla_hlo
+  for name in SHAPES:
+    got, want = np.asarray(params[name]), np.asarray(xla_params[name])
+    # Sign steps: an entry differs only where a decoded direction near zero
+    # changed sign with the rounding of the DCTs.
+    assert np.mean(got != want) < 1e-3, name
+    np.testing.assert_allclose(got, want, rtol=0, atol=2 * 3e-3 * 4)
+
+
+def test_switch_turns_the_kernels_off(monkeypatch):
+  assert cpu_kernels.available()
+  monkeypatch.setenv(cpu_kernels.SWITCH, "0")
+  assert not cpu_kernels.available()
+  with cpu_kernels.disabled():
+    monkeypatch.delenv(cpu_kernels.SWITCH)
+    assert not cpu_kernels.available()
+  assert cpu_kernels.available()
+
+
+def test_no_compiler_means_the_xla_path_and_a_warning(monkeypatch, tmp_path):
+  monkeypatch.setenv("CXX", "no-such-compiler-here")
+  monkeypatch.setenv("DISTRO_JAX_CACHE", str(tmp_path))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert cpu_kernels._library.__wrapped__() is False
+  assert any("no C++ compiler" in str(w.message) for w in caught)
+  assert not list(tmp_path.iterdir())
+
+
+def test_the_build_is_cached_and_keyed_by_its_source(monkeypatch, tmp_path):
+  monkeypatch.setenv("DISTRO_JAX_CACHE", str(tmp_path))
+  first = cpu_kernels._build("c++")
+  stamp = first.stat().st_mtime_ns
+  assert cpu_kernels._build("c++") == first
+  assert first.stat().st_mtime_ns == stamp
+  assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+def test_vmap_runs_the_kernel_per_example():
+  rng = np.random.default_rng(4)
+  plan = dct.plan_chunks((64, 64), 64)
+  g = jnp.asarray(rng.normal(size=(3, *plan.block_shape)), jnp.float32)
+  m = jnp.zeros_like(g)
+  batched = jax.vmap(lambda g, m: cpu_kernels.compress(g, m, 0.9, 0.1, 4))(g, m)
+  for b in range(3):
+    one = cpu_kernels.compress(g[b], m[b], 0.9, 0.1, 4)
+    for x, y in zip(batched, one):
+      np.testing.assert_array_equal(x[b], y)
