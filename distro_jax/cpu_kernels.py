@@ -242,18 +242,17 @@ def compress(
 
 
 def decode(
-  indices: jax.Array,
-  values: jax.Array,
-  order_W: jax.Array,
-  valid_W: jax.Array,
-  block_shape: tuple[int, ...],
+  indices: jax.Array, values: jax.Array, valid_W: jax.Array, block_shape: tuple[int, ...]
 ) -> jax.Array:
   """The inverse DCT of the mean of the workers' selections, in the block view.
+
+  The workers are folded in in :func:`distro_jax.codec.worker_order`, as
+  :func:`distro_jax.codec.aggregate_blocks` folds them, so the mean is the
+  same to the bit.
 
   Args:
     indices: int chunk-local indices ``(W, *lead, A, B, k)`` from each worker.
     values: float values, same shape.
-    order_W: the order in which to fold the workers in (a permutation of ``range(W)``).
     valid_W: bool per worker; False leaves it out.
     block_shape: the tensor's block view ``(*lead, A, 64, B, 64)``.
 
@@ -272,5 +271,5 @@ def decode(
     jax.ShapeDtypeStruct((rows // (a * b), a * c1, b * c2), jnp.float32),
     vmap_method="sequential",
   )
-  out = call(idx, val, order_W.astype(jnp.int32), valid_W.astype(jnp.int32), tables())
+  out = call(idx, val, valid_W.astype(jnp.int32), tables())
   return out.reshape(block_shape)

@@ -359,16 +359,10 @@ def _exchange(
       dense[i] = mean
     for i, plan in enumerate(plans):
       if native[i]:
-        # Mean and inverse DCT in one pass (distro_jax.cpu_kernels), in the
-        # worker order aggregate_blocks would take.
+        # Mean and inverse DCT in one pass (distro_jax.cpu_kernels), the
+        # workers folded in in the order aggregate_blocks takes.
         idx, val = tensors[i]
-        rows = plan.rows
-        order = codec.worker_order(
-          idx.astype(jnp.int32).reshape(num_workers, rows, -1),
-          val.astype(jnp.float32).reshape(num_workers, rows, -1),
-          plan.chunk_size,
-        )
-        dense[i] = cpu_kernels.decode(idx, val, order, valid_W, plan.block_shape)
+        dense[i] = cpu_kernels.decode(idx, val, valid_W, plan.block_shape)
   return dense, native, jnp.sum(valid_W, dtype=jnp.int32)
 
 

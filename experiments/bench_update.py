@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
-from distro_jax import codec, dct, wire
+from distro_jax import codec, cpu_kernels, dct, wire
 
 SYNTHETIC = "stacked"
 
@@ -146,32 +146,46 @@ def demo_parts(
   The parts call the library's own pieces on the data the full update would
   hand them, so their times show where the full update's time goes (the full
   update also fuses across the seams, so the parts need not add up to it).
+  Where the fused CPU kernels serve a tensor (:mod:`distro_jax.cpu_kernels`),
+  its parts are theirs: ``transform`` then holds the top-k as well, ``top-k``
+  only the error feedback, and ``decode`` the mean as well as the inverse DCT.
   """
   leaves = jax.tree.leaves(params)
   plans = wire.plan_tree(leaves, 64)
   layout = wire.wire_layout(
     leaves, compression_topk=topk, compression_chunk=64, quantize_1bit=quantize_1bit
   )
+  ks = [t.k for t in layout.tensors]
   g_leaves = jax.tree.leaves(grads)
   data = P("data")
 
   def per_worker(fn):
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=data, out_specs=data))
 
+  def fused(plan, *xs):
+    return cpu_kernels.serves(plan, *xs)
+
   def transform(args):
     gs, ms = args
     out = []
-    for g, m, plan in zip(gs, ms, plans):
-      coeffs = dct.forward_blocks(dct.to_blocks(g[0], plan), plan)
-      out.append((0.999 * dct.to_blocks(m[0], plan) + 1e-3 * coeffs)[None])
+    for g, m, plan, k in zip(gs, ms, plans, ks):
+      g, m = dct.to_blocks(g[0], plan), dct.to_blocks(m[0], plan)
+      if fused(plan, g, m):
+        out.append(tuple(x[None] for x in cpu_kernels.compress(g, m, 0.999, 1e-3, k)))
+      else:
+        out.append(((0.999 * m + 1e-3 * dct.forward_blocks(g, plan))[None],))
     return out
 
   def top_k(ms):
-    selections = codec.select_topk_many([m[0] for m in ms], [t.k for t in layout.tensors])
-    return [
-      (codec.zero_selected_blocks(m[0], idx)[None], idx[None], val[None])
-      for m, (idx, val) in zip(ms, selections)
-    ]
+    rest = [i for i, m in enumerate(ms) if len(m) == 1]
+    found = dict(
+      zip(rest, codec.select_topk_many([ms[i][0][0] for i in rest], [ks[i] for i in rest]))
+    )
+    out = []
+    for i, m in enumerate(ms):
+      idx, val = found[i] if i in found else (m[1][0], m[2][0])
+      out.append((codec.zero_selected_blocks(m[0][0], idx)[None], idx[None], val[None]))
+    return out
 
   def aggregate(selections):
     message = codec.encode_message(
@@ -179,11 +193,32 @@ def demo_parts(
     )
     gathered = jax.lax.all_gather(message, "data", to="invarying")
     tensors, valid_W = codec.decode_message(gathered, layout)
-    means = codec.aggregate_blocks(tensors, [p.block_shape for p in plans], valid_W)
-    return [jax.lax.pcast(mean, "data", to="varying")[None] for mean, _ in means]
+    native = [fused(p, m[0]) for p, (m, _, _) in zip(plans, selections)]
+    rest = [i for i in range(len(plans)) if not native[i]]
+    means = dict(
+      zip(
+        rest,
+        codec.aggregate_blocks(
+          [tensors[i] for i in rest], [plans[i].block_shape for i in rest], valid_W
+        ),
+      )
+    )
+    out = []
+    for i in range(len(plans)):
+      # The kernels' tensors go on as what arrived; decode takes the mean.
+      parts = (means[i][0],) if i in means else (*tensors[i], valid_W)
+      out.append(tuple(jax.lax.pcast(x, "data", to="varying")[None] for x in parts))
+    return out
 
   def decode(dense):
-    return [dct.from_blocks(dct.inverse_blocks(d[0], p), p)[None] for d, p in zip(dense, plans)]
+    out = []
+    for d, p in zip(dense, plans):
+      if len(d) == 1:
+        out.append(dct.from_blocks(dct.inverse_blocks(d[0][0], p), p)[None])
+      else:
+        idx, val, valid_W = (x[0] for x in d)
+        out.append(dct.from_blocks(cpu_kernels.decode(idx, val, valid_W, p.block_shape), p)[None])
+    return out
 
   momenta = [jnp.zeros_like(g) for g in g_leaves]
   fns = {
@@ -271,6 +306,10 @@ def run(
     f"devices: {workers} x {devices[0].platform}, params: {numel / 1e6:.2f}M ({jdtype.name}), "
     f"tree: {label}, {len(jax.tree.leaves(params))} tensors"
   )
+  kernels = (
+    "on" if cpu_kernels.available() else f"off ({cpu_kernels.SWITCH}=0, no compiler, or no CPU)"
+  )
+  print(f"DeMo's fused CPU kernels (distro_jax.cpu_kernels): {kernels}")
   print(
     f"{'update':<34}{'median ms':>12}{'x AdamW':>10}{'first call s':>14}"
     f"   (medians of {repeats} rounds; an update's first call compiles it)"

@@ -87,8 +87,7 @@ def test_decode_is_the_inverse_dct_of_the_workers_mean():
   lead = plan.block_shape[:-4] + (plan.block_shape[-4], plan.block_shape[-2], k)
   idx_b, val_b = jnp.asarray(idx).reshape(workers, *lead), jnp.asarray(val).reshape(workers, *lead)
 
-  order = codec.worker_order(jnp.asarray(idx), jnp.asarray(val), plan.chunk_size)
-  got = cpu_kernels.decode(idx_b, val_b, order, valid, plan.block_shape)
+  got = cpu_kernels.decode(idx_b, val_b, valid, plan.block_shape)
   ((mean, _),) = codec.aggregate_blocks([(idx_b, val_b)], [plan.block_shape], valid)
   n = 64
   kk, i = np.arange(n)[:, None], np.arange(n)[None, :]
@@ -96,6 +95,45 @@ def test_decode_is_the_inverse_dct_of_the_workers_mean():
   d[0] /= np.sqrt(2.0)
   want = np.einsum("pi,...apbq,qj->...aibj", d, np.asarray(mean, np.float64), d)
   np.testing.assert_allclose(got, want, rtol=0, atol=DCT_RTOL * np.abs(want).max())
+
+
+def test_decode_folds_the_workers_in_aggregate_blocks_order_to_the_bit():
+  # Every worker sends only chunk position 0, the DC term, whose inverse DCT
+  # is the mean divided by 64 at every entry, exactly (powers of two). So the
+  # kernel's mean can be read back to the bit, and the order of a running
+  # mean shows in its last bits.
+  rng = np.random.default_rng(5)
+  workers, rows = 8, 6
+  plan = dct.plan_chunks((128, 192), 64)
+  idx = np.zeros((workers, 2, 3, 1), np.int32)
+  val = rng.normal(size=(workers, 2, 3, 1)) * 10.0 ** rng.integers(-3, 3, (workers, 2, 3, 1))
+  val = jnp.asarray(val, jnp.float32)
+  valid = jnp.asarray([True, False, True, True, True, True, True, True])
+  got = cpu_kernels.decode(jnp.asarray(idx), val, valid, plan.block_shape)
+  ((mean, count),) = codec.aggregate_blocks([(jnp.asarray(idx), val)], [plan.block_shape], valid)
+  dc = np.asarray(mean)[:, 0, :, 0]  # (A, B): each chunk's position 0
+  np.testing.assert_array_equal(np.asarray(got)[:, 0, :, 0] * 64, dc)
+  np.testing.assert_array_equal(np.asarray(got)[:, 5, :, 9] * 64, dc)
+  assert np.asarray(count)[:, 0, :, 0].min() == workers - 1 and rows == dc.size
+  # The order matters to these bits: folded in worker-index order, some
+  # chunk's mean comes out otherwise, so a kernel that ignored the order fails.
+  order = np.asarray(
+    codec.worker_order(
+      jnp.asarray(idx).reshape(workers, rows, 1), val.reshape(workers, rows, 1), 4096
+    )
+  )
+
+  def running_mean(order):
+    mu, n = np.zeros(rows, np.float32), 0
+    for w in order:
+      if bool(valid[w]):
+        n += 1
+        v = np.asarray(val[w], np.float32).reshape(rows)
+        mu = (mu + (v - mu) / np.float32(n)).astype(np.float32)
+    return mu.reshape(dc.shape)
+
+  np.testing.assert_array_equal(running_mean(order), dc)
+  assert not np.array_equal(running_mean(range(workers)), dc)
 
 
 SHAPES = {"w": (128, 192), "stack": (2, 64, 128), "bias": (192,)}

@@ -317,6 +317,46 @@ void CompressChunk(const Tables& t, const float* g, const float* m, float* m_out
   for (int i = 0; i < kC; ++i) std::memcpy(m_out + i * stride, y + i * kC, kC * sizeof(float));
 }
 
+// distro_jax.codec._mix32: a bijective scramble of a 32-bit word.
+inline uint32_t Mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7FEB352Du;
+  h ^= h >> 15;
+  h *= 0x846CA68Bu;
+  return h ^ (h >> 16);
+}
+
+// distro_jax.codec.worker_order: the workers sorted by two wrapping sums of
+// a hash of each (flat position, value bits) they sent, ties kept in order.
+std::vector<int64_t> WorkerOrder(ffi::ThreadPool& pool, const int32_t* ip, const float* vp,
+                                 int64_t workers, int64_t rows, int64_t k) {
+  std::vector<uint32_t> key_a(workers), key_b(workers);
+  ParallelFor(pool, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      uint32_t a = 0, b = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int32_t* iw = ip + (w * rows + r) * k;
+        const float* vw = vp + (w * rows + r) * k;
+        for (int64_t e = 0; e < k; ++e) {
+          const uint32_t pos = static_cast<uint32_t>(r) * kN + static_cast<uint32_t>(iw[e]);
+          uint32_t bits;
+          std::memcpy(&bits, vw + e, sizeof(bits));
+          a += Mix32(Mix32(pos ^ 0x27D4EB2Fu) ^ bits);
+          b += Mix32(Mix32(pos ^ 0x165667B1u) ^ bits);
+        }
+      }
+      key_a[w] = a;
+      key_b[w] = b;
+    }
+  });
+  std::vector<int64_t> order(workers);
+  for (int64_t w = 0; w < workers; ++w) order[w] = w;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return key_a[x] != key_a[y] ? key_a[x] < key_a[y] : key_b[x] < key_b[y];
+  });
+  return order;
+}
+
 }  // namespace
 
 // DeMo's worker side for one tensor of 64x64 chunks: the momentum
@@ -372,13 +412,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DistroJaxDemoCompress, CompressImpl,
                                   .Attr<int64_t>("k"));
 
 // The receiving side for one tensor: every chunk's mean over the workers
-// that chose each coefficient (folded in the given worker order with
-// distro_jax.codec.aggregate's running mean, so the same bits), then its
-// inverse DCT. The first stage of the inverse runs over the chunk's nonzero
+// that chose each coefficient (folded in distro_jax.codec.worker_order's
+// order with distro_jax.codec.aggregate's running mean, so the same bits),
+// then its inverse DCT. The first stage of the inverse runs over the chunk's nonzero
 // coefficients only (at most workers * k of 4096).
 static ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> idx,
-                             ffi::Buffer<ffi::F32> val, ffi::Buffer<ffi::S32> order,
-                             ffi::Buffer<ffi::S32> valid, ffi::Buffer<ffi::F32> table,
+                             ffi::Buffer<ffi::F32> val, ffi::Buffer<ffi::S32> valid,
+                             ffi::Buffer<ffi::F32> table,
                              ffi::ResultBuffer<ffi::F32> out) {
   const auto d = idx.dimensions();
   const auto od = out->dimensions();
@@ -392,8 +432,9 @@ static ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> idx,
   const Tables t = ReadTables(table.typed_data());
   const int32_t* ip = idx.typed_data();
   const float* vp = val.typed_data();
-  const int32_t* op = order.typed_data();
   const int32_t* ok = valid.typed_data();
+  const std::vector<int64_t> order = WorkerOrder(pool, ip, vp, workers, rows, k);
+  const int64_t* op = order.data();
   float* qp = out->typed_data();
   ParallelFor(pool, rows, 64, [&](int64_t begin, int64_t end) {
     Workspace& ws = ThreadWorkspace();
@@ -448,7 +489,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DistroJaxDemoDecode, DecodeImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
