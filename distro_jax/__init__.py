@@ -4,7 +4,7 @@ Each worker sends a compressed message (per-chunk top-k of its decoupled
 momentum in a chunked DCT basis) instead of its gradient. See ``README.md``.
 """
 
-from distro_jax import bitpack, codec, dct, exchange, hlo_bytes, wire
+from distro_jax import bitpack, codec, cpu_kernels, dct, exchange, hlo_bytes, wire
 from distro_jax.diloco import DilocoState, diloco, inner_params
 from distro_jax.elastic import (
   abstract_state_of_workers,
@@ -47,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
   "bitpack",
   "codec",
+  "cpu_kernels",
   "dct",
   "exchange",
   "hlo_bytes",

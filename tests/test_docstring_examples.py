@@ -8,6 +8,7 @@ import pytest
 # The modules whose public functions carry examples.
 MODULES = [
   "distro_jax.bitpack",
+  "distro_jax.cpu_kernels",
   "distro_jax.dct",
   "distro_jax.diloco",
   "distro_jax.elastic",
