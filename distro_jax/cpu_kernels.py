@@ -110,9 +110,18 @@ def _build(compiler: str) -> pathlib.Path:
   return target
 
 
-@functools.cache
+_build_lock = threading.Lock()
+
+
 def _library() -> bool:
   """Builds (or finds), loads and registers the kernels once; False if that fails."""
+  # Threads tracing at once (a threaded train loop) build and register once.
+  with _build_lock:
+    return _load()
+
+
+@functools.cache
+def _load() -> bool:
   compiler = os.environ.get("CXX", "c++")
   if shutil.which(compiler) is None:
     warnings.warn(

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -186,12 +187,13 @@ inline bool Before(const Entry& a, const Entry& b) {
 // ranked. A chunk holding a non-finite entry gives positions 0..k-1 and its
 // first non-finite value in the first slot, so the caller sees it.
 void SelectTopK(const float* y, int k, int32_t* idx, float* val, std::vector<Entry>& cands) {
+  // Magnitudes by clearing the sign bit (std::fabs compiles to a mask), so
+  // -0.0 counts as 0.0, as jnp.abs has it.
   alignas(64) float maxima[kGroups];
-  for (int g = 0; g < kGroups; ++g) maxima[g] = y[g * kGroup] < 0 ? -y[g * kGroup] : y[g * kGroup];
+  for (int g = 0; g < kGroups; ++g) maxima[g] = std::fabs(y[g * kGroup]);
   for (int e = 1; e < kGroup; ++e)
     for (int g = 0; g < kGroups; ++g) {
-      float a = y[g * kGroup + e];
-      a = a < 0 ? -a : a;
+      const float a = std::fabs(y[g * kGroup + e]);
       maxima[g] = maxima[g] < a ? a : maxima[g];
     }
   // Any entry with an all-ones exponent (inf or NaN)? An OR over the words
@@ -234,7 +236,7 @@ void SelectTopK(const float* y, int k, int32_t* idx, float* val, std::vector<Ent
     if (maxima[g] < tau) continue;
     for (int e = 0; e < kGroup; ++e) {
       const int p = g * kGroup + e;
-      const float a = y[p] < 0 ? -y[p] : y[p];
+      const float a = std::fabs(y[p]);
       if (a >= tau) {
         if (n == cands.size()) cands.resize(2 * n);
         cands[n++] = {a, p};
