@@ -14,8 +14,9 @@ param-sized work chunk by chunk while the chunk sits in cache:
   coefficients.
 
 The DCT is the even/odd recursion, not the dense matmul, so its results differ
-from :func:`distro_jax.dct.forward_blocks` by float32 rounding (a few parts in
-10^8 of the largest coefficient). Every replica runs the same kernel on the
+from :func:`distro_jax.dct.forward_blocks` by float32 rounding: against a
+float64 DCT, about 1e-6 of the largest coefficient where the matmuls are off
+by about 4e-7 (docs/performance.md). Every replica runs the same kernel on the
 same inputs and gets the same bits: the code has no fused multiply-add, no
 reassociation and no libm call.
 
@@ -47,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distro_jax import dct
+from distro_jax import dct, exchange
 
 __all__ = ["available", "compress", "decode", "disabled", "serves", "tables"]
 
@@ -194,7 +195,11 @@ def _tables_np() -> np.ndarray:
     size = 1 << m
     parts.append(2.0 * np.cos(np.pi * (2 * np.arange(size) + 1) / (4.0 * size)))
   parts.append(np.array([np.cos(np.pi / 4), np.sqrt(1.0 / CHUNK), np.sqrt(2.0 / CHUNK)]))
-  parts.append(dct._basis_np(CHUNK).reshape(-1))
+  # The orthonormal DCT-II basis, as distro_jax.dct.dct_basis builds it.
+  k, i = np.arange(CHUNK)[:, None], np.arange(CHUNK)[None, :]
+  basis = np.sqrt(2.0 / CHUNK) * np.cos(np.pi * (2 * i + 1) * k / (2 * CHUNK))
+  basis[0] /= np.sqrt(2.0)
+  parts.append(basis.reshape(-1))
   return np.concatenate(parts).astype(np.float32)
 
 
@@ -209,6 +214,20 @@ def _require() -> None:
 def tables() -> jax.Array:
   """The kernels' DCT tables: DCT-IV twiddles for sizes 32 to 1, two scales, the basis."""
   return jnp.asarray(_tables_np())
+
+
+def _typed_like(outs: tuple[jax.Array, ...], *inputs: jax.Array) -> tuple[jax.Array, ...]:
+  """``outs`` typed as varying over every mesh axis some input varies over.
+
+  Inside ``shard_map`` a custom call's results come out typed as the same on
+  every device; what they hold depends on the inputs, so they vary as the
+  inputs do (as the XLA path's elementwise results would).
+  """
+  axes = frozenset().union(*(exchange.varying_axes(x) for x in inputs))
+  if not axes:
+    return outs
+  order = tuple(sorted(axes, key=str))
+  return tuple(jax.lax.pcast(o, order, to="varying") for o in outs)
 
 
 def _matrices(x_blocks: jax.Array) -> jax.Array:
@@ -247,6 +266,7 @@ def compress(
     vmap_method="sequential",
   )
   m_new, idx, val = call(_matrices(g_blocks), _matrices(m_blocks), scalars, tables(), k=np.int64(k))
+  m_new, idx, val = _typed_like((m_new, idx, val), g_blocks, m_blocks, scalars)
   return m_new.reshape(g_blocks.shape), idx, val
 
 
@@ -280,5 +300,6 @@ def decode(
     jax.ShapeDtypeStruct((rows // (a * b), a * c1, b * c2), jnp.float32),
     vmap_method="sequential",
   )
-  out = call(idx, val, valid_W.astype(jnp.int32), tables())
+  valid = valid_W.astype(jnp.int32)
+  (out,) = _typed_like((call(idx, val, valid, tables()),), idx, val, valid)
   return out.reshape(block_shape)

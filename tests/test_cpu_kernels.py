@@ -226,3 +226,31 @@ def test_vmap_runs_the_kernel_per_example():
     one = cpu_kernels.compress(g[b], m[b], 0.9, 0.1, 4)
     for x, y in zip(batched, one):
       np.testing.assert_array_equal(x[b], y)
+
+
+def test_results_vary_over_the_axes_their_inputs_vary_over():
+  # Inside shard_map a custom call's results are typed as the same on every
+  # device unless told otherwise; the state specs read that typing (FSDP).
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from distro_jax import exchange
+
+  mesh = jax.make_mesh((2, 2), ("replica", "fsdp"), devices=jax.devices()[:4])
+  plan = dct.plan_chunks((64, 128), 64)
+  seen = {}
+
+  def body(g, m):
+    g_blocks, m_blocks = dct.to_blocks(g, plan), dct.to_blocks(m, plan)
+    m_new, idx, val = cpu_kernels.compress(g_blocks, m_blocks, 0.9, 0.1, 4)
+    valid = jnp.ones((2,), bool)
+    q = cpu_kernels.decode(jnp.stack([idx, idx]), jnp.stack([val, val]), valid, plan.block_shape)
+    seen.update(m=m_new, idx=idx, val=val, q=q)
+    return jnp.zeros(())
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P("replica"), P("fsdp")), out_specs=P())
+  g = jax.device_put(jnp.zeros((128, 128)), NamedSharding(mesh, P("replica")))
+  m = jax.device_put(jnp.zeros((128, 128)), NamedSharding(mesh, P("fsdp")))
+  jax.eval_shape(fn, g, m)
+  for name, x in seen.items():
+    assert exchange.varying_axes(x) == {"replica", "fsdp"}, name
