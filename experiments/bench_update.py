@@ -162,15 +162,12 @@ def demo_parts(
   def per_worker(fn):
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=data, out_specs=data))
 
-  def fused(plan, *xs):
-    return cpu_kernels.serves(plan, *xs)
-
   def transform(args):
     gs, ms = args
     out = []
     for g, m, plan, k in zip(gs, ms, plans, ks):
       g, m = dct.to_blocks(g[0], plan), dct.to_blocks(m[0], plan)
-      if fused(plan, g, m):
+      if cpu_kernels.serves(plan, g, m):
         out.append(tuple(x[None] for x in cpu_kernels.compress(g, m, 0.999, 1e-3, k)))
       else:
         out.append(((0.999 * m + 1e-3 * dct.forward_blocks(g, plan))[None],))
@@ -193,7 +190,7 @@ def demo_parts(
     )
     gathered = jax.lax.all_gather(message, "data", to="invarying")
     tensors, valid_W = codec.decode_message(gathered, layout)
-    native = [fused(p, m[0]) for p, (m, _, _) in zip(plans, selections)]
+    native = [cpu_kernels.serves(p, m[0]) for p, (m, _, _) in zip(plans, selections)]
     rest = [i for i in range(len(plans)) if not native[i]]
     means = dict(
       zip(

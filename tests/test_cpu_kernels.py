@@ -207,7 +207,7 @@ def test_no_compiler_means_the_xla_path_and_a_warning(monkeypatch, tmp_path):
   assert not list(tmp_path.iterdir())
 
 
-def test_the_build_is_cached_and_keyed_by_its_source(monkeypatch, tmp_path):
+def test_the_build_is_cached_and_reused(monkeypatch, tmp_path):
   monkeypatch.setenv("DISTRO_JAX_CACHE", str(tmp_path))
   first = cpu_kernels._build("c++")
   stamp = first.stat().st_mtime_ns
