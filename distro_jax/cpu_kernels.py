@@ -53,6 +53,8 @@ from distro_jax import dct, exchange
 __all__ = ["available", "compress", "decode", "disabled", "serves", "tables"]
 
 CHUNK = 64
+# The top-k's first stage ranks the 512 groups of 8 of a chunk, so k stops there.
+MAX_K = CHUNK * CHUNK // 8
 SWITCH = "DISTRO_JAX_CPU_KERNELS"
 _SOURCE = pathlib.Path(__file__).parent / "native" / "demo_cpu.cc"
 _FLAGS = (
@@ -179,9 +181,12 @@ def disabled() -> Iterator[None]:
     _local.off = before
 
 
-def serves(plan: dct.ChunkPlan, *arrays: jax.Array) -> bool:
-  """Whether the kernels handle a tensor of ``plan`` given as ``arrays`` (block views)."""
-  if plan.c1 != CHUNK or plan.c2 != CHUNK:
+def serves(plan: dct.ChunkPlan, *arrays: jax.Array, k: int | None = None) -> bool:
+  """Whether the kernels handle a tensor of ``plan`` given as ``arrays`` (block views).
+
+  ``k``, when given, is the top-k per chunk that :func:`compress` would select.
+  """
+  if plan.c1 != CHUNK or plan.c2 != CHUNK or (k is not None and not 1 <= k <= MAX_K):
     return False
   if any(x.dtype != jnp.float32 or dct.placed_on_mesh(x) for x in arrays):
     return False
@@ -195,11 +200,8 @@ def _tables_np() -> np.ndarray:
     size = 1 << m
     parts.append(2.0 * np.cos(np.pi * (2 * np.arange(size) + 1) / (4.0 * size)))
   parts.append(np.array([np.cos(np.pi / 4), np.sqrt(1.0 / CHUNK), np.sqrt(2.0 / CHUNK)]))
-  # The orthonormal DCT-II basis, as distro_jax.dct.dct_basis builds it.
-  k, i = np.arange(CHUNK)[:, None], np.arange(CHUNK)[None, :]
-  basis = np.sqrt(2.0 / CHUNK) * np.cos(np.pi * (2 * i + 1) * k / (2 * CHUNK))
-  basis[0] /= np.sqrt(2.0)
-  parts.append(basis.reshape(-1))
+  # NumPy's, not dct.dct_basis's jax array: this runs while the update traces.
+  parts.append(dct._basis_np(CHUNK).reshape(-1))
   return np.concatenate(parts).astype(np.float32)
 
 
@@ -246,7 +248,7 @@ def compress(
     m_blocks: the float32 momentum, same shape.
     decay: the momentum's decay.
     lr: the learning rate that scales the new coefficients.
-    k: entries kept per chunk, 1 to 512.
+    k: entries kept per chunk, 1 to :data:`MAX_K` (512).
 
   Returns:
     ``(m', indices, values)``: ``m'`` in the block view, and int32 indices and

@@ -243,7 +243,7 @@ def _compress(
   sel_val: list[jax.Array | None] = [None] * n
   for i, (g, m, plan, t) in enumerate(zip(grads, momentum_blocks, plans, layout.tensors)):
     g = dct.to_blocks(g, plan)
-    if use_dct and drawn is None and t.k <= 512 and cpu_kernels.serves(plan, g, m):
+    if use_dct and drawn is None and cpu_kernels.serves(plan, g, m, k=t.k):
       # Transform, momentum and top-k in one pass (distro_jax.cpu_kernels).
       b, sel_idx[i], sel_val[i] = cpu_kernels.compress(g, m, decay, lr, t.k)
       blocks.append(b)
@@ -334,9 +334,7 @@ def _exchange(
     # messages by the senders' indices on axis_name.
     positions = jax.vmap(draw_sent)(jnp.arange(num_workers))
   tensors, valid_W = codec.decode_message(gathered, layout, positions)
-  native = [
-    use_dct and axis_name is not None and cpu_kernels.serves(p, m) for p, m in zip(plans, kept)
-  ]
+  native = [False] * len(plans)
   if axis_name is None:
     # One message and no collective (delayed_apply with one worker): its mean
     # is itself. (With an axis bound, even of size 1, the all-gather types the
@@ -350,6 +348,7 @@ def _exchange(
       for (i, v), m, s in zip(tensors, kept, sel_idx)
     ]
   else:
+    native = [use_dct and cpu_kernels.serves(p, m) for p, m in zip(plans, kept)]
     rest = [i for i, is_native in enumerate(native) if not is_native]
     aggregates = codec.aggregate_blocks(
       [tensors[i] for i in rest], [plans[i].block_shape for i in rest], valid_W

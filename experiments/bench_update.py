@@ -167,7 +167,7 @@ def demo_parts(
     out = []
     for g, m, plan, k in zip(gs, ms, plans, ks):
       g, m = dct.to_blocks(g[0], plan), dct.to_blocks(m[0], plan)
-      if cpu_kernels.serves(plan, g, m):
+      if cpu_kernels.serves(plan, g, m, k=k):
         out.append(tuple(x[None] for x in cpu_kernels.compress(g, m, 0.999, 1e-3, k)))
       else:
         out.append(((0.999 * m + 1e-3 * dct.forward_blocks(g, plan))[None],))

@@ -20,11 +20,15 @@ pytestmark = pytest.mark.skipif(
 DCT_RTOL = 4e-6
 
 
-def _float64_dct_blocks(x_blocks):
-  n = 64
+def _float64_basis(n=64):
   k, i = np.arange(n)[:, None], np.arange(n)[None, :]
   d = np.sqrt(2.0 / n) * np.cos(np.pi * (2 * i + 1) * k / (2 * n))
   d[0] /= np.sqrt(2.0)
+  return d
+
+
+def _float64_dct_blocks(x_blocks):
+  d = _float64_basis()
   return np.einsum("ip,...apbq,jq->...aibj", d, np.asarray(x_blocks, np.float64), d)
 
 
@@ -106,10 +110,7 @@ def test_decode_is_the_inverse_dct_of_the_workers_mean():
 
   got = cpu_kernels.decode(idx_b, val_b, valid, plan.block_shape)
   ((mean, _),) = codec.aggregate_blocks([(idx_b, val_b)], [plan.block_shape], valid)
-  n = 64
-  kk, i = np.arange(n)[:, None], np.arange(n)[None, :]
-  d = np.sqrt(2.0 / n) * np.cos(np.pi * (2 * i + 1) * kk / (2 * n))
-  d[0] /= np.sqrt(2.0)
+  d = _float64_basis()
   want = np.einsum("pi,...apbq,qj->...aibj", d, np.asarray(mean, np.float64), d)
   np.testing.assert_allclose(got, want, rtol=0, atol=DCT_RTOL * np.abs(want).max())
 
@@ -185,6 +186,16 @@ def test_update_keeps_replicas_identical_and_agrees_with_the_xla_path(delayed):
     # changed sign with the rounding of the DCTs.
     assert np.mean(got != want) < 1e-3, name
     np.testing.assert_allclose(got, want, rtol=0, atol=2 * 3e-3 * 4)
+
+
+def test_serves_only_what_the_kernels_can_do():
+  plan = dct.plan_chunks((64, 128), 64)
+  x = jnp.zeros(plan.block_shape, jnp.float32)
+  assert cpu_kernels.serves(plan, x, k=cpu_kernels.MAX_K)
+  assert not cpu_kernels.serves(plan, x, k=cpu_kernels.MAX_K + 1)
+  assert not cpu_kernels.serves(plan, x.astype(jnp.bfloat16))
+  small = dct.plan_chunks((64, 128), 32)
+  assert not cpu_kernels.serves(small, jnp.zeros(small.block_shape, jnp.float32))
 
 
 def test_switch_turns_the_kernels_off(monkeypatch):
