@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distro_jax import bitpack, dct
-from distro_jax.exchange import varying_axes
+from distro_jax.exchange import as_varying, varying_axes
 
 __all__ = [
   "TensorWire",
@@ -872,11 +872,7 @@ def aggregate_blocks(
   for idx, val in prepared:
     axes |= varying_axes(idx) | varying_axes(val)
 
-  def typed(x: jax.Array) -> jax.Array:
-    missing = tuple(sorted(axes - varying_axes(x), key=str))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-  init = jax.tree.map(typed, init)
+  init = jax.tree.map(lambda x: as_varying(x, axes), init)
   result = jax.lax.fori_loop(0, num_workers, fold, init)
   return [(mean, count.astype(jnp.int32)) for mean, count in result]
 

@@ -226,10 +226,7 @@ def _typed_like(outs: tuple[jax.Array, ...], *inputs: jax.Array) -> tuple[jax.Ar
   inputs do (as the XLA path's elementwise results would).
   """
   axes = frozenset().union(*(exchange.varying_axes(x) for x in inputs))
-  if not axes:
-    return outs
-  order = tuple(sorted(axes, key=str))
-  return tuple(jax.lax.pcast(o, order, to="varying") for o in outs)
+  return tuple(exchange.as_varying(o, axes) for o in outs)
 
 
 def _matrices(x_blocks: jax.Array) -> jax.Array:

@@ -6,7 +6,7 @@ gradients with respect to worker-local params (:func:`local_value_and_grad`),
 since autodiff all-reduces the gradient of a replicated value.
 """
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import jax
@@ -104,6 +104,16 @@ def varying_axes(x: jax.Array) -> frozenset[Hashable]:
   # JAX 0.10 keeps the varying axes on ``manual_axis_type``; earlier ones on ``vma``.
   vma = aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
   return frozenset(vma)
+
+
+def as_varying(x: jax.Array, axes: Iterable[Hashable]) -> jax.Array:
+  """``x`` typed as varying over ``axes`` too, inside ``shard_map`` (no value changes).
+
+  Results built from values that vary (a loop carry, a custom call's output)
+  must carry the union of their inputs' varying axes.
+  """
+  missing = tuple(sorted(frozenset(axes) - varying_axes(x), key=str))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def varies_over(x: jax.Array, axis_name: Hashable) -> bool:

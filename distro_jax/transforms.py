@@ -205,9 +205,7 @@ def _replace_rarely(pred: jax.Array, tree: Any, replacement: Callable[[], Any]) 
   targets = jax.tree.map(axes, tree, probe)
 
   def typed(x: Any, want: tuple[Hashable, ...], dtype: Any) -> jax.Array:
-    x = jnp.asarray(x, dtype)
-    missing = tuple(a for a in want if not exchange.varies_over(x, a))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return exchange.as_varying(jnp.asarray(x, dtype), want)
 
   tree = jax.tree.map(lambda x, want: typed(x, want, x.dtype), tree, targets)
   dtypes = jax.tree.map(lambda x: x.dtype, tree)

@@ -27,14 +27,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distro_jax.exchange import varies_over
+from distro_jax.exchange import as_varying, varies_over
 
 __all__ = ["abstract_worker_state", "init_worker_state", "worker_state_specs"]
-
-
-def _as_varying(x: jax.Array, axes: tuple[Hashable, ...]) -> jax.Array:
-  missing = tuple(a for a in axes if not varies_over(x, a))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 _PER_WORKER_SCALAR_FIX = (
@@ -134,8 +129,8 @@ def worker_state_specs(
     seen: list[tuple[Hashable, ...]] = []
 
     def body(p, state_leaves):
-      state_leaves = [_as_varying(x, mark) for x, mark in zip(state_leaves, marks)]
-      grads = jax.tree.map(lambda x: _as_varying(x, (axis_name,)), p)
+      state_leaves = [as_varying(x, mark) for x, mark in zip(state_leaves, marks)]
+      grads = jax.tree.map(lambda x: as_varying(x, (axis_name,)), p)
       _, new_state = tx.update(grads, treedef.unflatten(state_leaves), p)
       seen.extend(
         tuple(a for a in candidates if varies_over(x, a)) for x in jax.tree.leaves(new_state)
@@ -203,7 +198,7 @@ def _init_on_mesh(tx, mesh, param_specs, specs):
 
   def local_init(p):
     leaves, treedef = jax.tree.flatten(tx.init(p))
-    return treedef.unflatten([_as_varying(x, _spec_axes(s)) for x, s in zip(leaves, spec_leaves)])
+    return treedef.unflatten([as_varying(x, _spec_axes(s)) for x, s in zip(leaves, spec_leaves)])
 
   return jax.shard_map(local_init, mesh=mesh, in_specs=(param_specs,), out_specs=specs)
 
