@@ -93,9 +93,7 @@ def worker_local(tree: Any, axis_name: Hashable | None = "data") -> Any:
   """
   if axis_name is None:
     return tree
-  return jax.tree.map(
-    lambda x: x if varies_over(x, axis_name) else jax.lax.pcast(x, axis_name, to="varying"), tree
-  )
+  return jax.tree.map(lambda x: as_varying(x, (axis_name,)), tree)
 
 
 def varying_axes(x: jax.Array) -> frozenset[Hashable]:

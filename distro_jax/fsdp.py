@@ -27,7 +27,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from distro_jax import dct
-from distro_jax.exchange import varies_over
+from distro_jax.exchange import varies_over, worker_local
 
 __all__ = [
   "DeviceBytes",
@@ -211,11 +211,7 @@ def fsdp_value_and_grad(
   def wrapped(shards, *args, **kwargs):
     # Differentiating with respect to replica-local shards keeps autodiff from
     # all-reducing the gradient across sites.
-    local = jax.tree.map(
-      lambda x: x if varies_over(x, replica_axis) else jax.lax.pcast(x, replica_axis, to="varying"),
-      shards,
-    )
-    value, grads = value_and_grad(local, *args, **kwargs)
+    value, grads = value_and_grad(worker_local(shards, replica_axis), *args, **kwargs)
     site = jax.lax.axis_size(fsdp_axis)
     return value, jax.tree.map(lambda g: g / site, grads)
 
