@@ -13,8 +13,8 @@ embedded corpus.
   python -m experiments.train --num_processes=2 --process_id=1 \
       --coordinator_address=127.0.0.1:12355 --workers=4
 
-Every flag is a field of ``experiments.config.TrainConfig`` (or of
-``experiments.launch.LaunchConfig`` for the three process flags).
+Every flag is a field of ``experiments.run.config.TrainConfig`` (or of
+``experiments.run.launch.LaunchConfig`` for the three process flags).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 
 from absl import app, flags
 
-from experiments import cli, config
-from experiments.launch import LaunchConfig, setup_devices
+from experiments.run import checks, cli
+from experiments.run.launch import LaunchConfig, setup_devices
 
 __all__ = ["main"]
 
@@ -37,12 +37,12 @@ def _main(
 ) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from experiments import trainer
+  from experiments.run import trainer
 
   def train() -> None:
-    cfg = config.config_from_flags(train_flags)
-    config.validate(cfg)  # before the backend starts: a bad flag needs no devices
-    setup_devices(config.config_from_flags(launch_flags, LaunchConfig), cfg.devices)
+    cfg = cli.config_from_flags(train_flags)
+    checks.validate(cfg)  # before the backend starts: a bad flag needs no devices
+    setup_devices(cli.config_from_flags(launch_flags, LaunchConfig), cfg.devices)
     trainer.run(cfg)
 
   cli.report_user_errors(train)
@@ -50,8 +50,8 @@ def _main(
 
 def main(argv: Sequence[str] | None = None) -> None:
   """The command: defines its flags (only now, not at import), parses them, trains."""
-  train_flags = config.define_flags()
-  launch_flags = config.define_flags(LaunchConfig)
+  train_flags = cli.define_flags()
+  launch_flags = cli.define_flags(LaunchConfig)
   app.run(functools.partial(_main, train_flags, launch_flags), argv=argv)
 
 

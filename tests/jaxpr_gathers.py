@@ -6,6 +6,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 import distro_jax as dj
+from experiments.run import checks
 
 
 def _sub_jaxprs(eqn):
@@ -101,10 +102,10 @@ def trainer_step_jaxpr(**overrides):
   Returns:
     ``(cfg, program, closed)``; the last two inputs of ``closed`` are the batch.
   """
-  from experiments import config, trainer
+  from experiments.run import config, trainer
 
   fields = dict(preset="tiny", workers=4, batch_size=8, seq_len=32, **overrides)
-  cfg = config.resolve(config.TrainConfig(**fields))
+  cfg = checks.resolve(config.TrainConfig(**fields))
   program = trainer.build(cfg)
   params = program.placed(program.abstract, program.fsdp_plan.specs)
   state = dj.abstract_worker_state(

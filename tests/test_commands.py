@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from experiments.config import TrainConfig
+from experiments.run.config import TrainConfig
 
 ROOT = pathlib.Path(__file__).parent.parent
 COMMANDS = [

@@ -11,7 +11,8 @@ import pytest
 from tiny_runs import TINY, read_metrics
 
 import distro_jax as dj
-from experiments import compare, config, methods, model, presets, time_model, trainer
+from experiments.run import checks, methods, model, presets, trainer
+from experiments.study import compare, time_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -156,7 +157,7 @@ def test_the_default_methods_include_one_past_1000x_on_small():
   ratios = {}
   for name in compare.DEFAULT_METHODS:
     method, fields = methods.parse(name)
-    cfg = config.resolve(trainer.TrainConfig(preset="small", steps=1000, **fields))
+    cfg = checks.resolve(trainer.TrainConfig(preset="small", steps=1000, **fields))
     ratios[name] = bf16 / method.payload(cfg, params).per_step
   past = {name: r for name, r in ratios.items() if r >= 1000}
   # 1,811 bytes: a flag byte and one sign bit per 8x8 chunk.

@@ -6,9 +6,9 @@ import pytest
 import tiny_runs
 from absl import flags
 
-from experiments import config, methods, trainer
-from experiments.config import ELASTIC_FIELDS, RUNTIME_FIELDS, TrainConfig
-from experiments.launch import LaunchConfig
+from experiments.run import checks, cli, config, methods, trainer
+from experiments.run.config import ELASTIC_FIELDS, RUNTIME_FIELDS, TrainConfig
+from experiments.run.launch import LaunchConfig
 
 FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
 
@@ -25,7 +25,7 @@ def _changed(value):
 
 @pytest.mark.parametrize("name", FIELDS)
 def test_fingerprint_covers_every_field_but_the_runtime_and_elastic_ones(name):
-  base = config.resolve(TrainConfig())
+  base = checks.resolve(TrainConfig())
   other = dataclasses.replace(base, **{name: _changed(getattr(base, name))})
   differs = config.fingerprint(base) != config.fingerprint(other)
   assert differs == (name not in RUNTIME_FIELDS | ELASTIC_FIELDS), name
@@ -40,21 +40,21 @@ def test_fingerprint_compares_data_paths_as_absolute(tmp_path, monkeypatch):
 
 def test_flags_are_built_from_the_fields_with_their_help():
   fv = flags.FlagValues()
-  holders = config.define_flags(defaults={"preset": "small"}, flag_values=fv)
-  launch = config.define_flags(LaunchConfig, flag_values=fv)
+  holders = cli.define_flags(defaults={"preset": "small"}, flag_values=fv)
+  launch = cli.define_flags(LaunchConfig, flag_values=fv)
   assert set(holders) == set(FIELDS)
   fv(["prog", "--steps=7", "--nouse_dct", "--learning_rate=0.01", "--num_processes=2"])
-  cfg = config.config_from_flags(holders)
+  cfg = cli.config_from_flags(holders)
   assert (cfg.preset, cfg.steps, cfg.use_dct, cfg.learning_rate) == ("small", 7, False, 0.01)
   assert cfg.compression_decay is None  # unset: the recipe decides
-  assert config.config_from_flags(launch, LaunchConfig).num_processes == 2
+  assert cli.config_from_flags(launch, LaunchConfig).num_processes == 2
   for f in dataclasses.fields(TrainConfig):
     assert fv[f.name].help.endswith(f.metadata["help"])
 
 
 def test_unknown_default_is_refused():
   with pytest.raises(ValueError, match="no field"):
-    config.define_flags(defaults={"stepz": 3}, flag_values=flags.FlagValues())
+    cli.define_flags(defaults={"stepz": 3}, flag_values=flags.FlagValues())
 
 
 @pytest.mark.slow
@@ -83,12 +83,12 @@ def test_resume_with_other_data_preset_or_method_names_the_field(tmp_path, chang
 def test_a_long_run_on_small_takes_the_long_recipe(name):
   method = methods.get(name)
   min_steps, long = method.long_recipes["small"]
-  short = config.resolve(TrainConfig(optimizer=name, preset="small", steps=min_steps - 1))
-  full = config.resolve(TrainConfig(optimizer=name, preset="small", steps=min_steps))
+  short = checks.resolve(TrainConfig(optimizer=name, preset="small", steps=min_steps - 1))
+  full = checks.resolve(TrainConfig(optimizer=name, preset="small", steps=min_steps))
   assert short.learning_rate == method.recipe.learning_rate
   assert full.learning_rate == long.learning_rate != short.learning_rate
   # A flag given wins; other presets keep the recipe they had.
   given = TrainConfig(optimizer=name, preset="small", steps=min_steps, learning_rate=1e-2)
-  assert config.resolve(given).learning_rate == 1e-2
-  tiny = config.resolve(TrainConfig(optimizer=name, preset="tiny", steps=min_steps))
+  assert checks.resolve(given).learning_rate == 1e-2
+  tiny = checks.resolve(TrainConfig(optimizer=name, preset="tiny", steps=min_steps))
   assert tiny.learning_rate == method.recipe.learning_rate

@@ -9,8 +9,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from experiments import data
-from experiments.corpus import default_corpus
+from experiments.corpus.generated import default_corpus
+from experiments.run import data
 
 # Pinned so that an edit to the grammar, or a platform difference, shows up here
 # rather than as a silently different training run.
@@ -40,7 +40,7 @@ def test_corpus_size_ascii_and_pinned_bytes():
 
 
 def test_corpus_identical_in_a_fresh_process():
-  code = "import hashlib; from experiments.corpus import default_corpus as c; "
+  code = "import hashlib; from experiments.corpus.generated import default_corpus as c; "
   code += "print(hashlib.sha256(c()).hexdigest())"
   out = subprocess.run(
     [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60

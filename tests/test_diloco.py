@@ -14,6 +14,7 @@ from sharded_step import (
 )
 
 import distro_jax as dj
+from experiments.run import checks
 
 
 def _numpy_diloco(p0, grads_TxW, lr, sync_every, outer_lr, mu, total_steps=None):
@@ -158,15 +159,15 @@ def test_total_steps_must_be_a_positive_int_or_none(bad, error):
 
 
 def test_the_registry_counts_the_final_exchange():
-  from experiments import config, methods
-  from experiments.config import TrainConfig
+  from experiments.run import methods
+  from experiments.run.config import TrainConfig
 
   diloco, demo = methods.get("diloco"), methods.get("demo")
-  cfg = config.resolve(TrainConfig(optimizer="diloco", steps=120, diloco_sync_every=50))
+  cfg = checks.resolve(TrainConfig(optimizer="diloco", steps=120, diloco_sync_every=50))
   assert [diloco.exchanges(cfg, n) for n in (49, 50, 100, 119, 120)] == [0, 1, 2, 2, 3]
   payload = methods.Payload(message=1000.0, per_step=20.0, sent=20.0)
   assert diloco.sent_over(cfg, payload, 120) == 3000.0
-  plain = config.resolve(TrainConfig(steps=120))
+  plain = checks.resolve(TrainConfig(steps=120))
   assert demo.sent_over(plain, methods.Payload(10.0, 10.0, 10.0), 120) == 1200.0
 
 

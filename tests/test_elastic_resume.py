@@ -21,9 +21,9 @@ import tiny_runs
 from sharded_step import mesh_of, place_grads
 
 import distro_jax as dj
-from experiments import config, elastic, records
-from experiments.records import ResizeEvent, StepRecord
-from experiments.reporting import MetricsWriter
+from experiments.run import checks, config, elastic, records
+from experiments.run.records import ResizeEvent, StepRecord
+from experiments.run.reporting import MetricsWriter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,11 +83,11 @@ def test_event_lines_are_skipped_by_read_metrics_and_kept_across_resumes(tmp_pat
 
 def test_validate_refuses_bad_elastic_flags():
   with pytest.raises(config.ConfigError, match="--leaving=drop or --leaving=fold"):
-    config.validate(config.TrainConfig(leaving="sum"))
+    checks.validate(config.TrainConfig(leaving="sum"))
   with pytest.raises(config.ConfigError, match="0 or more"):
-    config.validate(config.TrainConfig(cold_start_steps=-1))
+    checks.validate(config.TrainConfig(cold_start_steps=-1))
   with pytest.raises(config.ConfigError, match="sends none"):
-    config.validate(config.TrainConfig(cold_start_steps=3, optimizer="adamw"))
+    checks.validate(config.TrainConfig(cold_start_steps=3, optimizer="adamw"))
 
 
 # --- the library hook that cold start needs (see docs/elastic.md) ---------------

@@ -10,6 +10,7 @@ from sharded_step import build, mesh_of, per_device_copies, place_grads
 from tiny_runs import TINY, read_metrics, run_tiny
 
 import distro_jax as dj
+from experiments.run import checks
 
 SHAPES = {"w": (64, 96), "b": (96,)}
 
@@ -170,7 +171,7 @@ def _drifted(mesh, shape, spec, device, index):
 def test_replica_check_fires_when_one_device_differs(spec, device, expected):
   import functools
 
-  from experiments import launch, steps
+  from experiments.run import launch, steps
 
   mesh = launch.make_mesh(4, fsdp=2)
   params = {"w": _drifted(mesh, (4, 5), spec, device, (1, 4))}
@@ -191,10 +192,10 @@ def test_the_trainers_replica_check_raises_naming_the_step_and_the_count(drifted
   # The check the driver runs every log_every steps under --check_replicas,
   # on params that differ in one entry of one device's copy of each drifted
   # param: a shard (between its replicas) or a param kept whole on a site.
-  from experiments import cli, config, trainer
+  from experiments.run import cli, trainer
 
   fields = {**TINY, "workers": 4, "fsdp": 2, "out_dir": "unused"}
-  program = trainer.build(config.resolve(trainer.TrainConfig(**fields)))
+  program = trainer.build(checks.resolve(trainer.TrainConfig(**fields)))
   leaves, treedef = jax.tree.flatten(program.abstract)
   specs = treedef.flatten_up_to(program.fsdp_plan.specs)
   pick = {

@@ -6,9 +6,10 @@ import os
 import pytest
 from tiny_runs import TINY
 
-from experiments import config, frontier, methods
-from experiments.config import ConfigError, TrainConfig
-from experiments.records import Summary
+from experiments.run import checks, methods
+from experiments.run.config import ConfigError, TrainConfig
+from experiments.run.records import Summary
+from experiments.study import frontier
 
 
 def test_grid_points_come_from_the_registry_or_the_given_grid():
@@ -66,7 +67,7 @@ def test_a_cached_run_with_other_settings_is_refused_before_anything_trains(tmp_
   cfg = dataclasses.replace(
     base, optimizer="demo", steps=4, eval_every=1, learning_rate=3e-3, out_dir=str(demo_dir)
   )
-  resolved = dataclasses.asdict(config.resolve(cfg))
+  resolved = dataclasses.asdict(checks.resolve(cfg))
   dataclasses.replace(_SUMMARY, config={**resolved, "seed": 7}).save(demo_dir / "summary.json")
   with pytest.raises(ConfigError, match=r"other settings: seed=7 \(now 0\)\. Give this frontier"):
     frontier.run_frontier(

@@ -275,14 +275,14 @@ def test_only_the_payload_crosses_replica():
 
 
 def test_report_preset_memory_at_fsdp_8():
-  from experiments import memory_report
+  from experiments.bench import memory_report
 
   rows = memory_report.measure("report-1.2b", (1, 8))
   assert rows[8]["demo"].total * 6 <= rows[1]["demo"].total
 
 
 def test_stacked_layers_keep_fewer_params_whole_and_send_less_per_device():
-  from experiments import memory_report
+  from experiments.bench import memory_report
 
   # On tiny, fsdp 2 keeps every d_model-wide matrix whole when the layers are
   # separate (each is one chunk); stacked, the layer axis can be split. The

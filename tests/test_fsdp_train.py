@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tiny_runs
 
-from experiments import trainer
+from experiments.run import trainer
 
 
 @pytest.mark.slow

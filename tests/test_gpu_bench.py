@@ -4,7 +4,7 @@ import jax
 import pytest
 from absl import flags
 
-from experiments import bench_update, gpu_bench
+from experiments.bench import bench_update, gpu_bench
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ import subprocess
 import pytest
 from tiny_runs import read_metrics, run_tiny
 
-from experiments import integrity, trainer
-from experiments.rundir import OutDirError
+from experiments.run import integrity, trainer
+from experiments.run.rundir import OutDirError
 
 pytestmark = pytest.mark.slow
 

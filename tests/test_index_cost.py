@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import distro_jax as dj
-from experiments import index_cost
-from experiments.model import abstract_params
-from experiments.presets import get_preset
+from experiments.bench import index_cost
+from experiments.run.model import abstract_params
+from experiments.run.presets import get_preset
 
 ROOT = pathlib.Path(__file__).parent.parent
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import data, integrity
-from experiments.checkpointing import Checkpointer, CheckpointError
+from experiments.run import data, integrity
+from experiments.run.checkpointing import Checkpointer, CheckpointError
 
 FINGERPRINT = {"preset": "tiny", "optimizer": "demo", "data_identity": {"bytes": 10}}
 

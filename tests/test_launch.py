@@ -7,10 +7,10 @@ import sys
 import portpicker
 import pytest
 
-from experiments import launch as launch_lib
-from experiments import records
-from experiments.config import ConfigError
-from experiments.launch import LaunchConfig, resolve_launch
+from experiments.run import launch as launch_lib
+from experiments.run import records
+from experiments.run.config import ConfigError
+from experiments.run.launch import LaunchConfig, resolve_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

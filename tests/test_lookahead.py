@@ -15,6 +15,7 @@ from sharded_step import mesh_of
 
 import distro_jax as dj
 from distro_jax import dct, wire
+from experiments.run import checks
 
 SHAPES = {"a": (64, 128), "b": (96,)}
 # One drawn position of each 8x8 chunk, one sign bit each.
@@ -215,7 +216,7 @@ def test_options_that_do_not_match_the_state_are_refused():
 def test_the_trainers_overlapped_step_looks_ahead_and_gathers_before_the_gradient(
   quantize_1bit, drawn
 ):
-  from experiments import config, methods
+  from experiments.run import methods
 
   cfg, _, closed = trainer_step_jaxpr(
     compression_topk=1 if drawn else 8,
@@ -228,7 +229,7 @@ def test_the_trainers_overlapped_step_looks_ahead_and_gathers_before_the_gradien
   assert point.func is dj.gradient_point
   assert point.keywords["quantize_1bit"] is quantize_1bit
   assert point.keywords["random_positions"] is drawn
-  bare = config.resolve(dataclasses.replace(cfg, lookahead=False))
+  bare = checks.resolve(dataclasses.replace(cfg, lookahead=False))
   assert methods.get("demo").gradient_point(bare) is dj.inner_params
   fed = gathers_fed_by(closed.jaxpr, set(closed.jaxpr.invars[-2:]))
   # The message all-gather (and any other) starts before the batch is read.

@@ -13,8 +13,8 @@ import pytest
 import tiny_runs
 
 import distro_jax as dj
-from experiments import config, methods, model, presets
-from experiments.config import ConfigError, TrainConfig
+from experiments.run import checks, methods, model, presets
+from experiments.run.config import ConfigError, TrainConfig
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -68,7 +68,7 @@ _G = {"w": jnp.cos(jnp.arange(64 * 64, dtype=jnp.float32)).reshape(64, 64)}
 def _first_outer_step(name):
   """``(outer update, method, cfg)`` of the method ``name`` on one worker, H 1."""
   method, fields = methods.parse(name)
-  cfg = config.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
+  cfg = checks.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
   tx = method.build(cfg, methods.Axes(None, None))
   update = jax.jit(tx.update)
   # The schedule's first rate is 0 (warmup); the second step moves.
@@ -97,7 +97,7 @@ def test_groups_each_send_a_message_of_their_sizes():
   # embedding and head 1 of each 4x4.
   spec = "'attn'=8:2;'mlp'=16:1;'embedding'|'lm_head'=4:1;norm=16:1"
   fields = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
-  cfg = config.resolve(TrainConfig(preset="small", compression_groups=spec, **fields))
+  cfg = checks.resolve(TrainConfig(preset="small", compression_groups=spec, **fields))
   method = methods.get("demo")
   params = model.abstract_params(presets.get_preset("small"))
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -138,7 +138,7 @@ def test_groups_train_with_identical_replicas_and_the_bytes_they_count(tmp_path)
   summary = tiny_runs.run_tiny(
     tmp_path, steps=4, log_every=1, check_replicas=True, normalize="rms", **options
   )
-  cfg = config.resolve(TrainConfig(**{**tiny_runs.TINY, **options}))
+  cfg = checks.resolve(TrainConfig(**{**tiny_runs.TINY, **options}))
   params = model.abstract_params(presets.get_preset("tiny"))
   one = dataclasses.replace(cfg, compression_groups="")
   assert summary.measured_exchange_bytes_per_step == summary.payload_bytes_per_step
@@ -217,7 +217,7 @@ def test_get_refuses_an_unknown_family_with_the_choices():
 @pytest.mark.parametrize("name", methods.names())
 def test_every_entry_builds_updates_and_accounts_its_bytes(name):
   method = methods.get(name)
-  cfg = config.resolve(TrainConfig(optimizer=name, preset="tiny", workers=4, batch_size=8))
+  cfg = checks.resolve(TrainConfig(optimizer=name, preset="tiny", workers=4, batch_size=8))
   params = model.abstract_params(presets.get_preset("tiny"))
   jax.eval_shape(method.build(cfg, methods.Axes("replica", None)).init, params)
   # One worker, no collective: an update has the params' shapes and dtypes.

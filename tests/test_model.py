@@ -12,14 +12,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments.model import (
+from experiments.run.model import (
   Llama,
   ModelConfig,
   abstract_params,
   next_token_loss,
   param_count,
 )
-from experiments.presets import PRESETS, describe_presets, get_preset
+from experiments.run.presets import PRESETS, describe_presets, get_preset
 
 TINY = get_preset("tiny")
 
@@ -226,7 +226,7 @@ def test_unknown_preset():
 
 
 def test_describe_presets_prints_params_and_payload_without_allocating():
-  from experiments.presets import describe_presets
+  from experiments.run.presets import describe_presets
 
   table = describe_presets(num_workers=8)
   row = next(line for line in table.splitlines() if line.startswith("report-1.2b"))

@@ -18,12 +18,12 @@ import time
 import pytest
 from absl import flags
 
-from experiments import methods
-from experiments.config import TrainConfig
-from experiments.launch import LaunchConfig
 from experiments.netlab import __main__ as netlab_command
-from experiments.netlab import counters, lab, links, report
-from experiments.records import StepRecord, Summary
+from experiments.netlab import counters, lab, links, report, results
+from experiments.run import methods
+from experiments.run.config import TrainConfig
+from experiments.run.launch import LaunchConfig
+from experiments.run.records import StepRecord, Summary
 
 ROOT = pathlib.Path(__file__).parent.parent
 CANNOT_RUN = links.missing_prerequisite()
@@ -315,7 +315,7 @@ def test_summary_computes_payload_the_bounding_link_and_the_baseline():
     for t in (-1.0, 100.0)
   ]
   runs = [
-    report.RunResult(name, shaped, _records(times, val_at=(7,)), _summary(opt, 1000, 1500.0))
+    results.RunResult(name, shaped, _records(times, val_at=(7,)), _summary(opt, 1000, 1500.0))
     for name, opt in (("adamw", "adamw"), ("demo-k8", "demo"))
     for shaped in (False, True)
   ]

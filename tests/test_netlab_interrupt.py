@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from experiments.netlab import interrupt, lab, links, report
-from experiments.records import ResizeEvent, StepRecord
+from experiments.netlab import lab, links, report, results
+from experiments.run.records import ResizeEvent, StepRecord
 
 ROOT = pathlib.Path(__file__).parent.parent
 CANNOT_RUN = links.missing_prerequisite()
@@ -27,19 +27,19 @@ def test_figures_count_steps_redone_and_wall_time_lost():
   # Killed after step 7; the last checkpoint was step 5; the survivors start 20 s later.
   first = [_rec(s, 100.0 + s) for s in range(1, 8)]
   second = [_rec(s, 130.0 + s, loss=0.9) for s in range(6, 11)]
-  final = report.RunResult("demo-interrupted", True, first[:5] + second, None, started_at=99.0)
-  run = interrupt.InterruptedRun(
+  final = results.RunResult("demo-interrupted", True, first[:5] + second, None, started_at=99.0)
+  run = results.InterruptedRun(
     method="demo",
     killed_process=3,
     kill_step=7,
     killed_at=108.0,
-    attempts=[interrupt.Attempt(4, 99.0, first), interrupt.Attempt(3, 110.0, second)],
+    attempts=[results.Attempt(4, 99.0, first), results.Attempt(3, 110.0, second)],
     final=final,
     events=[ResizeEvent(5, 120.0, 4, 3, 4, 3, [3], [], "fold", 0)],
   )
-  reference = report.RunResult("demo", True, [_rec(s, 100.0 + s, 0.8, 0.7) for s in range(1, 11)],
+  reference = results.RunResult("demo", True, [_rec(s, 100.0 + s, 0.8, 0.7) for s in range(1, 11)],
                                None, started_at=99.0)  # fmt: skip
-  f = interrupt.figures(run, reference)
+  f = report.interruption_figures(run, reference)
   assert (f["kill_step"], f["resumed_from_step"], f["steps_redone"]) == (7, 5, 2)
   assert f["processes"] == [4, 3] and f["killed_process"] == 3
   assert f["seconds_to_regain_kill_step"] == pytest.approx(137.0 - 108.0)
@@ -48,9 +48,9 @@ def test_figures_count_steps_redone_and_wall_time_lost():
   assert f["wall_s_lost"] == pytest.approx(30.0)
   assert (f["final_loss_interrupted"], f["final_loss_uninterrupted"]) == (0.9, 0.8)
   assert f["final_val_loss_uninterrupted"] == 0.7
-  rows = interrupt.markdown_rows({"demo": {"interrupted": f}})
+  rows = report._interruption_rows({"demo": {"interrupted": f}})
   assert "| demo | 4 -> 3 | 7 | 5 | 2 | 29.0 s | 41.0 s | 11.0 s | 30.0 s |" in "\n".join(rows)
-  assert interrupt.markdown_rows({"demo": {}}) == []
+  assert report._interruption_rows({"demo": {}}) == []
 
 
 def test_kill_drill_flags_default_to_a_batch_the_survivors_divide_and_checkpoints():

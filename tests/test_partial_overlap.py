@@ -14,6 +14,7 @@ from jaxpr_gathers import gather_operand_bytes, gathers_fed_by, trainer_step_jax
 from sharded_step import mesh_of, random_problem, trajectory
 
 import distro_jax as dj
+from experiments.run import checks
 
 SHAPES = {"a": (64, 128), "b": (96,), "c": (32, 128)}
 SYNC = {"a": True, "b": False, "c": False}
@@ -161,14 +162,14 @@ def test_synchronous_without_delay_or_with_a_wrong_mask_is_refused():
   ids=["no-delay", "bad-regex", "no-match"],
 )
 def test_the_driver_refuses_a_synchronous_pattern_it_cannot_use(flags, message):
-  from experiments import config
+  from experiments.run import config
 
   with pytest.raises(config.ConfigError, match=message):
-    config.resolve(config.TrainConfig(preset="tiny", workers=4, **flags))
+    checks.resolve(config.TrainConfig(preset="tiny", workers=4, **flags))
 
 
 def test_the_method_option_partial_names_the_measured_group():
-  from experiments import methods, model, presets
+  from experiments.run import methods, model, presets
 
   method, overrides = methods.parse("demo-k8-delayed-partial")
   assert method.name == "demo"
@@ -182,7 +183,7 @@ def test_the_method_option_partial_names_the_measured_group():
 
 @pytest.mark.slow
 def test_the_trainers_partial_step_gathers_one_message_before_the_batch_and_one_after():
-  from experiments import methods
+  from experiments.run import methods
 
   cfg, program, closed = trainer_step_jaxpr(
     compression_topk=8, delayed_apply=True, synchronous_params=methods.PARTIAL_OVERLAP
@@ -206,7 +207,7 @@ def test_the_trainers_partial_step_gathers_one_message_before_the_batch_and_one_
 
 
 def test_the_time_model_sees_the_overlapped_share_of_the_message():
-  from experiments import config, methods, model, presets
+  from experiments.run import config, methods, model, presets
 
   params = model.abstract_params(presets.get_preset("small"))
   share = lambda **flags: methods.overlapped_share(

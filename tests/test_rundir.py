@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from experiments import rundir
-from experiments.rundir import OutDirError
+from experiments.run import rundir
+from experiments.run.rundir import OutDirError
 
 ROOT = pathlib.Path(__file__).parent.parent
 

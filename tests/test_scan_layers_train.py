@@ -14,7 +14,7 @@ from flax import nnx
 
 import distro_jax as dj
 from distro_jax.unit_rms import normalized_step
-from experiments import config, methods, model, presets
+from experiments.run import checks, config, methods, model, presets
 
 
 @pytest.mark.parametrize(
@@ -33,9 +33,9 @@ from experiments import config, methods, model, presets
 def test_the_driver_refuses_what_a_stack_would_change(flags, message):
   cfg = config.TrainConfig(**{"preset": "tiny", "workers": 4, **flags, "scan_layers": True})
   with pytest.raises(config.ConfigError, match=message):
-    config.resolve(cfg)
+    checks.resolve(cfg)
   # Without the stacking, each of these is a valid run.
-  config.resolve(config.TrainConfig(**{"preset": "tiny", "workers": 4, **flags}))
+  checks.resolve(config.TrainConfig(**{"preset": "tiny", "workers": 4, **flags}))
 
 
 def test_what_works_on_every_param_alike_is_accepted():
@@ -52,7 +52,7 @@ def test_what_works_on_every_param_alike_is_accepted():
     dict(fsdp=2, normalize="rms"),
     dict(fsdp=2, normalize="orth"),
   ]:
-    config.resolve(config.TrainConfig(preset="tiny", workers=4, scan_layers=True, **flags))
+    checks.resolve(config.TrainConfig(preset="tiny", workers=4, scan_layers=True, **flags))
 
 
 @pytest.mark.slow

@@ -11,8 +11,10 @@ import math
 
 import pytest
 
-from experiments import cli, config, memory_report, methods, sweep, trainer
-from experiments.config import ConfigError, TrainConfig
+from experiments.bench import memory_report
+from experiments.run import checks, cli, config, methods, trainer
+from experiments.run.config import ConfigError, TrainConfig
+from experiments.study import sweep
 
 TINY = {"preset": "tiny", "workers": 4, "batch_size": 8, "seq_len": 32, "steps": 10}
 
@@ -100,7 +102,7 @@ BAD = [
 @pytest.mark.parametrize(("overrides", "names", "fix"), BAD, ids=[repr(b[0]) for b in BAD])
 def test_a_bad_setting_is_one_line_naming_the_flag_and_the_fix(overrides, names, fix):
   with pytest.raises(ConfigError) as e:
-    config.validate(TrainConfig(**{**TINY, **overrides}))
+    checks.validate(TrainConfig(**{**TINY, **overrides}))
   message = str(e.value)
   assert names in message and fix in message, message
   assert "\n" not in message
@@ -109,7 +111,7 @@ def test_a_bad_setting_is_one_line_naming_the_flag_and_the_fix(overrides, names,
 def test_the_command_prints_one_error_line_and_exits_2(capsys):
   # What experiments.train does with a ConfigError (its _main calls validate the same way).
   with pytest.raises(SystemExit) as e:
-    cli.report_user_errors(config.validate, TrainConfig(**TINY, clip_norm=-1.0))
+    cli.report_user_errors(checks.validate, TrainConfig(**TINY, clip_norm=-1.0))
   assert e.value.code == 2
   err = capsys.readouterr().err
   assert err.splitlines() == [
@@ -131,7 +133,7 @@ def test_settings_that_plainly_mean_something_are_accepted():
     {"optimizer": "diloco", "diloco_sync_every": 10},
     {"optimizer": "adamw", "compression_topk": 10**6},  # AdamW sends no top-k
   ]:
-    config.validate(TrainConfig(**{**TINY, **ok}))
+    checks.validate(TrainConfig(**{**TINY, **ok}))
 
 
 def test_the_largest_chunk_bounds_topk_per_preset_and_chunk():
@@ -141,7 +143,7 @@ def test_the_largest_chunk_bounds_topk_per_preset_and_chunk():
 
 
 def test_method_checks_live_in_the_registry():
-  # config.validate calls the entry's hook; no name is compared outside methods.py.
+  # checks.validate calls the entry's hook; no name is compared outside methods.py.
   assert methods.get("diloco").check is not methods.get("adamw").check
   assert methods.get("demo").check is not methods.get("adamw").check
   # DeMo checks its groups of message sizes too; DisTrO-AdamW cannot have them.
@@ -150,20 +152,20 @@ def test_method_checks_live_in_the_registry():
 
 def test_resolve_takes_runtime_settings_from_the_checkpoint_unless_given():
   saved = {"checkpoint_every": 7, "eval_every": 3, "log_every": 2, "check_replicas": True}
-  resumed = config.resolve(TrainConfig(**TINY, resume=True), saved=saved)
+  resumed = checks.resolve(TrainConfig(**TINY, resume=True), saved=saved)
   assert (resumed.checkpoint_every, resumed.eval_every, resumed.log_every) == (7, 3, 2)
   assert resumed.check_replicas is True
   assert resumed.eval_batches == 4 and resumed.keep_checkpoints == 0  # not saved: fallbacks
-  given = config.resolve(
+  given = checks.resolve(
     TrainConfig(**TINY, resume=True, checkpoint_every=5, check_replicas=False), saved=saved
   )
   assert (given.checkpoint_every, given.check_replicas, given.eval_every) == (5, False, 3)
-  fresh = config.resolve(TrainConfig(**TINY))
+  fresh = checks.resolve(TrainConfig(**TINY))
   assert (fresh.checkpoint_every, fresh.eval_every, fresh.log_every) == (0, 100, 10)
 
 
 def test_runtime_settings_are_what_a_checkpoint_records():
-  cfg = config.resolve(TrainConfig(**TINY, checkpoint_every=4))
+  cfg = checks.resolve(TrainConfig(**TINY, checkpoint_every=4))
   assert config.runtime_settings(cfg)["checkpoint_every"] == 4
   assert set(config.runtime_settings(cfg)) == set(config.RESUMED_FIELDS)
   assert set(config.RESUMED_FIELDS) <= config.RUNTIME_FIELDS

@@ -44,7 +44,7 @@ def test_a_stack_of_vectors_needs_a_row_axis_to_update_as_its_vectors_do():
   # A vector (d,) is chunked as a (1, d) row. Stacked as (layers, d), the
   # layers would become the chunks' first axis, with one top-k across layers;
   # as (layers, 1, d) they stay a batch axis, as a scanned model's norm
-  # scales do (experiments/model.py).
+  # scales do (experiments/run/model.py).
   rng = np.random.default_rng(1)
   grads_Lx1xD = [rng.normal(size=(LAYERS, 1, 256)).astype(np.float32) for _ in range(3)]
   tx = dj.demo(1e-3, axis_name=None)
@@ -66,8 +66,8 @@ def test_a_stack_of_vectors_needs_a_row_axis_to_update_as_its_vectors_do():
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "medium"])
 def test_a_scanned_preset_sends_the_bytes_of_its_separate_layers(preset):
-  from experiments.model import abstract_params
-  from experiments.presets import get_preset
+  from experiments.run.model import abstract_params
+  from experiments.run.presets import get_preset
 
   separate = abstract_params(get_preset(preset))
   scanned = abstract_params(get_preset(preset, scan_layers=True))

@@ -8,7 +8,7 @@ import tiny_runs
 from jax.sharding import NamedSharding
 
 import distro_jax as dj
-from experiments import config, trainer
+from experiments.run import checks, trainer
 
 
 @pytest.mark.slow
@@ -57,7 +57,7 @@ def test_time_optimizer_times_the_threaded_step(tmp_path):
 
 def _threaded_hlo(**overrides) -> list[str]:
   fields = {**tiny_runs.TINY, "delayed_apply": True, "out_dir": "unused", **overrides}
-  cfg = config.resolve(trainer.TrainConfig(**fields))
+  cfg = checks.resolve(trainer.TrainConfig(**fields))
   program = trainer.build(cfg)
   abstract = program.abstract_state()
   rows = NamedSharding(program.mesh, program.rows)
@@ -76,7 +76,7 @@ def _top_ks(hlo: str) -> int:
 def test_in_one_process_auto_keeps_the_fused_step():
   # Nothing crosses a network, so there is no transfer to hide.
   fields = {**tiny_runs.TINY, "delayed_apply": True, "out_dir": "unused"}
-  assert trainer.build(config.resolve(trainer.TrainConfig(**fields))).threaded_step is None
+  assert trainer.build(checks.resolve(trainer.TrainConfig(**fields))).threaded_step is None
 
 
 @pytest.mark.parametrize("synchronous", ["", "'attn'"], ids=["overlapped", "partially-overlapped"])

@@ -10,7 +10,7 @@ import portpicker
 import pytest
 import tiny_runs
 
-from experiments import trainer
+from experiments.run import trainer
 
 ROOT = pathlib.Path(__file__).parent.parent
 TINY = {**tiny_runs.TINY, "eval_every": 3}
@@ -170,7 +170,7 @@ def test_cli_errors_are_one_clear_line(tmp_path):
 @pytest.mark.parametrize(
   "extra",
   # Delayed, the all-gather runs as a program of its own on a thread of its
-  # own (experiments.threaded_step), across the processes.
+  # own (experiments.run.threaded_step), across the processes.
   [[], ["--delayed_apply", "--overlap_exchange=thread"]],
   ids=["plain", "overlapped-on-a-thread"],
 )
@@ -213,8 +213,8 @@ def test_two_processes_with_gloo_end_identical_and_learn(tmp_path, extra):
 
 
 def test_resume_drops_a_torn_metrics_line(tmp_path):
-  from experiments.records import StepRecord
-  from experiments.reporting import MetricsWriter
+  from experiments.run.records import StepRecord
+  from experiments.run.reporting import MetricsWriter
 
   def record(step):
     return StepRecord(

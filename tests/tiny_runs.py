@@ -1,6 +1,6 @@
 """Short driver runs on the tiny preset, shared by the driver and reliability tests."""
 
-from experiments import records, trainer
+from experiments.run import records, trainer
 
 TINY = {
   "preset": "tiny",
@@ -18,5 +18,5 @@ def run_tiny(out_dir, **overrides):
 
 
 def read_metrics(out_dir):
-  """The :class:`~experiments.records.StepRecord`\\ s of ``OUT_DIR/metrics.jsonl``."""
+  """The :class:`~experiments.run.records.StepRecord`\\ s of ``OUT_DIR/metrics.jsonl``."""
   return records.read_metrics(out_dir)

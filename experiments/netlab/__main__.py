@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 
 from absl import app, flags
 
-from experiments import config
 from experiments.netlab import lab
 from experiments.netlab.links import NetlabError
+from experiments.run import cli
 
 __all__ = ["main", "run_command"]
 
@@ -48,12 +48,12 @@ def run_command(cfg: lab.LabConfig, passthrough: Sequence[str]) -> None:
 
 
 def _main(holders: Mapping[str, flags.FlagHolder], argv: Sequence[str]) -> None:
-  run_command(config.config_from_flags(holders, lab.LabConfig), argv[1:])
+  run_command(cli.config_from_flags(holders, lab.LabConfig), argv[1:])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
   """The command: defines its flags (only now, not at import), parses them, runs the lab."""
-  holders = config.define_flags(lab.LabConfig)
+  holders = cli.define_flags(lab.LabConfig)
   app.run(
     functools.partial(_main, holders),
     argv=argv,

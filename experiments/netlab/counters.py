@@ -7,7 +7,7 @@ process's veth end sits:
   python -m experiments.netlab.counters --interval_s=0.2 v0 v1 > link_counters.jsonl
 
 Each line is ``{"t": unix_time, "bytes": {iface: [rx, tx]}}``; read them back
-with :func:`experiments.records.read_jsonl`. Between samples,
+with :func:`experiments.run.records.read_jsonl`. Between samples,
 :func:`bytes_between` interpolates linearly.
 """
 

@@ -22,11 +22,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from experiments import config, methods, presets, records
-from experiments.launch import LaunchConfig
-from experiments.netlab import links, report
+from experiments.netlab import drivers, links, report
 from experiments.netlab.links import NetlabError
-from experiments.netlab.report import RunResult
+from experiments.netlab.results import RunResult
+from experiments.run import config, methods, presets, records
+from experiments.run.launch import LaunchConfig
 
 __all__ = [
   "LabConfig",
@@ -65,7 +65,7 @@ class LabConfig:
     "diloco-h20; python -m experiments.methods lists them). The first is the baseline "
     "the others' shaped step is compared with.",
   )
-  preset: str = _field("mini", "Model preset (experiments/presets.py).")
+  preset: str = _field("mini", "Model preset (experiments/run/presets.py).")
   steps: int = _field(60, "Training steps per run.")
   out_dir: str = _field("runs/netlab", "Where the runs and the report go.")
   skip_steps: int = _field(
@@ -327,65 +327,6 @@ def _check_kill(cfg: LabConfig, flags: Sequence[str]) -> None:
     )
 
 
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
-  """SIGKILLs each process's session and waits for it.
-
-  Not SIGTERM: JAX's distributed runtime installs a handler for it (its
-  preemption service), and a driver so signalled kept running for seconds.
-  Nothing is lost: the driver flushes every metrics line.
-  """
-  for p in procs:
-    if p.poll() is None:
-      with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGKILL)
-  for p in procs:
-    p.wait(timeout=30)
-
-
-def _tail(path: str, chars: int = 2500) -> str:
-  try:
-    with open(path, errors="replace") as f:
-      return f.read()[-chars:]
-  except OSError:
-    return ""
-
-
-def _raised(log_path: str) -> bool:
-  """Whether a driver's log shows an uncaught exception or the driver's error line."""
-  text = _tail(log_path, 20000)
-  return "Traceback (most recent call last)" in text or "\nerror: " in text
-
-
-def _failure(name: str, i: int, proc: subprocess.Popen, log: str) -> NetlabError:
-  status = "" if proc.returncode is None else f" with exit status {proc.returncode}"
-  return NetlabError(f"{name}: process {i} failed{status}; the end of {log}:\n{_tail(log)}")
-
-
-def _wait(
-  name: str, procs: Sequence[subprocess.Popen], logs: Sequence[str], limit_s: float
-) -> bool:
-  """Waits for every driver to finish; returns whether the time limit stopped them.
-
-  Raises:
-    NetlabError: a driver failed.
-  """
-  start = time.monotonic()
-  while any(p.poll() is None for p in procs):
-    # A driver that raised can hang at exit in JAX's shutdown barrier, waiting
-    # for peers that wait for it; its traceback is the failure.
-    for i, p in enumerate(procs):
-      if p.returncode not in (None, 0) or _raised(logs[i]):
-        raise _failure(name, i, p, logs[i])
-    if limit_s and time.monotonic() - start > limit_s:
-      print(f"netlab: {name}: stopped at --run_time_limit_s={limit_s:g}", flush=True)
-      return True
-    time.sleep(0.2)
-  for i, p in enumerate(procs):
-    if p.returncode:
-      raise _failure(name, i, p, logs[i])
-  return False
-
-
 def run_once(
   lab: links.Lab,
   cfg: LabConfig,
@@ -432,9 +373,9 @@ def run_once(
       with open(logs[i], "w") as log:
         procs.append(lab.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env=env))
     print(f"netlab: {name}: {n} processes started (logs in {run_dir})", flush=True)
-    stopped = _wait(name, procs, logs, cfg.run_time_limit_s)
+    stopped = drivers.wait(name, procs, logs, cfg.run_time_limit_s)
   finally:
-    _stop(procs)
+    drivers.stop(procs)
   # A run stopped at the limit may leave a torn last line and no summary.
   metrics = os.path.join(run_dir, "metrics.jsonl")
   steps = records.read_metrics(run_dir) if os.path.exists(metrics) else []

@@ -1,30 +1,30 @@
 """netlab's measures and report: step times, time to a target loss, bytes on the links.
 
 Everything here is a pure function of what the runs left behind: each run's
-``metrics.jsonl`` (process 0's :class:`~experiments.records.StepRecord` lines,
+``metrics.jsonl`` (process 0's :class:`~experiments.run.records.StepRecord` lines,
 with the wall-clock time each step finished), its ``summary.json``
-(:class:`~experiments.records.Summary`) and the counter samples of
+(:class:`~experiments.run.records.Summary`) and the counter samples of
 :mod:`experiments.netlab.counters`. :func:`write_report` writes ``netlab.md``,
 ``netlab_loss.png`` and ``netlab.json``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from experiments import methods
 from experiments.netlab import counters
-from experiments.records import StepRecord, Summary
-from experiments.reporting import human_bytes
+from experiments.netlab.results import InterruptedRun, RunResult
+from experiments.run import methods
+from experiments.run.records import StepRecord, Summary
+from experiments.run.reporting import human_bytes
 
 __all__ = [
   "Report",
-  "RunResult",
+  "interruption_figures",
   "link_bytes_per_step",
   "markdown",
   "measure_window",
@@ -39,27 +39,6 @@ __all__ = [
 
 # ``netlab.json``: one entry of figures per method, keyed by its name in ``--methods``.
 Report = dict[str, dict[str, Any]]
-
-
-@dataclasses.dataclass(frozen=True)
-class RunResult:
-  """One training run of the lab.
-
-  Attributes:
-    method: the method as ``--methods`` named it (``adamw``, ``demo-k8-1bit``).
-    shaped: whether the links were rate-limited.
-    records: process 0's metrics records, in step order.
-    summary: the run's ``summary.json``, or None if it was stopped before writing it.
-    stopped_at_limit: the run hit ``--run_time_limit_s`` and was stopped.
-    started_at: ``time.time()`` when the lab launched its drivers.
-  """
-
-  method: str
-  shaped: bool
-  records: list[StepRecord]
-  summary: Summary | None
-  stopped_at_limit: bool = False
-  started_at: float | None = None
 
 
 def step_seconds(records: Sequence[StepRecord], skip: int) -> list[float]:
@@ -256,7 +235,7 @@ def summarize(
       worst final validation loss among the unshaped runs, which every method
       then reaches unshaped.
     interrupted: runs with a process killed mid-run
-      (:class:`experiments.netlab.interrupt.InterruptedRun`); each method's
+      (:class:`experiments.netlab.results.InterruptedRun`); each method's
       entry gets ``"interrupted"``, what it cost against its shaped run.
 
   Returns:
@@ -305,11 +284,8 @@ def summarize(
     report[name][f"shaped_step_speedup_vs_{base}"] = _ratio(
       report[base]["median_step_s_shaped"], report[name]["median_step_s_shaped"]
     )
-  if interrupted:
-    from experiments.netlab import interrupt
-
-    for run in interrupted:
-      report[run.method]["interrupted"] = interrupt.figures(run, by.get((run.method, True)))
+  for run in interrupted:
+    report[run.method]["interrupted"] = interruption_figures(run, by.get((run.method, True)))
   return report
 
 
@@ -388,9 +364,8 @@ def markdown(report: Report, settings: str) -> str:
   lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
   for name, e in report.items():
     lines += _link_rows(name, e)
-  from experiments.netlab import interrupt
 
-  lines += interrupt.markdown_rows(report)
+  lines += _interruption_rows(report)
   return "\n".join(lines) + "\n"
 
 
@@ -448,3 +423,81 @@ def write_report(out_dir: str, report: Report, runs: Sequence[RunResult], settin
   with open(os.path.join(out_dir, "netlab.md"), "w") as f:
     f.write(markdown(report, settings))
   plot(runs, os.path.join(out_dir, "netlab_loss.png"), settings.split(":", 1)[0])
+
+
+def _final_val(rs: Sequence[StepRecord]) -> float | None:
+  return next((r.val_loss for r in reversed(rs) if r.val_loss is not None), None)
+
+
+def _elapsed(run: RunResult | None) -> float | None:
+  if run is None or not run.records or run.started_at is None:
+    return None
+  return run.records[-1].wall_time - run.started_at
+
+
+def interruption_figures(run: InterruptedRun, reference: RunResult | None) -> dict[str, Any]:
+  """What a killed process cost ``run``, against ``reference``: the same links, uninterrupted.
+
+  Returns:
+    ``killed_process``, ``kill_step``, ``resumed_from_step``, ``steps_redone``,
+    ``seconds_to_regain_kill_step`` (from the kill until the resumed run had
+    finished the step the kill struck after: restart, restore, compile and the
+    steps redone), ``wall_s_interrupted`` and ``wall_s_uninterrupted`` (launch
+    to last step), ``wall_s_lost``, the final train and validation losses of
+    both, and ``processes`` per attempt.
+  """
+  resumed = run.events[0].step if run.events else None
+  second = run.attempts[1].records if len(run.attempts) > 1 else []
+  regained = next((r for r in second if r.step >= run.kill_step), None)
+  ref_records = reference.records if reference else []
+  out = {
+    "killed_process": run.killed_process,
+    "kill_step": run.kill_step,
+    "resumed_from_step": resumed,
+    "steps_redone": None if resumed is None else run.kill_step - resumed,
+    "seconds_to_regain_kill_step": regained.wall_time - run.killed_at if regained else None,
+    "processes": [a.processes for a in run.attempts],
+    "steps": run.final.records[-1].step if run.final.records else 0,
+    "wall_s_interrupted": _elapsed(run.final),
+    "wall_s_uninterrupted": _elapsed(reference),
+    "final_loss_interrupted": run.final.records[-1].loss if run.final.records else None,
+    "final_loss_uninterrupted": ref_records[-1].loss if ref_records else None,
+    "final_val_loss_interrupted": _final_val(run.final.records),
+    "final_val_loss_uninterrupted": _final_val(ref_records),
+  }
+  a, b = out["wall_s_interrupted"], out["wall_s_uninterrupted"]
+  out["wall_s_lost"] = a - b if a is not None and b is not None else None
+  return out
+
+
+def _num(x: float | None, spec: str) -> str:
+  return "n/a" if x is None else format(x, spec)
+
+
+def _interruption_rows(report: Mapping[str, Mapping[str, Any]]) -> list[str]:
+  """The report's section on interrupted runs (empty when there were none)."""
+  rows = [(name, e["interrupted"]) for name, e in report.items() if e.get("interrupted")]
+  if not rows:
+    return []
+  lines = [
+    "",
+    "## A process killed mid-run",
+    "",
+    "| method | processes | killed after step | resumed from | steps redone "
+    "| back at that step after | wall time | uninterrupted | lost "
+    "| final loss | uninterrupted | final val loss | uninterrupted |",
+    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for name, f in rows:
+    lines.append(
+      f"| {name} | {' -> '.join(map(str, f['processes']))} | {f['kill_step']} "
+      f"| {f['resumed_from_step']} | {f['steps_redone']} "
+      f"| {_num(f['seconds_to_regain_kill_step'], '.1f')} s "
+      f"| {_num(f['wall_s_interrupted'], '.1f')} s | {_num(f['wall_s_uninterrupted'], '.1f')} s "
+      f"| {_num(f['wall_s_lost'], '.1f')} s "
+      f"| {_num(f['final_loss_interrupted'], '.4f')} "
+      f"| {_num(f['final_loss_uninterrupted'], '.4f')} "
+      f"| {_num(f['final_val_loss_interrupted'], '.4f')} "
+      f"| {_num(f['final_val_loss_uninterrupted'], '.4f')} |"
+    )
+  return lines

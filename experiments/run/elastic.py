@@ -7,9 +7,9 @@ worker count out (``config.ELASTIC_FIELDS``); this module reads the count
 the checkpoint was saved with off its state's shapes, restores the state
 onto the new mesh (:func:`distro_jax.abstract_state_of_workers`), resizes it
 (:func:`distro_jax.resize_worker_state`) and describes the change as a
-:class:`~experiments.records.ResizeEvent` for ``metrics.jsonl``. The data
+:class:`~experiments.run.records.ResizeEvent` for ``metrics.jsonl``. The data
 needs nothing: global batch ``t`` has the same rows on any count
-(``experiments.data``).
+(``experiments.run.data``).
 
 Worker ``i`` of the new run continues old worker ``i`` for ``i < min(W, W')``;
 on fewer workers the last ones leave, on more the new ones join at the end
@@ -28,10 +28,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 import distro_jax as dj
-from experiments import data as data_lib
-from experiments.config import TrainConfig
-from experiments.launch import REPLICA
-from experiments.records import ResizeEvent
+from experiments.run import data as data_lib
+from experiments.run.config import TrainConfig
+from experiments.run.launch import REPLICA
+from experiments.run.records import ResizeEvent
 
 __all__ = ["Resize", "Restore", "saved_shapes"]
 

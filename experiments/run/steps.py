@@ -1,6 +1,6 @@
 """The pure steps of a run, each one device's view inside ``jax.shard_map``.
 
-The mesh is ``("replica", "fsdp")`` (``experiments.launch``): a replica is
+The mesh is ``("replica", "fsdp")`` (``experiments.run.launch``): a replica is
 a site of ``fsdp`` devices sharing one data-parallel worker's work. The
 params arrive as this device's shards (whole params when ``fsdp`` is 1),
 laid out by ``param_specs``. Only the optimizer's exchange crosses
@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 import distro_jax as dj
 from distro_jax.exchange import varying_axes
 from distro_jax.transforms import delayed_states, is_delayed_state
-from experiments import model as model_lib
-from experiments.launch import FSDP, MESH_AXES, REPLICA
+from experiments.run import model as model_lib
+from experiments.run.launch import FSDP, MESH_AXES, REPLICA
 
 # Where a worker takes its gradient, from its optimizer state and the params.
 GradientPoint = Callable[[Any, Any], Any]
@@ -196,7 +196,7 @@ def exchange_step(opt_state: Any) -> jax.Array:
   """An overlapped step's first program: the all-gather of the message in flight.
 
   It reads only the optimizer state, so it runs (on a thread of its own, see
-  :mod:`experiments.threaded_step`) while :func:`gradient_and_message` computes.
+  :mod:`experiments.run.threaded_step`) while :func:`gradient_and_message` computes.
   """
   return dj.gather_pending(opt_state, REPLICA)
 

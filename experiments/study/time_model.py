@@ -33,6 +33,7 @@ from typing import Any
 import jax
 
 import distro_jax as dj
+from experiments.run import checks
 
 __all__ = [
   "DEFAULT_LINKS",
@@ -184,7 +185,7 @@ def collective_of(optimizer: str) -> str:
   Raises:
     ConfigError: for a name that is not registered.
   """
-  from experiments import methods
+  from experiments.run import methods
 
   return methods.get(optimizer).collective
 
@@ -242,15 +243,15 @@ def report_setting(
     One dict per (method, link), with the keys of :func:`project` plus
     ``report_style_bytes_per_step`` and ``published_bytes_per_step``.
   """
-  from experiments import config, methods, presets
-  from experiments import model as model_lib
+  from experiments.run import config, methods, presets
+  from experiments.run import model as model_lib
 
   params = model_lib.abstract_params(presets.get_preset(setting.preset))
   bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "bfloat16"), params)
   out = []
   for spec, label in setting.methods:
     method, overrides = methods.parse(spec)
-    cfg = config.resolve(
+    cfg = checks.resolve(
       config.TrainConfig(
         preset=setting.preset, workers=setting.workers, batch_size=setting.workers, **overrides
       )
@@ -288,7 +289,7 @@ def _human_time(hours: float) -> str:
 
 def markdown(projection: Sequence[dict[str, Any]]) -> str:
   """A markdown table of :func:`project` or :func:`report_setting` rows."""
-  from experiments.reporting import human_bytes
+  from experiments.run.reporting import human_bytes
 
   extra = "report_style_bytes_per_step" in projection[0] if projection else False
   head = (

@@ -1,10 +1,10 @@
 """Language-model training with any method of the registry: the importable core.
 
 ``experiments.train`` is the command-line entry point; Colab and tests call
-:func:`run` with a :class:`~experiments.config.TrainConfig` directly.
+:func:`run` with a :class:`~experiments.run.config.TrainConfig` directly.
 
 :func:`run` is the loop. What it runs is built once by :func:`build`: the
-pure steps of ``experiments.steps``, each wrapped in ``jax.shard_map`` over
+pure steps of ``experiments.run.steps``, each wrapped in ``jax.shard_map`` over
 the ``("replica", "fsdp")`` mesh and jitted, the train step with its params
 and optimizer state donated. A plain data-parallel run is that mesh with one
 device per site.
@@ -27,15 +27,25 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
-from experiments import config, elastic, measure, methods, presets, reporting, rundir, steps
-from experiments import data as data_lib
-from experiments import model as model_lib
-from experiments.checkpointing import Checkpointer, CheckpointError, ResumePoint
-from experiments.cli import ReplicaDivergenceError
-from experiments.config import ConfigError, TrainConfig
-from experiments.launch import FSDP, REPLICA, make_mesh
-from experiments.records import StepRecord, Summary
-from experiments.threaded_step import ThreadedStep
+from experiments.run import (
+  checks,
+  config,
+  elastic,
+  measure,
+  methods,
+  presets,
+  reporting,
+  rundir,
+  steps,
+)
+from experiments.run import data as data_lib
+from experiments.run import model as model_lib
+from experiments.run.checkpointing import Checkpointer, CheckpointError, ResumePoint
+from experiments.run.cli import ReplicaDivergenceError
+from experiments.run.config import ConfigError, TrainConfig
+from experiments.run.launch import FSDP, REPLICA, make_mesh
+from experiments.run.records import StepRecord, Summary
+from experiments.run.threaded_step import ThreadedStep
 
 __all__ = [
   "CheckpointError",
@@ -67,7 +77,7 @@ class Program:
     state_specs: ``PartitionSpec`` tree of the per-worker optimizer state.
     train_step: ``(params, opt_state, step, inputs, targets)``, jitted, donating.
     threaded_step: the same step as three programs, its all-gather on a thread
-      of its own (:mod:`experiments.threaded_step`), when the run overlaps its
+      of its own (:mod:`experiments.run.threaded_step`), when the run overlaps its
       exchange that way (``--overlap_exchange``); ``None`` otherwise.
     eval_step: ``(params, inputs, targets) -> loss``.
     gradient_step: ``(params, opt_state, inputs, targets)``, no optimizer.
@@ -123,7 +133,7 @@ def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Pro
   """The mesh, model, optimizer and jitted steps for ``cfg`` (resolved).
 
   ``cold_until`` (an elastic resume's joiners in their cold start) is what
-  :func:`experiments.steps.train_step` takes.
+  :func:`experiments.run.steps.train_step` takes.
   """
   method = methods.get(cfg.optimizer)
   model_cfg = config.model_config(cfg)
@@ -230,7 +240,7 @@ def _open_checkpoints(
   it unless given again. Only small files are read; nothing is compiled yet.
   """
   ckpt_dir = os.path.join(given.out_dir, "checkpoints")
-  fixed = config.resolve(given)
+  fixed = checks.resolve(given)
   fingerprint = {**config.fingerprint(fixed), "data_identity": data_identity}
   procs = {"main": jax.process_index() == 0, "multiprocess": jax.process_count() > 1}
   point = None
@@ -244,7 +254,7 @@ def _open_checkpoints(
       f"{ckpt_dir} already holds checkpoints; pass --resume to continue that run, "
       "or choose a new --out_dir (a fresh run never overwrites them)."
     )
-  cfg = config.resolve(given, saved=point.meta.get("runtime") if point else None)
+  cfg = checks.resolve(given, saved=point.meta.get("runtime") if point else None)
   if point is not None:
     _check_resume_span(cfg, point.step)
   elif cfg.checkpoint_every:
@@ -417,7 +427,7 @@ def _start(
   """``(start_step, params, opt_state, resize)``: restored from the checkpoint, or fresh.
 
   A checkpoint saved on another worker count is restored and resized
-  (``experiments.elastic``); ``resize`` says what changed (None: a fresh run).
+  (``experiments.run.elastic``); ``resize`` says what changed (None: a fresh run).
   """
   if point is not None:
     restore = elastic.Restore(program, checkpointer.directory)
@@ -432,15 +442,15 @@ def run(cfg: TrainConfig) -> Summary:
   """Trains one model; returns the summary (also written to ``OUT_DIR/summary.json``).
 
   Everything that can be checked before compiling is: the settings
-  (``config.validate``), the output directory (claimed for this run alone,
-  ``experiments.rundir``), the data file, and on ``--resume`` the checkpoint.
+  (``checks.validate``), the output directory (claimed for this run alone,
+  ``experiments.run.rundir``), the data file, and on ``--resume`` the checkpoint.
 
   Raises:
     ConfigError, data_lib.DataError, CheckpointError, rundir.OutDirError: bad
       flags, data, checkpoints or output directory, before anything compiles;
       OutDirError also for a disk that fills up or turns read-only later.
   """
-  config.validate(cfg)
+  checks.validate(cfg)
   _checkpoint_dir(cfg)
   if cfg.data_path is not None:
     data_lib.check_file(cfg.data_path)  # its ids are scanned once the directory is ours

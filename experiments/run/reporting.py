@@ -12,7 +12,7 @@ import sys
 import time
 from typing import TextIO
 
-from experiments.records import ResizeEvent, StepRecord, read_jsonl
+from experiments.run.records import ResizeEvent, StepRecord, read_jsonl
 
 __all__ = ["MetricsWriter", "Progress", "StepTimer", "human_bytes", "plot_losses"]
 
@@ -65,7 +65,7 @@ class Progress:
 
 
 class MetricsWriter:
-  """Appends one :class:`~experiments.records.StepRecord` per step to ``OUT_DIR/metrics.jsonl``.
+  """Appends one :class:`~experiments.run.records.StepRecord` per step to ``OUT_DIR/metrics.jsonl``.
 
   Only process 0 writes (``enabled``); the others keep nothing.
   """
@@ -102,7 +102,7 @@ class MetricsWriter:
       self._file.flush()
 
   def write_event(self, event: ResizeEvent) -> None:
-    """Appends an event line (not a step; :func:`~experiments.records.read_metrics` skips it)."""
+    """Appends an event line, not a step (``records.read_metrics`` skips it)."""
     if self.enabled:
       self._file.write(json.dumps(event.to_json()) + "\n")
       self._file.flush()

@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
-from experiments import steps
-from experiments.launch import REPLICA
+from experiments.run import steps
+from experiments.run.launch import REPLICA
 
 __all__ = ["HloBytes", "hlo_bytes", "params_digest", "time_step_parts"]
 
@@ -63,7 +63,7 @@ def hlo_bytes(
   Args:
     hlo_text: ``compiled.as_text()`` of the train step, or the texts of the
       programs one step runs (an overlapped step on a thread of its own,
-      :mod:`experiments.threaded_step`), counted together.
+      :mod:`experiments.run.threaded_step`), counted together.
     mesh: the ``("replica", "fsdp")`` mesh it runs on.
     rows: how the step's batch is split (``steps.rows_spec``).
     exchange_every: steps between the optimizer's exchanges (the registry's

@@ -5,7 +5,7 @@ step into a temporary directory and renames it into place only once every
 item is on disk, so a save that dies midway leaves nothing that a resume
 would pick up (the manager removes such leftovers when it next opens). Once a
 save is complete, process 0 records a digest of every file in it
-(``experiments.integrity``).
+(``experiments.run.integrity``).
 
 A resume takes the newest checkpoint whose files match their digest. A
 damaged one (truncated, flipped bytes, a file missing) is set aside into
@@ -31,9 +31,9 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from experiments import integrity
-from experiments.data import iterator_checkpoint_args
-from experiments.rundir import filesystem_error
+from experiments.run import integrity
+from experiments.run.data import iterator_checkpoint_args
+from experiments.run.rundir import filesystem_error
 
 __all__ = ["CheckpointError", "Checkpointer", "ResumePoint"]
 

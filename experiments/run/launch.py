@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from experiments.config import ConfigError
+from experiments.run.config import ConfigError
 
 __all__ = [
   "FSDP",
@@ -39,7 +39,7 @@ MESH_AXES = (REPLICA, FSDP)
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-  """How this process joins a run; flags of every training command (``config.define_flags``).
+  """How this process joins a run; flags of every training command (``cli.define_flags``).
 
   ``None`` means "not given": under a cluster scheduler it comes from the
   environment (:func:`resolve_launch`), elsewhere one process runs alone.

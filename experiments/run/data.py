@@ -43,7 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from experiments.corpus import default_corpus
+from experiments.corpus.generated import default_corpus
 
 # Tokens examined per step when scanning a memory-mapped file for bad ids, so a
 # multi-gigabyte dump is checked without loading it whole.

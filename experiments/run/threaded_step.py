@@ -9,12 +9,12 @@ long as the plain one, docs/overlapped.md). Dispatching a program whose
 collective blocks also blocks the Python thread that dispatched it. So the
 step runs here as
 
-1. :func:`experiments.steps.exchange_step`, the all-gather, launched from a
+1. :func:`experiments.run.steps.exchange_step`, the all-gather, launched from a
    thread of its own;
-2. :func:`experiments.steps.gradient_and_message`, the loss and gradient
+2. :func:`experiments.run.steps.gradient_and_message`, the loss and gradient
    and their compression into the momentum and the next message, launched
    from the main thread meanwhile (it has no collective);
-3. :func:`experiments.steps.apply_step`, the decode of what was gathered and
+3. :func:`experiments.run.steps.apply_step`, the decode of what was gathered and
    the update, once both are done.
 
 It runs the fused step's arithmetic. Compiled apart, XLA may round it
@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from experiments import steps
+from experiments.run import steps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Timings and sizes measured without a training run."""

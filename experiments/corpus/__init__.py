@@ -1,0 +1,1 @@
+"""Text a run can train on without a download."""

@@ -1,0 +1,1 @@
+"""One training run: settings, method registry, model, data, pure steps, loop, checkpoints."""

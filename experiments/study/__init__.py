@@ -1,0 +1,1 @@
+"""Many runs compared: ``compare``, ``sweep``, ``frontier`` and the internet time model."""
