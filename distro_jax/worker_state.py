@@ -78,6 +78,60 @@ def _default_param_specs(params: Any) -> Any:
   return jax.tree.map(lambda _: P(), params)
 
 
+def _multi_steps(tx: Any) -> optax.MultiSteps | None:
+  """The ``optax.MultiSteps`` that ``tx`` is, or whose ``gradient_transformation()`` it is."""
+  if isinstance(tx, optax.MultiSteps):
+    return tx
+  owner = getattr(getattr(tx, "update", None), "__self__", None)
+  return owner if isinstance(owner, optax.MultiSteps) else None
+
+
+def _multi_steps_marks(
+  tx: Any,
+  state_shape: Any,
+  params: Any,
+  mesh: Mesh,
+  axis_name: Hashable,
+  param_specs: Any,
+  candidates: tuple[Hashable, ...],
+) -> list[tuple[Hashable, ...]] | None:
+  """``optax.MultiSteps``' varying axes per state leaf, from its inner optimizer's; else ``None``.
+
+  Its update is a ``lax.cond`` whose branches must agree on every output's
+  varying axes, so the least fixpoint cannot start from "all shared": with a
+  per-worker leaf passed in as shared, the cond does not trace at all, and
+  the search from the other side traces one full update per leaf and axis
+  (tens of seconds for a small model). The answer is known from the inner
+  optimizer's own analysis: the counts are shared, the accumulated gradients
+  vary as the gradients do, and the inner state as the inner optimizer's
+  does. The caller confirms it with one trace.
+  """
+  multi = _multi_steps(tx)
+  if (
+    multi is None
+    or not isinstance(state_shape, optax.MultiStepsState)
+    or jax.tree.leaves(state_shape.skip_state)
+  ):
+    return None
+  inner = worker_state_specs(multi.inner_opt, params, mesh, axis_name, param_specs=param_specs)
+  grad_like = jax.tree.map(
+    lambda s: _leaf_spec(tuple(a for a in candidates if a == axis_name or a in _spec_axes(s))),
+    param_specs,
+    is_leaf=_is_spec,
+  )
+  guess = optax.MultiStepsState(
+    mini_step=P(),
+    gradient_step=P(),
+    inner_opt_state=inner,
+    acc_grads=grad_like,
+    skip_state=state_shape.skip_state,
+  )
+  flat, treedef = jax.tree.flatten(guess, is_leaf=_is_spec)
+  if treedef != jax.tree.structure(state_shape):
+    return None
+  return [_spec_axes(s) for s in flat]
+
+
 def worker_state_specs(
   tx: optax.GradientTransformation,
   params: Any,
@@ -144,11 +198,22 @@ def worker_state_specs(
   def union(a: tuple[Hashable, ...], b: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
     return tuple(x for x in candidates if x in a or x in b)
 
+  def is_fixpoint(marks: list[tuple[Hashable, ...]]) -> bool:
+    try:
+      return all(set(out) <= set(mark) for out, mark in zip(trace(marks), marks))
+    except TypeError:
+      return False
+
+  guess = _multi_steps_marks(tx, state_shape, params, mesh, axis_name, param_specs, candidates)
   try:
-    # Least fixpoint: start with every leaf shared, mark what the update makes varying.
-    varying: list[tuple[Hashable, ...]] = [()] * len(leaves)
-    while (now := [union(a, b) for a, b in zip(varying, trace(varying))]) != varying:
-      varying = now
+    if guess is not None and is_fixpoint(guess):
+      # One trace confirms what the inner optimizer's own analysis implies.
+      varying = guess
+    else:
+      # Least fixpoint: start with every leaf shared, mark what the update makes varying.
+      varying: list[tuple[Hashable, ...]] = [()] * len(leaves)
+      while (now := [union(a, b) for a, b in zip(varying, trace(varying))]) != varying:
+        varying = now
   except TypeError:
     # Some wrappers (optax.MultiSteps' lax.cond) cannot even be traced with a
     # per-worker leaf passed in as shared. Come from the other side instead:
