@@ -4,7 +4,17 @@ Each worker sends a compressed message (per-chunk top-k of its decoupled
 momentum in a chunked DCT basis) instead of its gradient. See ``README.md``.
 """
 
-from distro_jax import bitpack, codec, cpu_kernels, dct, exchange, hlo_bytes, wire
+from distro_jax import (
+  bitpack,
+  codec,
+  cpu_kernels,
+  dct,
+  dense_step,
+  exchange,
+  hlo_bytes,
+  wire,
+)
+from distro_jax.dense_step import DenseStepWarning
 from distro_jax.diloco import DilocoState, diloco, inner_params
 from distro_jax.elastic import (
   abstract_state_of_workers,
@@ -49,11 +59,13 @@ __all__ = [
   "codec",
   "cpu_kernels",
   "dct",
+  "dense_step",
   "exchange",
   "hlo_bytes",
   "wire",
   "CollectiveBytes",
   "DemoState",
+  "DenseStepWarning",
   "DeviceBytes",
   "DilocoState",
   "FsdpPlan",

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from distro_jax import codec, cpu_kernels, dct, exchange, unit_rms, wire
+from distro_jax import codec, cpu_kernels, dct, dense_step, exchange, unit_rms, wire
 from distro_jax.hyperparams import (
   StaticFloat,
   StaticInt,
@@ -547,6 +547,7 @@ def scale_by_demo(
   def update_fn(updates, state, params=None, **extra_args):
     _check_trees(updates, params)
     grads, treedef = jax.tree.flatten(updates)
+    dense_step.warn_if_dense(grads, axis_name)
     carried = wire.CarriedLeaves(grads)
     if carried.all:
       return update_carried(updates, state, params, **extra_args)
