@@ -11,6 +11,7 @@ from distro_jax import (
   dct,
   dense_step,
   exchange,
+  gspmd,
   hlo_bytes,
   wire,
 )
@@ -31,6 +32,13 @@ from distro_jax.fsdp import (
   gather_params,
   local_shapes,
   plan_fsdp,
+)
+from distro_jax.gspmd import (
+  PerWorker,
+  abstract_per_worker,
+  per_worker,
+  resize_per_worker,
+  worker_value_and_grad,
 )
 from distro_jax.hlo_bytes import (
   CollectiveBytes,
@@ -61,6 +69,7 @@ __all__ = [
   "dct",
   "dense_step",
   "exchange",
+  "gspmd",
   "hlo_bytes",
   "wire",
   "CollectiveBytes",
@@ -70,10 +79,12 @@ __all__ = [
   "DilocoState",
   "FsdpPlan",
   "PerLayer",
+  "PerWorker",
   "SparseLocoBytes",
   "SparseLocoState",
   "Split",
   "WireBytes",
+  "abstract_per_worker",
   "abstract_state_of_workers",
   "abstract_worker_state",
   "clip_by_sharded_global_norm",
@@ -95,8 +106,10 @@ __all__ = [
   "lookahead_update",
   "orthogonalize",
   "parse_collective_bytes",
+  "per_worker",
   "plan_fsdp",
   "pmean_gradients",
+  "resize_per_worker",
   "resize_worker_state",
   "scale_by_demo",
   "scale_to_unit_rms",
@@ -107,4 +120,5 @@ __all__ = [
   "worker_count",
   "worker_local",
   "worker_state_specs",
+  "worker_value_and_grad",
 ]

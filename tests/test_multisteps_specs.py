@@ -9,6 +9,7 @@ issue 55). These tests count the traces instead of timing them.
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
@@ -44,6 +45,7 @@ def test_multisteps_costs_its_inner_analysis_and_one_confirming_trace():
   assert inner_specs[0].momentum == specs.acc_grads and inner_specs[0].count == P()
 
 
+@pytest.mark.slow  # about 7 s here
 def test_gradient_transformation_form_and_shared_inner_state():
   # DisTrO-AdamW's moments are shared: the analysis must not mark them per worker.
   tx = optax.MultiSteps(dj.distro_adamw(0.1, compression_topk=2, compression_chunk=8), 2)
