@@ -21,9 +21,11 @@ callback runs at compile time; the warning is then issued once per compiled
 step. Outside ``jit`` the arrays' own shardings are read at once.
 """
 
+import contextlib
+import contextvars
 import math
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -31,7 +33,9 @@ import numpy as np
 
 from distro_jax import exchange
 
-__all__ = ["DenseStepWarning", "warn_if_dense", "warn_if_replicated_per_worker"]
+__all__ = ["DenseStepWarning", "quiet", "warn_if_dense", "warn_if_replicated_per_worker"]
+
+_QUIET = contextvars.ContextVar("distro_jax_dense_step_quiet", default=False)
 
 _FIX = (
   "For DisTrO between the workers of a jax.jit step, take per-worker gradients with "
@@ -49,6 +53,21 @@ class DenseStepWarning(UserWarning):
   message. Make it an error with
   ``warnings.simplefilter("error", dj.DenseStepWarning)``.
   """
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+  """No checks while it is open: for traces that only read types, never run.
+
+  :func:`distro_jax.worker_state_specs` traces updates with state typed as
+  shared on purpose (the start of its search), which would look like an
+  all-reduced gradient to :func:`warn_if_dense`.
+  """
+  token = _QUIET.set(True)
+  try:
+    yield
+  finally:
+    _QUIET.reset(token)
 
 
 def _manual_axes() -> frozenset[Hashable]:
@@ -113,7 +132,7 @@ def warn_if_dense(grads: Sequence[Any], axis_name: Hashable | None) -> None:
     >>> dj.dense_step.warn_if_dense([jnp.ones(3)], None)  # one device: nothing to say
   """
   grads = list(grads)
-  if not grads:
+  if not grads or _QUIET.get():
     return
   manual = _manual_axes()
   if axis_name is None:

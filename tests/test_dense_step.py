@@ -129,3 +129,14 @@ def test_grad_of_replicated_params_inside_shard_map_warns(mesh):
     _shard_map_step(tx, mesh, jax.value_and_grad).trace(
       PARAMS, dj.abstract_worker_state(tx, PARAMS, mesh), _batch()
     )
+
+
+@pytest.mark.slow  # the generic search through MultiSteps in a chain: about 11 s here
+def test_the_state_analysis_does_not_warn():
+  # dj.worker_state_specs traces MultiSteps (inside a chain, so by its generic
+  # search) with the accumulated gradients typed as shared: no warning for that.
+  tx = optax.chain(optax.identity(), optax.MultiSteps(dj.demo(0.1, compression_chunk=8), 2))
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", dj.DenseStepWarning)
+    dj.worker_state_specs(tx, {"w": PARAMS["w"]}, mesh)
