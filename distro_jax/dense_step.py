@@ -18,7 +18,10 @@ mistakes break it without an error of their own, and each is caught here:
 Under ``jax.jit`` the shardings are known only once XLA has propagated them,
 so the checks read them with ``jax.debug.inspect_array_sharding``, whose
 callback runs at compile time; the warning is then issued once per compiled
-step. Outside ``jit`` the arrays' own shardings are read at once.
+step. Outside ``jit`` the arrays' own shardings are read at once. The
+callback lives in the compiled step, which XLA's persistent compilation cache
+then cannot serve (a step over one device holds none); trace a step under
+:func:`quiet` to leave the checks out.
 """
 
 import contextlib
@@ -57,11 +60,20 @@ class DenseStepWarning(UserWarning):
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-  """No checks while it is open: for traces that only read types, never run.
+  """Traces made while it is open hold none of these checks.
 
+  For a step whose placement is known good and that should come from XLA's
+  persistent compilation cache, and for traces that only read types:
   :func:`distro_jax.worker_state_specs` traces updates with state typed as
   shared on purpose (the start of its search), which would look like an
   all-reduced gradient to :func:`warn_if_dense`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, distro_jax as dj
+    >>> tx = dj.demo(0.1, axis_name=None)
+    >>> params = {"w": jnp.ones((8, 8))}
+    >>> with dj.dense_step.quiet():
+    ...   step = jax.jit(tx.update).lower(params, tx.init(params), params)
   """
   token = _QUIET.set(True)
   try:
@@ -178,7 +190,7 @@ def warn_if_replicated_per_worker(
     num_workers: its size.
   """
   stacked = list(stacked)
-  if not stacked or num_workers < 2:
+  if not stacked or num_workers < 2 or _QUIET.get():
     return
   nbytes = _tree_bytes(stacked)
 

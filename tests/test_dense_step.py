@@ -140,3 +140,12 @@ def test_the_state_analysis_does_not_warn():
   with warnings.catch_warnings():
     warnings.simplefilter("error", dj.DenseStepWarning)
     dj.worker_state_specs(tx, {"w": PARAMS["w"]}, mesh)
+
+
+def test_quiet_leaves_the_checks_out_of_the_step(mesh):
+  tx = dj.demo(0.1, compression_chunk=8, axis_name=None)
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  args = params, tx.init(params), jax.device_put(_batch(), NamedSharding(mesh, P("data")))
+  assert "InspectSharding" in _jit_step(tx).lower(*args).as_text()
+  with dj.dense_step.quiet():
+    assert "InspectSharding" not in _jit_step(tx).lower(*args).as_text()
