@@ -279,6 +279,10 @@ class PerWorker(optax.GradientTransformationExtraArgs):
   mesh: Mesh
   axis_name: Hashable
 
+  def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+    """:func:`worker_value_and_grad` on this optimizer's mesh and workers' axis."""
+    return worker_value_and_grad(fun, self.mesh, self.axis_name, has_aux=has_aux)
+
   def per_worker_leaves(self, params: Any) -> list[bool]:
     """For each array of ``inner``'s state, whether it differs by worker (cached per shape).
 

@@ -270,3 +270,58 @@ def test_an_explicit_mesh_is_refused_with_the_fix():
     dj.per_worker(_demo(), mesh)
   with pytest.raises(ValueError, match="Explicit"):
     dj.worker_value_and_grad(_loss, mesh)
+
+
+@pytest.mark.slow  # two paths compiled, one under nnx.jit: about 50 s here
+def test_flax_nnx_optimizer_steps_as_plain_params():
+  from flax import nnx
+
+  class Mlp(nnx.Module):
+    def __init__(self, rngs):
+      self.hidden = nnx.Linear(16, 8, rngs=rngs)
+      self.out = nnx.Linear(8, 16, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jnp.tanh(self.hidden(x)))
+
+  mesh = _auto_mesh((WORKERS,), ("data",))
+  replicated = NamedSharding(mesh, P())
+  model = Mlp(nnx.Rngs(0))
+  nnx.update(model, jax.device_put(nnx.state(model), replicated))
+  graphdef, _ = nnx.split(model)
+  plain = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), replicated)
+  tx = dj.per_worker(_demo(), mesh)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  def loss(params, batch):
+    x, y = batch
+    return jnp.mean((nnx.merge(graphdef, params)(x) - y) ** 2)
+
+  @nnx.jit
+  def nnx_step(model, optimizer, batch):
+    value, grads = tx.value_and_grad(loss)(nnx.state(model, nnx.Param), batch)
+    optimizer.update(model, grads)
+    return value
+
+  def pure_loss(params, batch):
+    x, y = batch
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, params)
+    return jnp.mean((nnx.merge(graphdef, state)(x) - y) ** 2)
+
+  @jax.jit
+  def plain_step(params, state, batch):
+    value, grads = tx.value_and_grad(pure_loss)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+
+  plain_state = tx.init(plain)
+  for batch in _batches(2):
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    got = nnx_step(model, optimizer, batch)
+    plain, plain_state, want = plain_step(plain, plain_state, batch)
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(model.hidden.kernel[...], plain["hidden"]["kernel"])
+  assert_identical_on_every_device(nnx.state(model, nnx.Param))
+  momentum = optimizer.opt_state[0].momentum["hidden"]["kernel"]
+  assert momentum[...].shape == (WORKERS, 16, 8)
