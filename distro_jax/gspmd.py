@@ -19,8 +19,11 @@ DisTrO by changing two lines: the gradient and the optimizer.
 
 Only the workers' axis is manual inside that ``shard_map``. Any other mesh
 axis (FSDP or tensor parallelism within a worker) stays with GSPMD, so the
-params keep whatever sharding the trainer gives them, and each worker's
-update is exactly the update of an unsharded worker.
+params keep whatever sharding the trainer gives them, and each worker
+computes the update of an unsharded worker (chunks planned on whole tensors),
+up to the rounding of its partitioned sums. Each of a worker's devices then
+sends the whole message, where the ``shard_map`` FSDP path
+(:mod:`distro_jax.fsdp`) sends each device's shards' message once.
 
 **Placement.** A per-worker value comes boxed as
 ``flax.linen.Partitioned(value, names=(axis_name, *names))``, where ``names``
