@@ -15,7 +15,8 @@ MODULES = [
   "distro_jax.elastic",
   "distro_jax.exchange",
   "distro_jax.fsdp",
-  "distro_jax.gspmd",
+  # Its examples compile DeMo steps and a resize: about 15 s here.
+  pytest.param("distro_jax.gspmd", marks=pytest.mark.slow),
   "distro_jax.hlo_bytes",
   "distro_jax.lookahead",
   "distro_jax.overlap",

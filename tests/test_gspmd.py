@@ -160,6 +160,7 @@ def fsdp_run():
   return mesh, init, params, losses, hlo
 
 
+@pytest.mark.slow  # compiles and runs a DeMo step on 8 devices: about 10 s here
 def test_only_the_message_crosses_the_workers_axis_under_fsdp(fsdp_run):
   mesh, init, _, _, hlo = fsdp_run
   by_axes = dj.collective_bytes_by_axes(hlo, mesh)
