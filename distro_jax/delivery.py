@@ -55,7 +55,8 @@ def deliver(fmt: Format, selection: Any, valid: jax.Array, axis_name: Hashable |
     >>> fmt = message.MessageFormat(layout, message.TopK((2,)), dct.DCT_BASIS)
     >>> sent = message.Selection([jnp.array([[[5, 9]]])], [jnp.array([[[0.3, -2.0]]])])
     >>> got = delivery.deliver(fmt, sent, jnp.asarray(True), axis_name=None)
-    >>> got.tensors[0][1].tolist()  # one worker; 1-bit values arrive as signs
+    >>> ((idx, values),) = got.tensors
+    >>> values.tolist()  # one worker's; 1-bit values arrive as signs
     [[[[1.0, -1.0]]]]
   """
   if axis_name is None:
@@ -191,7 +192,9 @@ class Delayed(NamedTuple):
     return [dct.from_blocks(k, p, p.state_shape, like=m) for k, p, m in zip(kept, plans, momenta)]
 
 
-def schedule(axis_name: Hashable | None, num_workers: int, delayed_apply: bool) -> Any:
+def schedule(
+  axis_name: Hashable | None, num_workers: int, delayed_apply: bool
+) -> Synchronous | Delayed:
   """:class:`Delayed` with ``delayed_apply``, else :class:`Synchronous`."""
   if delayed_apply:
     return Delayed(axis_name, num_workers)

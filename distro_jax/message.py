@@ -183,8 +183,8 @@ def drawn(
     >>> from distro_jax import message
     >>> grads = [jnp.zeros((8, 8))]
     >>> pos = message.drawn(jnp.asarray(3), None, grads, [], [(1, 8, 1, 8)], [2], 0.0)
-    >>> picked = pos.select([jnp.ones((1, 8, 1, 8))], [0])
-    >>> picked[0][0].shape, bool(picked[0][0][0, 0, 0] < 32 <= picked[0][0][0, 0, 1])
+    >>> ((idx, values),) = pos.select([jnp.ones((1, 8, 1, 8))], [0])
+    >>> idx.shape, bool(idx[0, 0, 0] < 32 <= idx[0, 0, 1])  # one from each half
     ((1, 1, 2), True)
   """
   shards = []
