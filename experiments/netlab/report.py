@@ -584,14 +584,22 @@ def _interruption_rows(report: Mapping[str, Mapping[str, Any]]) -> list[str]:
     "",
     "## A process killed mid-run",
     "",
-    "| method | processes | killed after step | resumed from | steps redone "
-    "| back at that step after | wall time | uninterrupted | lost "
+    "| method | processes | killed after step | survivors stopped | resumed from "
+    "| steps redone | back at that step after | wall time | uninterrupted | lost "
     "| final loss | uninterrupted | final val loss | uninterrupted |",
-    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+    "| ---: |",
   ]
   for name, f in rows:
+    codes = f.get("survivors_exit_codes") or []
+    stopped = (
+      f"exit {'/'.join(map(str, sorted(set(codes), key=str)))} after "
+      f"{_num(f.get('survivors_stopped_after_s'), '.1f')} s"
+      if codes
+      else "n/a"
+    )
     lines.append(
-      f"| {name} | {' -> '.join(map(str, f['processes']))} | {f['kill_step']} "
+      f"| {name} | {' -> '.join(map(str, f['processes']))} | {f['kill_step']} | {stopped} "
       f"| {f['resumed_from_step']} | {f['steps_redone']} "
       f"| {_num(f['seconds_to_regain_kill_step'], '.1f')} s "
       f"| {_num(f['wall_s_interrupted'], '.1f')} s | {_num(f['wall_s_uninterrupted'], '.1f')} s "
