@@ -160,6 +160,19 @@ def test_a_peer_silent_past_the_timeout_is_lost_and_one_that_finished_is_not():
   assert dogs[0].lost() == [1]
 
 
+def test_the_first_verdict_settles_it_for_every_survivor_and_process_0_ends_last(capsys):
+  store, clock, exits, dogs = _watchdogs(3)
+  for d in dogs:
+    d.beat()
+  dogs[1].end([2])  # process 1 judged first: it posts, prints, exits
+  assert exits == [76] and store.kv["distro_jax/lost/1"] == "2"
+  dogs[0].beat()
+  assert dogs[0].lost() == [2]  # adopted at once, long before its own timeout
+  dogs[0].end(dogs[0].lost())  # process 1 already posted: process 0 need not wait
+  assert exits == [76, 76]
+  assert capsys.readouterr().err.count("peer lost: process 2 of 3") == 2
+
+
 def test_a_stopped_coordinator_is_named_by_whoever_cannot_reach_it():
   store, clock, exits, dogs = _watchdogs(2, timeout=20.0)
   dogs[1].beat()

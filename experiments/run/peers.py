@@ -17,12 +17,16 @@ by :func:`experiments.run.launch.setup_devices` right after
 - a *judge* thread declares a peer lost when its counter has not moved for
   ``--peer_timeout_s`` seconds, and the coordinator (process 0, which hosts
   the store) when this process's own beats have not gone through for that
-  long. It prints one line (who was lost, the last checkpoint, the commands
-  that resume: :func:`experiments.run.interruption.peer_lost_line`), the
-  lowest-indexed survivor writes ``OUT_DIR/interruption.json``, and the
-  process ends with status 76 at once (``os._exit``: its main thread is
-  blocked in a collective that will never return, and JAX's shutdown would
-  wait for the lost peer).
+  long. It posts its verdict under ``distro_jax/lost/<process>``, where the
+  other survivors adopt it at their next beat, prints one line (who was
+  lost, the last checkpoint, the commands that resume:
+  :func:`experiments.run.interruption.peer_lost_line`), the lowest-indexed
+  survivor writes ``OUT_DIR/interruption.json``, and the process ends with
+  status 76 (``os._exit``: its main thread is blocked in a collective that
+  will never return, and JAX's shutdown would wait for the lost peer).
+  Process 0 ends last, once the other survivors have posted their verdicts:
+  the coordination service lives in it, and JAX aborts every process still
+  connected when it goes.
 
 JAX's own heartbeat timeout is raised to three times ``--peer_timeout_s``
 (:func:`jax_heartbeat_timeout_s`, at least its default 100 s), since its
@@ -65,7 +69,8 @@ __all__ = [
   "watch_run",
 ]
 
-_PREFIX = "distro_jax/alive/"
+_ROOT = "distro_jax/"
+_ALIVE, _VERDICT = f"{_ROOT}alive/", f"{_ROOT}lost/"
 _DONE = "done"  # a process that ended normally: never lost
 # What a collective's failure says when a peer's socket closed under it.
 _COLLECTIVE_FAILURE = ("gloo", "nccl", "connection closed", "connection reset", "socket closed")
@@ -126,6 +131,8 @@ class Watchdog:
     self.own_ok = now  # when this process's beat last went through
     self.run: _Run | None = None
     self.verdict: list[int] | None = None
+    # Verdicts other survivors posted, by process: who they found lost.
+    self.posted: dict[int, list[int]] = {}
     self._count = 0
     self._lock = threading.Lock()
     self._stop = threading.Event()
@@ -143,15 +150,18 @@ class Watchdog:
   def beat(self) -> None:
     """One round: this process's counter written, everyone's read (blocks on a stopped store)."""
     self._count += 1
-    self.client.key_value_set(f"{_PREFIX}{self.me}", str(self._count), allow_overwrite=True)
-    entries = self.client.key_value_dir_get(_PREFIX)
+    self.client.key_value_set(f"{_ALIVE}{self.me}", str(self._count), allow_overwrite=True)
+    entries = self.client.key_value_dir_get(_ROOT)
     now = self._clock()
     with self._lock:
       self.own_ok = now
       for key, value in entries:
-        p = int(key.rstrip("/").rpartition("/")[2])
-        if p in self.seen and self.seen[p][0] != value:
+        kind, _, who = key.rstrip("/").rpartition("/")
+        p = int(who)
+        if kind.endswith("alive") and p in self.seen and self.seen[p][0] != value:
           self.seen[p] = (value, now)
+        elif kind.endswith("lost") and p != self.me:
+          self.posted[p] = [int(x) for x in value.split(",") if x]
 
   def _beat_loop(self) -> None:
     while not self._stop.is_set():
@@ -160,16 +170,20 @@ class Watchdog:
       self._stop.wait(self.beat_s)
 
   def lost(self) -> list[int]:
-    """The peers silent for longer than the timeout, now; empty if none."""
+    """The peers silent for longer than the timeout, now, or named by another survivor; or []."""
     now = self._clock()
     with self._lock:
       if self.me != 0 and now - self.own_ok > self.timeout_s:
         return [0]  # the store lives in process 0: it, or the way to it, is gone
-      return sorted(
+      silent = sorted(
         p
         for p, (value, since) in self.seen.items()
         if value != _DONE and now - since > self.timeout_s
       )
+      # A survivor that already judged settles it for all: the others stop at
+      # once and name the same peers, rather than each on its own clock.
+      others = [v for p, v in sorted(self.posted.items()) if self.me not in v]
+      return silent or (others[0] if others else [])
 
   def _judge_loop(self) -> None:
     while not self._stop.wait(1.0):
@@ -178,8 +192,25 @@ class Watchdog:
         return
 
   def end(self, lost: Sequence[int]) -> None:
-    """Says who was lost and how to resume, then ends the process with status 76."""
+    """Says who was lost and how to resume, then ends the process with status 76.
+
+    The verdict is posted to the store first, for the other survivors. Process
+    0 hosts the store, and the coordination service dies with it, which makes
+    JAX abort every process still connected; so it waits (a few beats at
+    most) until every other survivor has posted its own verdict, and only then
+    ends.
+    """
     self.verdict = list(lost)
+    if 0 not in lost:  # a stopped store would never answer
+      value = ",".join(map(str, lost))
+      post = threading.Thread(
+        target=lambda: self.client.key_value_set(
+          f"{_VERDICT}{self.me}", value, allow_overwrite=True
+        ),
+        daemon=True,
+      )
+      post.start()
+      post.join(timeout=5)
     line, record = self._describe(lost)
     print(line, file=sys.stderr, flush=True)
     survivors = [p for p in range(self.processes) if p not in lost]
@@ -187,7 +218,16 @@ class Watchdog:
       with contextlib.suppress(OSError):
         interruption.write_record(self.run.cfg.out_dir, **record)
     sys.stdout.flush()
+    if self.me == 0:
+      self._wait_for_verdicts([p for p in survivors if p != 0])
     self._exit(interruption.PEER_LOST)
+
+  def _wait_for_verdicts(self, others: Sequence[int]) -> None:
+    deadline = time.monotonic() + 2 * self.beat_s + 10
+    while time.monotonic() < deadline and not set(others) <= set(self.posted):
+      with contextlib.suppress(Exception):
+        self.beat()
+      time.sleep(0.2)
 
   def _describe(self, lost: Sequence[int]) -> tuple[str, dict[str, Any]]:
     run = self.run
@@ -228,7 +268,7 @@ class Watchdog:
       return
     self._stop.set()
     with contextlib.suppress(Exception):
-      self.client.key_value_set(f"{_PREFIX}{self.me}", _DONE, allow_overwrite=True)
+      self.client.key_value_set(f"{_ALIVE}{self.me}", _DONE, allow_overwrite=True)
 
 
 def _newest_checkpoint(directory: str) -> int | None:
