@@ -120,13 +120,13 @@ def test_fault_figures_say_what_the_faults_cost_and_that_nothing_was_lost(tmp_pa
       {"exit_codes": [76, 76], "lines": ["peer lost: process 1 of 2 ...", ""]},
       {"exit_codes": [0, 0], "lines": []},
     ],
-    blackout={"process": 1, "seconds": 20.0, "dark_from": 2.5, "dark_until": 22.5},
+    blackout={"process": 1, "seconds": 20.0, "dark_from": 2.5, "dark_until": 22.5, "after_step": 3},
     run_dir=str(tmp_path),
     impairment_counts={A: {"packets": 1000, "dropped": 5}, B: {"packets": 0, "dropped": 0}},
   )
   f = report.fault_figures(shaped, clean)
   assert f["measured_loss_pct_by_link"] == {A: 0.5, B: None}
-  assert f["blackout"]["longest_step_s"] == 21.0
+  assert f["blackout"]["back_past_step_after_s"] == 23.0 - 2.5  # step 4 finished at 23
   assert (f["attempts"], f["completed"], f["last_step"]) == (2, True, 6)
   assert f["restarts"] == [{"exit_codes": [76, 76], "line": "peer lost: process 1 of 2 ..."}]
   assert f["losses_match_unshaped"] is True and f["checkpoints_intact"] is None

@@ -500,8 +500,10 @@ def fault_figures(shaped: RunResult, unshaped: RunResult | None) -> dict[str, An
 
   Returns:
     ``measured_loss_pct_by_link`` (what the forwarder dropped), ``blackout``
-    (which link, when) with ``longest_step_s`` (the longest gap between two
-    steps that finished after it began), ``attempts`` and ``restarts`` (the
+    (which link, when) with ``back_past_step_after_s`` (from the link going
+    dark until the run finished a step past the one process 0 had logged
+    then: the stall, or after a restart the detection, the restart and the
+    steps redone too), ``attempts`` and ``restarts`` (the
     drivers' exit statuses and last lines), ``completed`` (every step from 1
     to the last logged once), ``losses_match_unshaped`` and
     ``checkpoints_intact`` (every checkpoint matches its digest).
@@ -513,13 +515,13 @@ def fault_figures(shaped: RunResult, unshaped: RunResult | None) -> dict[str, An
   }
   records = shaped.records
   if shaped.blackout:
-    start = shaped.blackout.get("dark_from")
-    gaps = [
-      b.wall_time - a.wall_time
-      for a, b in zip(records, records[1:])
-      if start is not None and b.wall_time > start and b.step == a.step + 1
-    ]
-    out["blackout"] = {**shaped.blackout, "longest_step_s": max(gaps) if gaps else None}
+    start, step = shaped.blackout.get("dark_from"), shaped.blackout.get("after_step")
+    past = next((r for r in records if step is not None and r.step > step), None)
+    out["blackout"] = {
+      **shaped.blackout,
+      # The stall, or with a restart the whole way back: detection, restart, steps redone.
+      "back_past_step_after_s": past.wall_time - start if past and start else None,
+    }
   out["attempts"] = len(shaped.attempts)
   out["restarts"] = [
     {"exit_codes": a["exit_codes"], "line": next((x for x in a["lines"] if x), "")}
@@ -546,14 +548,15 @@ def _fault_rows(report: Mapping[str, Mapping[str, Any]]) -> list[str]:
     "## Faults on the shaped links",
     "",
     "| method | median step, faulty links | clean links | ratio | packets dropped "
-    "| blackout: longest step | restarts | steps done | losses match clean | checkpoints intact |",
+    "| blackout: back past its step after | restarts | steps done | losses match clean "
+    "| checkpoints intact |",
     "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
   ]
   for name, e in rows:
     f = e["faults"]
     drops = [x for x in f["measured_loss_pct_by_link"].values() if x is not None]
     drop_text = f"{min(drops):.2f} to {max(drops):.2f}% per link" if drops else "n/a"
-    longest = (f.get("blackout") or {}).get("longest_step_s")
+    longest = (f.get("blackout") or {}).get("back_past_step_after_s")
     restarts = ", ".join(f"exit {sorted(set(r['exit_codes']))}" for r in f["restarts"]) or "none"
     lines.append(
       f"| {name} | {_num(e['median_step_s_shaped'], '.3f')} s "
