@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from experiments.netlab import faults, lab, links, report, results
+from experiments.netlab import drivers, faults, lab, links, report, results
 from experiments.netlab.impair import Forwarder, Impairment, endpoints, parse_link
 from experiments.run.records import StepRecord
 
@@ -182,3 +182,34 @@ def test_a_dark_link_on_lossy_delayed_links_restarts_the_run_which_loses_nothing
   # 100 ms round trips cost every step more than the clean link's.
   assert e["median_step_s_shaped"] > e["median_step_s_unshaped"] + 0.1
   assert "## Faults on the shaped links" in (tmp_path / "netlab.md").read_text()
+
+
+def _drivers(tmp_path, scripts):
+  logs, procs = [], []
+  for i, script in enumerate(scripts):
+    logs.append(str(tmp_path / f"p{i}.log"))
+    with open(logs[-1], "w") as log:
+      procs.append(subprocess.Popen(["sh", "-c", script], stdout=log, start_new_session=True))
+  return procs, logs
+
+
+def test_the_lab_restarts_on_75_or_76_even_when_jax_aborted_a_peer_first(tmp_path):
+  # The process behind a broken link is aborted by JAX (SIGABRT, no traceback);
+  # its peers name it lost a while later. That is a restart, not a failure.
+  procs, logs = _drivers(tmp_path, ["kill -ABRT $$", "sleep 1; exit 76", "sleep 1; exit 76"])
+  assert drivers.wait("r", procs, logs, 0, grace_s=30) == "interrupted"
+  # A peer that hangs is killed once the grace is over, and still a restart.
+  procs, logs = _drivers(tmp_path, ["exit 76", "sleep 60"])
+  assert drivers.wait("r", procs, logs, 0, grace_s=1) == "interrupted"
+  assert procs[1].returncode == -9
+
+
+def test_the_lab_fails_a_run_on_a_traceback_at_once_and_on_a_lone_crash(tmp_path):
+  script = "echo 'Traceback (most recent call last):'; exit 1"
+  procs, logs = _drivers(tmp_path, [script, "sleep 60"])
+  with pytest.raises(links.NetlabError, match="process 0 failed with exit status 1"):
+    drivers.wait("r", procs, logs, 0, grace_s=30)
+  drivers.stop(procs)
+  procs, logs = _drivers(tmp_path, ["exit 3", "exit 0"])
+  with pytest.raises(links.NetlabError, match="process 0 failed with exit status 3"):
+    drivers.wait("r", procs, logs, 0, grace_s=30)

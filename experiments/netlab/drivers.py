@@ -70,11 +70,15 @@ def wait(
 ) -> str:
   """Waits for every driver to finish.
 
-  A driver that exits with :data:`RESTARTABLE` status (preempted, or a peer
-  lost) interrupts the run: the others get ``grace_s`` to stop on their own,
-  as they do when they hear the same notice or find the same peer gone, and
-  whatever still runs then (a stopped or hung peer) is killed, so nothing is
-  left behind.
+  A driver that stops with a nonzero status without a traceback (a
+  :data:`RESTARTABLE` status, or killed or aborted: JAX aborts a process
+  whose link to the coordination service broke) starts a grace period of
+  ``grace_s``: the others get that long to stop on their own, as they do
+  when they hear the same notice or find the same peer gone. Whatever still
+  runs then (a stopped or hung peer) is killed, so nothing is left behind.
+  The run was interrupted, and is to be restarted, if any driver stopped
+  with a restartable status; otherwise it failed. A traceback or an
+  ``error:`` line in a driver's log is a failure at once.
 
   Args:
     name: the run, for messages.
@@ -82,7 +86,8 @@ def wait(
     logs: their logs.
     limit_s: stop them after this long (0: no limit).
     tick: called every poll (the lab's blackout).
-    grace_s: how long the others get after a restartable exit.
+    grace_s: how long the others get after the first nonzero exit; more
+      than the drivers' ``--peer_timeout_s``.
 
   Returns:
     ``"done"``, ``"limit"`` (stopped at ``limit_s``) or ``"interrupted"``.
@@ -91,22 +96,21 @@ def wait(
     NetlabError: a driver failed.
   """
   start = time.monotonic()
-  interrupted_at = None
+  first_exit = None
   while any(p.poll() is None for p in procs):
     if tick is not None:
       tick()
-    if interrupted_at is None and any(p.returncode in RESTARTABLE for p in procs):
-      interrupted_at = time.monotonic()
-    if interrupted_at is not None:
-      if time.monotonic() - interrupted_at > grace_s:
-        stop(procs)
-        return "interrupted"
-    else:
+    if first_exit is None and any(p.returncode not in (None, 0) for p in procs):
+      first_exit = time.monotonic()
+    restartable = any(p.returncode in RESTARTABLE for p in procs)
+    for i, p in enumerate(procs):
       # A driver that raised can hang at exit in JAX's shutdown barrier, waiting
       # for peers that wait for it; its traceback is the failure.
-      for i, p in enumerate(procs):
-        if p.returncode not in (None, 0) or raised(logs[i]):
-          raise failure(name, i, p, logs[i])
+      if not restartable and raised(logs[i]):
+        raise failure(name, i, p, logs[i])
+    if first_exit is not None and time.monotonic() - first_exit > grace_s:
+      stop(procs)
+      break
     if limit_s and time.monotonic() - start > limit_s:
       print(f"netlab: {name}: stopped at --run_time_limit_s={limit_s:g}", flush=True)
       return "limit"

@@ -451,7 +451,8 @@ def run_once(
           procs.append(lab.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env=env))
       what = f", restart {k}{' with --resume' if resume else ''}" if k else ""
       print(f"netlab: {name}: {n} processes started{what} (logs in {run_dir})", flush=True)
-      outcome = drivers.wait(name, procs, logs, cfg.run_time_limit_s, tick=tick)
+      grace = float(_last_value(flags, "peer_timeout_s") or 60) + 30
+      outcome = drivers.wait(name, procs, logs, cfg.run_time_limit_s, tick=tick, grace_s=grace)
     finally:
       drivers.stop(procs)
     attempts.append(
