@@ -122,13 +122,13 @@ def test_sigterm_saves_the_step_reached_and_the_resume_is_bit_identical(tmp_path
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
-def test_a_lost_peer_is_named_and_the_survivor_exits_76_then_resumes_alone(tmp_path, sig):
+def test_a_lost_peer_is_named_and_the_survivor_exits_76_and_can_resume_alone(tmp_path, sig):
   port = portpicker.pick_unused_port()
   procs = _start(
-    tmp_path, "--steps=200", "--checkpoint_every=2", "--peer_timeout_s=10", processes=2, port=port
+    tmp_path, "--steps=200", "--checkpoint_every=3", "--peer_timeout_s=10", processes=2, port=port
   )
   try:
-    _when_logged(tmp_path, 5, procs)
+    _when_logged(tmp_path, 4, procs)
     procs[1].send_signal(sig)
     lost_at = time.monotonic()
     out = procs[0].communicate(timeout=120)[0]
@@ -142,7 +142,9 @@ def test_a_lost_peer_is_named_and_the_survivor_exits_76_then_resumes_alone(tmp_p
   line = out.strip().splitlines()[-1]
   assert line.startswith("peer lost: process 1 of 2 sent no heartbeat for 10 s"), line
   step = int(re.search(r"the last checkpoint is step (\d+)", line).group(1))
-  assert step >= 4
+  assert step >= 3
+  if sig == signal.SIGKILL:
+    return  # the same line as for a stopped peer: resumed once, below
   # The survivor alone, on its own 2 devices: the elastic resume the line offers.
   survivors = line.split("resume on the 1 surviving process with: ", 1)[1].split("; or on all")[0]
   argv = shlex.split(survivors)

@@ -13,6 +13,12 @@ deleting the namespaces removes every interface. Shaping is ``tc qdisc tbf``
 on both ends of a process's veth: ``eth0`` egress is its upload, ``v<i>``
 egress its download, so each process's link runs at its rate both ways.
 
+With impairments (:meth:`Lab.impair`) the hub routes instead of bridging:
+what arrives on ``v<i>`` goes to a TUN device, where
+:mod:`experiments.netlab.impair` delays or drops it, and what it writes back
+goes out of its destination's ``v<j>``. :meth:`Lab.set_link` takes a link
+down and up (a blackout).
+
 Every name carries the tag ``nl<launcher pid>``. A guardian process, started
 with the lab, tears it down if the launcher dies without doing so (SIGKILL),
 and :func:`sweep_stale` removes labs whose launcher is gone.
