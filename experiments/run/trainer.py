@@ -31,8 +31,11 @@ from experiments.run import (
   checks,
   config,
   elastic,
+  interruption,
   measure,
   methods,
+  peers,
+  preemption,
   presets,
   reporting,
   rundir,
@@ -232,7 +235,7 @@ def _checkpoint_dir(cfg: TrainConfig) -> str:
 
 def _open_checkpoints(
   given: TrainConfig, data_identity: Any
-) -> tuple[TrainConfig, Checkpointer | None, ResumePoint | None]:
+) -> tuple[TrainConfig, Checkpointer, ResumePoint | None]:
   """The resolved config, and the checkpoints it saves to or resumes from.
 
   A resume reads the newest intact checkpoint's metadata first: it must be of
@@ -257,10 +260,9 @@ def _open_checkpoints(
   cfg = checks.resolve(given, saved=point.meta.get("runtime") if point else None)
   if point is not None:
     _check_resume_span(cfg, point.step)
-  elif cfg.checkpoint_every:
-    checkpointer = Checkpointer(ckpt_dir, fingerprint=fingerprint, **procs)
   else:
-    return cfg, None, None
+    # Also at --checkpoint_every=0: a preemption notice saves where the run is.
+    checkpointer = Checkpointer(ckpt_dir, fingerprint=fingerprint, **procs)
   checkpointer.configure(
     save_every=cfg.checkpoint_every,
     keep=cfg.keep_checkpoints,
@@ -421,7 +423,7 @@ def _describe(program: Program, payload: methods.Payload, hlo: measure.HloBytes)
 def _start(
   program: Program,
   batches: _Batches,
-  checkpointer: Checkpointer | None,
+  checkpointer: Checkpointer,
   point: ResumePoint | None,
 ):
   """``(start_step, params, opt_state, resize)``: restored from the checkpoint, or fresh.
@@ -455,21 +457,26 @@ def run(cfg: TrainConfig) -> Summary:
   if cfg.data_path is not None:
     data_lib.check_file(cfg.data_path)  # its ids are scanned once the directory is ours
   main = jax.process_index() == 0
-  with rundir.claim(cfg.out_dir, main=main, multiprocess=jax.process_count() > 1):
+  # SIGTERM from here on is a preemption notice (experiments.run.preemption).
+  with (
+    rundir.claim(cfg.out_dir, main=main, multiprocess=jax.process_count() > 1),
+    preemption.Notice() as notice,
+  ):
     try:
-      return _run_claimed(cfg)
+      return _run_claimed(cfg, notice)
     except OSError as e:
       if err := rundir.filesystem_error(e, e.filename or f"to --out_dir={cfg.out_dir}"):
         raise err from None
       raise
 
 
-def _run_claimed(cfg: TrainConfig) -> Summary:
-  """:func:`run` once the output directory is this run's."""
+def _run_claimed(cfg: TrainConfig, notice: preemption.Notice) -> Summary:
+  """:func:`run` once the output directory is this run's, with SIGTERM heard by ``notice``."""
+  argv = interruption.train_argv(cfg)
   tokens = data_lib.load_tokens(cfg.data_path, presets.get_preset(cfg.preset).vocab_size)
   cfg, checkpointer, point = _open_checkpoints(cfg, data_lib.identity(cfg.data_path))
   program = build(cfg)
-  if checkpointer and checkpointer.save_every:
+  if checkpointer.save_every:
     _check_space(cfg.out_dir, program)
   batches = _Batches(cfg, program, tokens)
   start_step, params, opt_state, resize = _start(program, batches, checkpointer, point)
@@ -500,18 +507,20 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
       f"device sends their chunks too):\n{program.fsdp_plan.describe_whole()}"
     )
   last_step = cfg.stop_at_step or cfg.steps
+  peers.watch_run(cfg, argv, checkpointer.directory)
   try:
     for step in range(start_step + 1, last_step + 1):
       step_arr = jax.device_put(np.int32(step), program.sharding())
       params, opt_state, metrics = compiled(params, opt_state, step_arr, *batches.next_train())
       log.stepped(step, metrics)
+      preempted = notice.reached(step - start_step)
       if cfg.check_replicas and (step % cfg.log_every == 0 or step == cfg.steps):
         _check_replicas(program, params, step)
       # --eval_every=0: only after the last step.
       due = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
       if batches.eval and due:
         log.flush(batches.evaluate(program.eval_step, params))
-      if checkpointer and checkpointer.should_save(step, last_step):
+      if checkpointer.should_save(step, last_step) or preempted:
         log.flush()
         # The loss was taken before this step's update, so it cannot vouch
         # for the params about to be saved.
@@ -522,11 +531,15 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
             f"disk is good. {_nonfinite_advice(program.method)}"
           )
         checkpointer.save(step, {"params": params, "opt_state": opt_state}, batches.train)
+      if preempted:
+        raise preemption.stop(cfg, step, argv)
     log.flush()
+  except Exception as e:
+    peers.collective_failed(e)  # a peer that went away ends the process here, in one line
+    raise
   finally:
     log.close()
-    if checkpointer:
-      checkpointer.close()
+    checkpointer.close()
   summary = _summarize(program, log.writer.records, start_step, params, payload, hlo)
   if cfg.time_optimizer and summary.steps > start_step:
     summary = dataclasses.replace(
