@@ -408,6 +408,18 @@ class Reading:
     )
 
 
+def planned_reading(
+  data_path: str | None, vocab_size: int, *, seq_len: int, steps: int, global_batch_size: int
+) -> Reading:
+  """How much of ``data_path``'s training split a run of ``steps`` steps will read.
+
+  For commands that plan many runs (``compare``, ``frontier``), so a run that
+  would read its data twice is known before any trains.
+  """
+  splits = load_splits(data_path, vocab_size)
+  return Reading.of(steps, global_batch_size, window_count(splits.train, seq_len))
+
+
 class TokenWindows:
   """Grain random-access source of non-overlapping windows of ``seq_len + 1`` tokens.
 
