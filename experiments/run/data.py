@@ -390,6 +390,11 @@ class Reading:
 
   @classmethod
   def of(cls, steps: int, global_batch_size: int, train_windows: int) -> Reading:
+    if train_windows < 1:
+      raise DataError(
+        "the training split holds no window of --seq_len + 1 tokens; use a smaller "
+        "--seq_len, or more data"
+      )
     drawn = steps * global_batch_size
     return cls(drawn / train_windows, train_windows, drawn > train_windows)
 
