@@ -369,7 +369,7 @@ def test_muon_is_a_dense_baseline_and_refuses_fsdp():
 @pytest.mark.slow
 def test_muon_trains_through_the_driver_with_identical_replicas(tmp_path):
   summary = tiny_runs.run_tiny(
-    tmp_path, optimizer="muon", steps=4, log_every=1, check_replicas=True
+    tmp_path, optimizer="muon", workers=8, batch_size=16, steps=4, log_every=1, check_replicas=True
   )
   # The whole fp32 gradient, all-reduced: what the HLO moves across the replicas.
   params = model.abstract_params(presets.get_preset("tiny"))
