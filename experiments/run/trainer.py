@@ -496,13 +496,7 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
   payload = program.method.payload(cfg, local)
   log = _Log(cfg, program.method, payload, start_step)
   log.progress.message(_describe(program, payload, hlo))
-  planned = data_lib.Reading.of(
-    cfg.stop_at_step or cfg.steps, cfg.batch_size, batches.train_windows
-  )
-  if planned.rereads_data and jax.process_index() == 0:
-    logging.warning(planned.describe(cfg.stop_at_step or cfg.steps))  # also without --progress
-  else:
-    log.progress.message(planned.describe(cfg.stop_at_step or cfg.steps))
+  _say_how_much_it_reads(cfg, batches, log)
   if resize and resize.changed:
     log.writer.write_event(resize.event(cfg))
     log.progress.message(resize.describe(cfg))
@@ -548,6 +542,16 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
     )
   _write_outputs(cfg, summary, log)
   return summary
+
+
+def _say_how_much_it_reads(cfg: TrainConfig, batches: _Batches, log: _Log) -> None:
+  """The share of its training split the run will read; a warning where it rereads some."""
+  steps = cfg.stop_at_step or cfg.steps
+  reading = data_lib.Reading.of(steps, cfg.batch_size, batches.train_windows)
+  if reading.rereads_data and jax.process_index() == 0:
+    logging.warning(reading.describe(steps))  # also without --progress
+  else:
+    log.progress.message(reading.describe(steps))
 
 
 def _nonfinite_advice(method: Any) -> str:
