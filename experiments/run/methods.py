@@ -61,12 +61,13 @@ ALL_GATHER = "all-gather"
 ALL_REDUCE = "all-reduce"
 # The method every other is measured against: AdamW with a gradient all-reduce.
 BASELINE = "adamw"
-# What compare and frontier run with no --methods: the families, Psyche's
-# message, and the best point measured past 1,000x fewer bytes than a bf16
-# gradient at 1,000 steps (docs/results.md: drawn positions, each hidden
-# matrix's step orthogonalized).
+# What compare and frontier run with no --methods: the dense baselines, the
+# families, Psyche's message, and the best point measured past 1,000x fewer
+# bytes than a bf16 gradient at 1,000 steps (docs/results.md: drawn
+# positions, each hidden matrix's step orthogonalized).
 DEFAULT_COMPARISON = (
   "adamw",
+  "muon",
   "demo",
   "demo-k8-1bit",
   "demo-k2-1bit",
