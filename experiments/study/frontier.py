@@ -246,14 +246,12 @@ def _warn_if_rereading(base: TrainConfig, horizons: Sequence[int]) -> None:
   """One line, before anything trains, for each horizon whose runs would read data twice."""
   from experiments.run import data, presets
 
+  vocab = presets.get_preset(base.preset).vocab_size
+  windows = data.planned_reading(
+    base.data_path, vocab, seq_len=base.seq_len, steps=1, global_batch_size=base.batch_size
+  ).train_windows
   for horizon in sorted(horizons):
-    reading = data.planned_reading(
-      base.data_path,
-      presets.get_preset(base.preset).vocab_size,
-      seq_len=base.seq_len,
-      steps=horizon,
-      global_batch_size=base.batch_size,
-    )
+    reading = data.Reading.of(horizon, base.batch_size, windows)
     if line := gaps.reading_warning(f"each run of {horizon} steps", reading.train_epochs):
       print(f"[frontier] {line}", file=sys.stderr, flush=True)
 

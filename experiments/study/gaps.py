@@ -56,7 +56,7 @@ def reading_warning(who: str, train_epochs: float | None) -> str | None:
   if train_epochs is None or train_epochs <= 1:
     return None
   return (
-    f"warning: {who} read its training split {train_epochs:.2f} times, so its validation "
+    f"warning: {who} reads its training split {train_epochs:.2f} times, so its validation "
     "loss also measures memorization; fewer steps, or more data (python -m "
     "experiments.fetch_corpus), reads it once"
   )
