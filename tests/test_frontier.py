@@ -201,3 +201,14 @@ def test_frontier_trains_reads_back_and_draws(tmp_path):
   assert described(read) == described(points + more)
   k8 = frontier.best_points(points)[("demo-k8-1bit", 8)]
   assert k8.summary.config["compression_topk"] == 8 and k8.summary.config["quantize_1bit"]
+
+
+def test_a_horizon_that_would_reread_its_data_is_named_before_anything_trains(capsys):
+  # The embedded corpus holds 8,837 windows of 129 bytes; 32 a step.
+  frontier._warn_if_rereading(TrainConfig(preset="small"), [100, 300])
+  err = capsys.readouterr().err.splitlines()
+  assert err == [
+    "[frontier] warning: each run of 300 steps reads its training split 1.09 times, so its "
+    "validation loss also measures memorization; fewer steps, or more data (python -m "
+    "experiments.fetch_corpus), reads it once"
+  ]
