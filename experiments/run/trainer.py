@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -314,10 +315,10 @@ def _check_resume_span(cfg: TrainConfig, step: int) -> None:
 class _Batches:
   """The run's data: the training iterator, the validation batches, and their placement."""
 
-  def __init__(self, cfg: TrainConfig, program: Program, tokens: np.ndarray):
-    train_tokens, val_tokens = data_lib.split_tokens(tokens)
+  def __init__(self, cfg: TrainConfig, program: Program, splits: data_lib.Splits):
+    self.train_windows = data_lib.window_count(splits.train, cfg.seq_len)
     self.train = data_lib.make_train_iterator(
-      train_tokens,
+      splits.train,
       seq_len=cfg.seq_len,
       global_batch_size=cfg.batch_size,
       num_workers=cfg.workers,
@@ -326,7 +327,11 @@ class _Batches:
       seed=cfg.seed,
     )
     self.eval = data_lib.make_eval_batches(
-      val_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches
+      splits.val,
+      seq_len=cfg.seq_len,
+      batch_size=cfg.batch_size,
+      max_batches=cfg.eval_batches,
+      spread=splits.by_document,
     )
     self.sharding = program.sharding(program.rows)
     self.abstract = jax.ShapeDtypeStruct(
@@ -473,12 +478,12 @@ def run(cfg: TrainConfig) -> Summary:
 def _run_claimed(cfg: TrainConfig, notice: preemption.Notice) -> Summary:
   """:func:`run` once the output directory is this run's, with SIGTERM heard by ``notice``."""
   argv = interruption.train_argv(cfg)
-  tokens = data_lib.load_tokens(cfg.data_path, presets.get_preset(cfg.preset).vocab_size)
+  splits = data_lib.load_splits(cfg.data_path, presets.get_preset(cfg.preset).vocab_size)
   cfg, checkpointer, point = _open_checkpoints(cfg, data_lib.identity(cfg.data_path))
   program = build(cfg)
   if checkpointer.save_every:
     _check_space(cfg.out_dir, program)
-  batches = _Batches(cfg, program, tokens)
+  batches = _Batches(cfg, program, splits)
   start_step, params, opt_state, resize = _start(program, batches, checkpointer, point)
   if resize and (cold := resize.cold_until(cfg.cold_start_steps)):
     program = build(cfg, cold_until=cold)
@@ -498,6 +503,7 @@ def _run_claimed(cfg: TrainConfig, notice: preemption.Notice) -> Summary:
   payload = program.method.payload(cfg, local)
   log = _Log(cfg, program.method, payload, start_step)
   log.progress.message(_describe(program, payload, hlo))
+  _say_how_much_it_reads(cfg, batches, log)
   if resize and resize.changed:
     log.writer.write_event(resize.event(cfg))
     log.progress.message(resize.describe(cfg))
@@ -541,12 +547,24 @@ def _run_claimed(cfg: TrainConfig, notice: preemption.Notice) -> Summary:
     log.close()
     checkpointer.close()
   summary = _summarize(program, log.writer.records, start_step, params, payload, hlo)
+  read = data_lib.Reading.of(summary.steps, cfg.batch_size, batches.train_windows)
+  summary = dataclasses.replace(summary, **dataclasses.asdict(read))
   if cfg.time_optimizer and summary.steps > start_step:
     summary = dataclasses.replace(
       summary, **_time(program, compiled, params, opt_state, batches, summary.steps)
     )
   _write_outputs(cfg, summary, log)
   return summary
+
+
+def _say_how_much_it_reads(cfg: TrainConfig, batches: _Batches, log: _Log) -> None:
+  """The share of its training split the run will read; a warning where it rereads some."""
+  steps = cfg.stop_at_step or cfg.steps
+  reading = data_lib.Reading.of(steps, cfg.batch_size, batches.train_windows)
+  if reading.rereads_data and jax.process_index() == 0:
+    logging.warning(reading.describe(steps))  # also without --progress
+  else:
+    log.progress.message(reading.describe(steps))
 
 
 def _nonfinite_advice(method: Any) -> str:
