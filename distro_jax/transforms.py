@@ -175,10 +175,15 @@ def _position_drawer(
     axes = tuple(a for a in site_axes if exchange.varies_over(g, a))
     shards.append(jax.lax.axis_index(axes) if axes else None)
 
+  fns = [
+    cpu_kernels.draw_positions if cpu_kernels.serves_draw(b) else codec.draw_positions
+    for b in blocks
+  ]
+
   def draw(worker: jax.Array | int) -> list[jax.Array]:
     return [
-      codec.draw_positions(codec.position_key(count, i, worker, shard), b.shape, k, frequency_bias)
-      for i, (shard, b, k) in enumerate(zip(shards, blocks, ks))
+      fn(codec.position_key(count, i, worker, shard), b.shape, k, frequency_bias)
+      for i, (fn, shard, b, k) in enumerate(zip(fns, shards, blocks, ks))
     ]
 
   return draw
@@ -239,18 +244,20 @@ def _compress(
   blocks: list[jax.Array] = []
   sel_idx: list[jax.Array | None] = [None] * n
   sel_val: list[jax.Array | None] = [None] * n
+  at = drawn() if drawn is not None else [None] * n
   for i, (g, m, plan, t) in enumerate(zip(grads, momentum_blocks, plans, layout.tensors)):
     g = dct.to_blocks(g, plan)
-    if use_dct and drawn is None and cpu_kernels.serves(plan, g, m, k=t.k):
-      # Transform, momentum and top-k in one pass (distro_jax.cpu_kernels).
-      b, sel_idx[i], sel_val[i] = cpu_kernels.compress(g, m, decay, lr, t.k)
+    if use_dct and cpu_kernels.serves(plan, g, m, k=t.k, drawn=drawn is not None):
+      # Transform, momentum and selection in one pass (distro_jax.cpu_kernels).
+      b, sel_idx[i], sel_val[i] = cpu_kernels.compress(g, m, decay, lr, t.k, positions=at[i])
       blocks.append(b)
       continue
     coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
     blocks.append(decay * m + lr * coeffs)
   if drawn is not None:
-    sel_idx = drawn()
-    sel_val = [codec.gather_blocks(b, idx) for b, idx in zip(blocks, sel_idx)]
+    for i in range(n):
+      if sel_idx[i] is None:
+        sel_idx[i], sel_val[i] = at[i], codec.gather_blocks(blocks[i], at[i])
   else:
     rest = [i for i in range(n) if sel_idx[i] is None]
     ks = [layout.tensors[i].k for i in rest]
