@@ -49,13 +49,19 @@ from experiments.run import model as model_lib
 from experiments.run.presets import get_preset
 
 LARGEST = ("report-1.2b", "1b", "base")
-BASELINE = "AdamW + grad pmean"
+BASELINE = bench_update.BASELINE
 # --methods names DeMo's updates by these keys (the full names hold commas).
 METHOD_KEYS = {
-  "defaults": "dj.demo (defaults)",
-  "k8-1bit": "dj.demo (top-k 8, 1-bit)",
+  "defaults": bench_update.DEFAULTS_NAME,
+  "k8-1bit": bench_update.K8_NAME,
   "drawn": bench_update.DRAWN_NAME,
   "drawn-orth": bench_update.ORTH_NAME,
+  # The rest of compare's default methods, by their own names.
+  **{
+    name: name for name in ("adamw", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco", "sparseloco")
+  },
+  "diloco-sync": bench_update.SYNC_STEP.format("diloco"),
+  "sparseloco-sync": bench_update.SYNC_STEP.format("sparseloco"),
 }
 # DeMo's update unrolls one pipeline per tensor (50,000 lines of optimized HLO
 # at base on the CPU, AdamW's 3,600), and an H200 gave no figure in 225 s at
@@ -64,7 +70,7 @@ METHOD_KEYS = {
 DEFAULT_KEYS = ("defaults", "k8-1bit")
 DEFAULT_METHODS = (BASELINE, *(METHOD_KEYS[k] for k in DEFAULT_KEYS))
 # The train step compiles the whole model per method; two keep the run short.
-TRAIN_METHODS = (BASELINE, "dj.demo (defaults)")
+TRAIN_METHODS = (BASELINE, bench_update.DEFAULTS_NAME)
 
 
 def _random_params(config: model_lib.ModelConfig, seed: int = 0) -> tuple[Any, Any]:
