@@ -4,7 +4,17 @@ Each worker sends a compressed message (per-chunk top-k of its decoupled
 momentum in a chunked DCT basis) instead of its gradient. See ``README.md``.
 """
 
-from distro_jax import bitpack, codec, cpu_kernels, dct, exchange, hlo_bytes, wire
+from distro_jax import (
+  bitpack,
+  codec,
+  cpu_kernels,
+  dct,
+  exchange,
+  hlo_bytes,
+  kernels,
+  pallas_kernels,
+  wire,
+)
 from distro_jax.diloco import DilocoState, diloco, inner_params
 from distro_jax.elastic import (
   abstract_state_of_workers,
@@ -51,6 +61,8 @@ __all__ = [
   "dct",
   "exchange",
   "hlo_bytes",
+  "kernels",
+  "pallas_kernels",
   "wire",
   "CollectiveBytes",
   "DemoState",

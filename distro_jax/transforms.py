@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from distro_jax import codec, cpu_kernels, dct, exchange, unit_rms, wire
+from distro_jax import codec, cpu_kernels, dct, exchange, kernels, unit_rms, wire
 from distro_jax.hyperparams import (
   StaticFloat,
   StaticInt,
@@ -247,9 +247,10 @@ def _compress(
   at = drawn() if drawn is not None else [None] * n
   for i, (g, m, plan, t) in enumerate(zip(grads, momentum_blocks, plans, layout.tensors)):
     g = dct.to_blocks(g, plan)
-    if use_dct and cpu_kernels.serves(plan, g, m, k=t.k, drawn=drawn is not None):
-      # Transform, momentum and selection in one pass (distro_jax.cpu_kernels).
-      b, sel_idx[i], sel_val[i] = cpu_kernels.compress(g, m, decay, lr, t.k, positions=at[i])
+    fused = use_dct and kernels.for_compress(plan, g, m, k=t.k, drawn=drawn is not None)
+    if fused:
+      # Transform, momentum and selection in one pass (distro_jax.kernels).
+      b, sel_idx[i], sel_val[i] = fused.compress(g, m, decay, lr, t.k, positions=at[i])
       blocks.append(b)
       continue
     coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
@@ -353,7 +354,8 @@ def _exchange(
       for (i, v), m, s in zip(tensors, kept, sel_idx)
     ]
   else:
-    native = [use_dct and cpu_kernels.serves(p, m) for p, m in zip(plans, kept)]
+    fused = [use_dct and kernels.for_decode(p, m) for p, m in zip(plans, kept)]
+    native = [bool(f) for f in fused]
     rest = [i for i, is_native in enumerate(native) if not is_native]
     aggregates = codec.aggregate_blocks(
       [tensors[i] for i in rest], [plans[i].block_shape for i in rest], valid_W
@@ -363,10 +365,10 @@ def _exchange(
       dense[i] = mean
     for i, plan in enumerate(plans):
       if native[i]:
-        # Mean and inverse DCT in one pass (distro_jax.cpu_kernels), the
+        # Mean and inverse DCT in one pass (distro_jax.kernels), the
         # workers folded in in the order aggregate_blocks takes.
         idx, val = tensors[i]
-        dense[i] = cpu_kernels.decode(idx, val, valid_W, plan.block_shape)
+        dense[i] = fused[i].decode(idx, val, valid_W, plan.block_shape)
   return dense, native, jnp.sum(valid_W, dtype=jnp.int32)
 
 
