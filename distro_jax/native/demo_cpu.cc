@@ -68,6 +68,20 @@ Tables ReadTables(const float* t) {
   return out;
 }
 
+// Eight floats as one value, for loops the compiler does not vectorize well
+// on its own (it cannot rule out that the rows alias). GCC and Clang lower it
+// to the machine's vectors, or to scalars; each lane is its own IEEE
+// operation, so the bits are those of the plain loop.
+typedef float F8 __attribute__((vector_size(32)));
+
+inline F8 Load8(const float* p) {
+  F8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store8(float* p, F8 v) { std::memcpy(p, &v, sizeof(v)); }
+
 // The 1-D transforms below run down the rows of an array of rows of kC
 // floats, one transform per column, so each step is a vector op over a row.
 // Row r of an input or output sits at base + r * stride floats, which lets
@@ -87,9 +101,10 @@ struct Dct {
     for (int n = 0; n < H; ++n) {
       const float* lo = x + n * xs;
       const float* hi = x + (N - 1 - n) * xs;
-      for (int w = 0; w < kC; ++w) {
-        u[n * kC + w] = lo[w] + hi[w];
-        v[n * kC + w] = lo[w] - hi[w];
+      for (int w = 0; w < kC; w += 8) {
+        const F8 a = Load8(lo + w), b = Load8(hi + w);
+        Store8(u + n * kC + w, a + b);
+        Store8(v + n * kC + w, a - b);
       }
     }
     Dct<H>::IV(t, v, kC, out + os, 2 * os, v + H * kC);
@@ -106,9 +121,10 @@ struct Dct {
     for (int n = 0; n < H; ++n) {
       float* lo = out + n * os;
       float* hi = out + (N - 1 - n) * os;
-      for (int w = 0; w < kC; ++w) {
-        lo[w] = a[n * kC + w] + b[n * kC + w];
-        hi[w] = a[n * kC + w] - b[n * kC + w];
+      for (int w = 0; w < kC; w += 8) {
+        const F8 x = Load8(a + n * kC + w), y = Load8(b + n * kC + w);
+        Store8(lo + w, x + y);
+        Store8(hi + w, x - y);
       }
     }
   }
@@ -122,11 +138,12 @@ struct Dct {
     const float* tw = t.twiddle[Log2()];
     float* u = scratch;
     for (int n = 0; n < N; ++n)
-      for (int w = 0; w < kC; ++w) u[n * kC + w] = v[n * vs + w] * tw[n];
+      for (int w = 0; w < kC; w += 8) Store8(u + n * kC + w, Load8(v + n * vs + w) * tw[n]);
     II(t, u, kC, out, os, u + N * kC);
-    for (int w = 0; w < kC; ++w) out[w] = out[w] * 0.5f;
+    for (int w = 0; w < kC; w += 8) Store8(out + w, Load8(out + w) * 0.5f);
     for (int k = 1; k < N; ++k)
-      for (int w = 0; w < kC; ++w) out[k * os + w] = out[k * os + w] - out[(k - 1) * os + w];
+      for (int w = 0; w < kC; w += 8)
+        Store8(out + k * os + w, Load8(out + k * os + w) - Load8(out + (k - 1) * os + w));
   }
 
   static constexpr int Log2() { return N == 1 ? 0 : 1 + Dct<H>::Log2(); }
@@ -141,16 +158,46 @@ struct Dct<1> {
     std::memcpy(out, z, kC * sizeof(float));
   }
   static void IV(const Tables& t, const float* v, int64_t, float* out, int64_t, float*) {
-    for (int w = 0; w < kC; ++w) out[w] = t.twiddle[0][0] * v[w];
+    for (int w = 0; w < kC; w += 8) Store8(out + w, t.twiddle[0][0] * Load8(v + w));
   }
   static constexpr int Log2() { return 0; }
 };
 
-void Transpose(const float* in, float* out) {
+// One 8x8 tile transposed: out[b][a] = in[a][b], rows at strides is and os.
+// A transpose moves values and computes nothing, so the vector form and the
+// plain loop give the same bits.
+inline void Transpose8x8(const float* __restrict__ in, int64_t is, float* __restrict__ out,
+                         int64_t os) {
+#if defined(__AVX__)
+  __m256 r[8];
+  for (int a = 0; a < 8; ++a) r[a] = _mm256_loadu_ps(in + a * is);
+  // Pairs, then quads, then halves: the usual three rounds of shuffles.
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(out + 0 * os, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(out + 1 * os, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(out + 2 * os, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(out + 3 * os, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(out + 4 * os, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(out + 5 * os, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(out + 6 * os, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(out + 7 * os, _mm256_permute2f128_ps(u3, u7, 0x31));
+#else
+  for (int a = 0; a < 8; ++a)
+    for (int b = 0; b < 8; ++b) out[b * os + a] = in[a * is + b];
+#endif
+}
+
+// A 64x64 block transposed: out[j][i] = in[i][j], rows at strides is and os.
+void Transpose(const float* in, int64_t is, float* out, int64_t os) {
   for (int i = 0; i < kC; i += 8)
-    for (int j = 0; j < kC; j += 8)
-      for (int a = 0; a < 8; ++a)
-        for (int b = 0; b < 8; ++b) out[(j + b) * kC + i + a] = in[(i + a) * kC + j + b];
+    for (int j = 0; j < kC; j += 8) Transpose8x8(in + i * is + j, is, out + j * os + i, os);
 }
 
 // Scratch a chunk's work needs, in floats.
@@ -162,12 +209,13 @@ inline float Scale(const Tables& t, int i) { return i ? t.scale : t.scale0; }
 // Orthonormal 2-D DCT of a chunk given transposed (xt[j][i] = x[i][j]), into
 // y in the chunk's own orientation. Starting transposed saves a transpose:
 // C xt = C x^T, its transpose is x C^T, and C (x C^T) is the transform.
-void Dct2dFromTransposed(const Tables& t, const float* xt, float* y, float* scratch) {
+__attribute__((flatten)) void Dct2dFromTransposed(const Tables& t, const float* xt, float* y,
+                                                  float* scratch) {
   float* t1 = scratch;
   float* t2 = t1 + kN;
   float* rest = t2 + kN;
   Dct<kC>::II(t, xt, kC, t1, kC, rest);
-  Transpose(t1, t2);
+  Transpose(t1, kC, t2, kC);
   Dct<kC>::II(t, t2, kC, y, kC, rest);
   float s[kC];
   for (int i = 0; i < kC; ++i) s[i] = Scale(t, i);
@@ -308,11 +356,8 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t total, int64_t grain,
 void CompressChunk(const Tables& t, const float* g, const float* m, float* m_out, int64_t stride,
                    float decay, float lr, int k, const int32_t* given, int32_t* idx, float* val,
                    float* x, float* y, float* scratch, std::vector<Entry>& cands) {
-  // Read in 8x8 tiles, transposed: x[j][i] = g[i][j].
-  for (int i0 = 0; i0 < kC; i0 += 8)
-    for (int j0 = 0; j0 < kC; j0 += 8)
-      for (int i = i0; i < i0 + 8; ++i)
-        for (int j = j0; j < j0 + 8; ++j) x[j * kC + i] = g[i * stride + j];
+  // Read transposed: x[j][i] = g[i][j].
+  Transpose(g, stride, x, kC);
   Dct2dFromTransposed(t, x, y, scratch);
   for (int i = 0; i < kC; ++i) {
     const float* mr = m + i * stride;
@@ -462,51 +507,10 @@ constexpr int kSN = kS * kS;      // coefficients per chunk
 constexpr int64_t kTile = 512;    // columns per piece of work
 
 // The 8x8 blocks of an 8-row band, each transposed: out[j][8c + i] = in[i][8c + j].
-// A transpose moves values and computes nothing, so the vector form below
-// and the plain loop give the same bits.
 void TransposeBlocks8(const float* __restrict__ in, int64_t is, float* __restrict__ out, int64_t os,
                       int64_t cols) {
-#if defined(__AVX__)
-  for (int64_t c = 0; c < cols; c += kS) {
-    __m256 r[kS];
-    for (int i = 0; i < kS; ++i) r[i] = _mm256_loadu_ps(in + i * is + c);
-    // Pairs, then quads, then halves: the usual three rounds of shuffles.
-    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    _mm256_storeu_ps(out + 0 * os + c, _mm256_permute2f128_ps(u0, u4, 0x20));
-    _mm256_storeu_ps(out + 1 * os + c, _mm256_permute2f128_ps(u1, u5, 0x20));
-    _mm256_storeu_ps(out + 2 * os + c, _mm256_permute2f128_ps(u2, u6, 0x20));
-    _mm256_storeu_ps(out + 3 * os + c, _mm256_permute2f128_ps(u3, u7, 0x20));
-    _mm256_storeu_ps(out + 4 * os + c, _mm256_permute2f128_ps(u0, u4, 0x31));
-    _mm256_storeu_ps(out + 5 * os + c, _mm256_permute2f128_ps(u1, u5, 0x31));
-    _mm256_storeu_ps(out + 6 * os + c, _mm256_permute2f128_ps(u2, u6, 0x31));
-    _mm256_storeu_ps(out + 7 * os + c, _mm256_permute2f128_ps(u3, u7, 0x31));
-  }
-#else
-  for (int64_t c = 0; c < cols; c += kS)
-    for (int i = 0; i < kS; ++i)
-      for (int j = 0; j < kS; ++j) out[j * os + c + i] = in[i * is + c + j];
-#endif
+  for (int64_t c = 0; c < cols; c += kS) Transpose8x8(in + c, is, out + c, os);
 }
-
-// Eight floats as one value, for loops the compiler does not vectorize on
-// its own (GCC and Clang lower it to the machine's vectors, or to scalars).
-// Each lane is its own IEEE operation, so the bits are those of the loop.
-typedef float F8 __attribute__((vector_size(32)));
-
-inline F8 Load8(const float* p) {
-  F8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void Store8(float* p, F8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // out = D in along the band's rows (each column on its own): 8 products per
 // entry, each column's 8 inputs read once and its 8 outputs written once.
