@@ -229,13 +229,16 @@ def serves(
   return available()
 
 
-def serves_draw(x_blocks: jax.Array) -> bool:
-  """Whether :func:`draw_positions` handles the positions of a tensor in this block view.
+def serves_draw(block_shape: tuple[int, ...], like: jax.Array) -> bool:
+  """Whether :func:`draw_positions` handles the positions of a tensor with this block view.
 
-  Not on a compiler-placed mesh, where the draw must be sharded with the chunks.
+  Args:
+    block_shape: the tensor's block view ``(*lead, A, c1, B, c2)``.
+    like: the tensor (in any view), whose placement is checked: not on a
+      compiler-placed mesh, where the draw must be sharded with the chunks.
   """
-  *lead, a, _, b, _ = x_blocks.shape
-  return math.prod(lead) * a * b > 0 and not dct.placed_on_mesh(x_blocks) and available()
+  *lead, a, _, b, _ = block_shape
+  return math.prod(lead) * a * b > 0 and not dct.placed_on_mesh(like) and available()
 
 
 @functools.cache

@@ -288,9 +288,10 @@ def test_aggregate_is_bit_identical_under_worker_shuffles():
 def test_identical_payloads_aggregate_to_that_payload_exactly():
   rng = np.random.default_rng(5)
   idx, val = _random_payloads(rng, 1, 16, 12, 6)
-  one, _ = dj.codec.aggregate(idx, val, 12)
+  aggregate = jax.jit(dj.codec.aggregate, static_argnums=2)
+  one, _ = aggregate(idx, val, 12)
   for workers in (3, 7):
-    many, _ = dj.codec.aggregate(jnp.repeat(idx, workers, 0), jnp.repeat(val, workers, 0), 12)
+    many, _ = aggregate(jnp.repeat(idx, workers, 0), jnp.repeat(val, workers, 0), 12)
     np.testing.assert_array_equal(many, one)
 
 
@@ -321,8 +322,9 @@ def test_two_stage_topk_picks_exactly_what_a_full_top_k_picks():
     np.repeat(rng.normal(size=512), 8),  # ties inside groups
   ]
   y = jnp.asarray(np.stack(rows), jnp.float32)
+  select = jax.jit(dj.codec.select_topk, static_argnums=1)
   for k in (1, 8, 32, 128):
-    idx, val = dj.codec.select_topk(y, k)
+    idx, val = select(y, k)
     _, ref = jax.lax.top_k(jnp.abs(y), k)
     np.testing.assert_array_equal(np.sort(idx, axis=1), np.sort(ref, axis=1))
     np.testing.assert_array_equal(val, np.take_along_axis(np.asarray(y), np.asarray(idx), 1))
@@ -372,13 +374,21 @@ def test_one_bit_aggregate_is_the_same_to_the_bit_through_the_wire():
     compression_chunk=64,
     quantize_1bit=True,
   )
-  sel = [codec.select_topk(jnp.asarray(r, jnp.float32), 8) for r in rows_x]
-  idx = jnp.stack([i for i, _ in sel])
-  signs = jnp.stack([jnp.where(v >= 0, 1.0, -1.0) for _, v in sel])
-  messages = jnp.stack([codec.encode_message([i], [v], layout) for i, v in sel])
-  (tensors, valid) = codec.decode_message(messages, layout)
-  ((got_idx, got_val),) = tensors
+
+  @jax.jit
+  def send(r):
+    i, v = codec.select_topk(r, 8)
+    return i, jnp.where(v >= 0, 1.0, -1.0), codec.encode_message([i], [v], layout)
+
+  @jax.jit
+  def receive(idx, signs, messages):
+    (tensors, valid) = codec.decode_message(messages, layout)
+    ((got_idx, got_val),) = tensors
+    want, _ = codec.aggregate(idx, signs, chunk)
+    got, _ = codec.aggregate(got_idx, got_val, chunk, valid)
+    return got_idx, got, want
+
+  idx, signs, messages = (jnp.stack(x) for x in zip(*(send(r.astype(np.float32)) for r in rows_x)))
+  got_idx, got, want = receive(idx, signs, messages)
   assert not np.array_equal(got_idx, idx)  # some pairs did travel swapped
-  want, _ = codec.aggregate(idx, signs, chunk)
-  got, _ = codec.aggregate(got_idx, got_val, chunk, valid)
   np.testing.assert_array_equal(_bits(got), _bits(want))

@@ -1,5 +1,8 @@
 """Property tests of the chunked DCT and the codec on random shapes, chunks and k."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +15,9 @@ from distro_jax import wire
 SIZES = st.sampled_from([1, 2, 3, 5, 6, 7, 8, 12, 13, 16, 31, 36, 64, 97])
 SHAPES = st.lists(SIZES, min_size=0, max_size=4).map(tuple).filter(lambda s: np.prod(s) <= 20_000)
 SETTINGS = settings(max_examples=15, deadline=None)
+# Each example has shapes of its own, so each compiles anew: run op by op, an
+# example compiled every operation on its own (about 5 s); jitted, it compiles
+# one program. Both sides of every bit-for-bit comparison run jitted.
 
 
 def _selection(x, chunk, k):
@@ -20,17 +26,22 @@ def _selection(x, chunk, k):
   return plan, idx, val
 
 
-@pytest.mark.slow
-@SETTINGS
-@given(shape=SHAPES, chunk=st.integers(1, 70), seed=st.integers(0, 2**16))
-def test_keeping_every_coefficient_reconstructs_the_tensor(shape, chunk, seed):
-  x = jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+@functools.partial(jax.jit, static_argnums=1)
+def _round_trip(x, chunk):
   plan, idx, val = _selection(x, chunk, 10**6)
   layout = wire.wire_layout(x, compression_topk=10**6, compression_chunk=chunk, quantize_1bit=False)
   message = dj.codec.encode_message([idx], [val], layout)
   (tensors, valid) = dj.codec.decode_message(message[None], layout)
   dense, _ = dj.codec.aggregate(*tensors[0], plan.chunk_size, valid)
-  np.testing.assert_allclose(dj.dct.decode(dense, plan), x, atol=1e-5, rtol=1e-5)
+  return dj.dct.decode(dense, plan)
+
+
+@pytest.mark.slow
+@SETTINGS
+@given(shape=SHAPES, chunk=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_keeping_every_coefficient_reconstructs_the_tensor(shape, chunk, seed):
+  x = jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+  np.testing.assert_allclose(_round_trip(x, chunk), x, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -44,9 +55,14 @@ def test_keeping_every_coefficient_reconstructs_the_tensor(shape, chunk, seed):
 )
 def test_byte_accounting_is_the_message_length(shape, chunk, k, q1, dtype):
   x = jnp.zeros(shape, dtype)
-  plan, idx, val = _selection(x, chunk, k)
   layout = wire.wire_layout(x, compression_topk=k, compression_chunk=chunk, quantize_1bit=q1)
-  message = dj.codec.encode_message([idx], [val], layout)
+
+  @jax.jit
+  def encode(x):
+    _, idx, val = _selection(x, chunk, k)
+    return dj.codec.encode_message([idx], [val], layout)
+
+  message = encode(x)
   assert message.dtype == jnp.uint8
   assert (
     message.size
@@ -74,8 +90,10 @@ def test_worker_order_changes_the_aggregate_by_not_one_bit(workers, rows, chunk,
   # Coarse values make shared coefficients and exact ties common.
   val = rng.integers(-3, 4, size=(workers, rows, k)).astype(np.float32) * rng.choice([1, 0.1])
   perm = np.asarray(data.draw(st.permutations(range(workers))))
-  a, na = dj.codec.aggregate(jnp.asarray(idx), jnp.asarray(val), chunk)
-  b, nb = dj.codec.aggregate(jnp.asarray(idx[perm]), jnp.asarray(val[perm]), chunk)
+  # One program for both orders.
+  aggregate = jax.jit(dj.codec.aggregate, static_argnums=2)
+  a, na = aggregate(jnp.asarray(idx), jnp.asarray(val), chunk)
+  b, nb = aggregate(jnp.asarray(idx[perm]), jnp.asarray(val[perm]), chunk)
   np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
   np.testing.assert_array_equal(na, nb)
 
@@ -91,10 +109,17 @@ def test_worker_order_changes_the_aggregate_by_not_one_bit(workers, rows, chunk,
 )
 def test_identical_payloads_aggregate_to_that_payload(workers, shape, chunk, k, seed):
   x = jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+  one, many, count = _one_and_many(x, chunk, k, workers)
+  np.testing.assert_array_equal(many, one)
+  assert set(np.unique(np.asarray(count))) <= {0, workers}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _one_and_many(x, chunk, k, workers):
+  """The aggregate of one worker's selection, and of ``workers`` copies of it."""
   plan, idx, val = _selection(x, chunk, k)
   one, _ = dj.codec.aggregate(idx[None], val[None], plan.chunk_size)
   many, count = dj.codec.aggregate(
     jnp.repeat(idx[None], workers, 0), jnp.repeat(val[None], workers, 0), plan.chunk_size
   )
-  np.testing.assert_array_equal(many, one)
-  assert set(np.unique(np.asarray(count))) <= {0, workers}
+  return one, many, count

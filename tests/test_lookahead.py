@@ -236,8 +236,16 @@ def test_the_trainers_overlapped_step_looks_ahead_and_gathers_before_the_gradien
   assert fed and not any(fed)
 
 
-@pytest.mark.parametrize("optimizer", ["demo", "distro_adamw"])
-@pytest.mark.parametrize("lookahead", [True, False])
+# Each traces the tiny model's whole train step; the quick loop keeps one.
+@pytest.mark.parametrize(
+  "lookahead, optimizer",
+  [
+    pytest.param(True, "demo", id="True-demo"),
+    pytest.param(True, "distro_adamw", id="True-distro_adamw", marks=pytest.mark.slow),
+    pytest.param(False, "demo", id="False-demo", marks=pytest.mark.slow),
+    pytest.param(False, "distro_adamw", id="False-distro_adamw", marks=pytest.mark.slow),
+  ],
+)
 def test_the_trainers_step_takes_its_gradient_at_the_lookahead(lookahead, optimizer):
   # The step's loss is the value of the forward pass its gradient comes from.
   # At the lookahead (where the update in flight lands) that pass reads the

@@ -60,22 +60,41 @@ def _steps(tx, mesh, *, split: bool):
   return params, state, exchange
 
 
-@pytest.mark.parametrize(
-  "opts",
-  [{}, {"compression_topk": 2, "compression_chunk": 8, "quantize_1bit": True}],
-  ids=["defaults", "k2-c8-1bit"],
-)
-def test_an_exchange_of_its_own_gives_the_fused_steps_to_the_bit(opts):
+def _fused_and_split(opts):
   mesh = mesh_of(WORKERS)
   tx = dj.demo(3e-2, delayed_apply=True, **opts)
   fused, fused_state, _ = _steps(tx, mesh, split=False)
-  split, split_state, _ = _steps(tx, mesh, split=True)
-  params, _ = _problem(mesh)
+  split, split_state, exchange = _steps(tx, mesh, split=True)
+  return tx, (fused, fused_state), (split, split_state), exchange
+
+
+@pytest.fixture(scope="module")
+def with_defaults():
+  """The default message's fused and split runs, and its exchange program."""
+  return _fused_and_split({})
+
+
+@pytest.mark.parametrize(
+  "opts",
+  [
+    pytest.param(None, id="defaults"),
+    pytest.param(
+      {"compression_topk": 2, "compression_chunk": 8, "quantize_1bit": True},
+      id="k2-c8-1bit",
+      marks=pytest.mark.slow,
+    ),
+  ],
+)
+def test_an_exchange_of_its_own_gives_the_fused_steps_to_the_bit(opts, request):
+  runs = request.getfixturevalue("with_defaults") if opts is None else _fused_and_split(opts)
+  _, (fused, fused_state), (split, split_state), _ = runs
+  params, _ = _problem(mesh_of(WORKERS))
   assert not np.array_equal(np.asarray(fused["w"]), np.asarray(params["w"]))
   for a, b in zip(jax.tree.leaves((fused, fused_state)), jax.tree.leaves((split, split_state))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_a_partial_overlap_gathers_only_the_overlapped_message():
   # The synchronous group's exchange ignores `gathered`; the overlapped one uses it.
   mesh = mesh_of(WORKERS)
@@ -91,12 +110,11 @@ def test_a_partial_overlap_gathers_only_the_overlapped_message():
   assert gathered.shape == (WORKERS, payload)
 
 
-def test_the_exchange_program_moves_the_message_and_nothing_else():
+def test_the_exchange_program_moves_the_message_and_nothing_else(with_defaults):
   mesh = mesh_of(WORKERS)
-  tx = dj.demo(3e-2, delayed_apply=True)
+  tx, _, _, exchange = with_defaults
   params, _ = _problem(mesh)
   state = dj.init_worker_state(tx, params, mesh)
-  _, _, exchange = _steps(tx, mesh, split=True)
   measured = dj.parse_collective_bytes(exchange.lower(state).compile().as_text())
   assert set(k for k, v in measured.by_kind.items() if v) == {"all-gather"}
   assert measured.total == dj.wire_bytes(params).payload

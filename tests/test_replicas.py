@@ -25,50 +25,62 @@ DRAWN = dict(compression_topk=2, compression_chunk=8, quantize_1bit=True, random
 LOOKAHEAD = {"demo-delayed-drawn": DRAWN}
 
 
+IDS = [
+  "demo",
+  "demo-k4-1bit",
+  "demo-k2-c8-random",
+  "distro_adamw",
+  "sparseloco-h3",
+  "demo-partial",
+  "demo-delayed-drawn",
+  "demo-drawn-rms",
+  "demo-drawn-orth",
+  "demo-groups",
+]
+
+
+def _quick_first(factories):
+  """The defaults stay in the quick loop; each other optimizer compiles a step of its own."""
+  return [
+    pytest.param(f, id=i, marks=() if i == "demo" else pytest.mark.slow)
+    for f, i in zip(factories, IDS)
+  ]
+
+
 @pytest.mark.parametrize(
   "make_tx",
-  [
-    lambda: dj.demo(3e-3, weight_decay=0.01),
-    lambda: dj.demo(3e-3, compression_topk=4, quantize_1bit=True),
-    # Positions drawn on every worker from the step and the sender's index.
-    lambda: dj.demo(3e-3, compression_topk=2, compression_chunk=8, random_positions=True),
-    lambda: dj.distro_adamw(3e-3, weight_decay=0.01, compression_topk=8),
-    lambda: dj.sparseloco(optax.adamw(3e-3), sync_every=3, compression_topk=16),
-    # A partial overlap: the weights exchanged in their own step, the rest
-    # one step late, each worker looking ahead from its own momentum.
-    lambda: dj.demo(
-      3e-3, delayed_apply=True, synchronous=lambda p: {k: k.startswith("w") for k in p}
-    ),
-    # Overlapped with drawn positions: the message in flight is decoded at the
-    # positions its senders drew a step before.
-    lambda: dj.demo(3e-3, delayed_apply=True, **DRAWN),
-    # Each tensor's step at unit RMS: a mean over the tensor, on every worker.
-    lambda: dj.demo(3e-3, normalize="rms", **DRAWN),
-    # Each matrix's step orthogonalized (matmuls on every worker), the
-    # vector at unit RMS.
-    lambda: dj.demo(3e-3, normalize="orth", **DRAWN),
-    # Groups of params with their own message sizes (--compression_groups):
-    # one DeMo, message and all-gather per group.
-    lambda: optax.multi_transform(
-      {
-        "w": dj.demo(3e-3, normalize="rms", **{**DRAWN, "compression_chunk": 16}),
-        "rest": dj.demo(3e-3, normalize="rms", **{**DRAWN, "compression_topk": 1}),
-      },
-      lambda p: {k: "w" if k.startswith("w") else "rest" for k in p},
-    ),
-  ],
-  ids=[
-    "demo",
-    "demo-k4-1bit",
-    "demo-k2-c8-random",
-    "distro_adamw",
-    "sparseloco-h3",
-    "demo-partial",
-    "demo-delayed-drawn",
-    "demo-drawn-rms",
-    "demo-drawn-orth",
-    "demo-groups",
-  ],
+  _quick_first(
+    [
+      lambda: dj.demo(3e-3, weight_decay=0.01),
+      lambda: dj.demo(3e-3, compression_topk=4, quantize_1bit=True),
+      # Positions drawn on every worker from the step and the sender's index.
+      lambda: dj.demo(3e-3, compression_topk=2, compression_chunk=8, random_positions=True),
+      lambda: dj.distro_adamw(3e-3, weight_decay=0.01, compression_topk=8),
+      lambda: dj.sparseloco(optax.adamw(3e-3), sync_every=3, compression_topk=16),
+      # A partial overlap: the weights exchanged in their own step, the rest
+      # one step late, each worker looking ahead from its own momentum.
+      lambda: dj.demo(
+        3e-3, delayed_apply=True, synchronous=lambda p: {k: k.startswith("w") for k in p}
+      ),
+      # Overlapped with drawn positions: the message in flight is decoded at the
+      # positions its senders drew a step before.
+      lambda: dj.demo(3e-3, delayed_apply=True, **DRAWN),
+      # Each tensor's step at unit RMS: a mean over the tensor, on every worker.
+      lambda: dj.demo(3e-3, normalize="rms", **DRAWN),
+      # Each matrix's step orthogonalized (matmuls on every worker), the
+      # vector at unit RMS.
+      lambda: dj.demo(3e-3, normalize="orth", **DRAWN),
+      # Groups of params with their own message sizes (--compression_groups):
+      # one DeMo, message and all-gather per group.
+      lambda: optax.multi_transform(
+        {
+          "w": dj.demo(3e-3, normalize="rms", **{**DRAWN, "compression_chunk": 16}),
+          "rest": dj.demo(3e-3, normalize="rms", **{**DRAWN, "compression_topk": 1}),
+        },
+        lambda p: {k: "w" if k.startswith("w") else "rest" for k in p},
+      ),
+    ]
+  ),
 )
 def test_params_bit_identical_on_8_workers_after_20_steps(make_tx, request):
   workers = 8

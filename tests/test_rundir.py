@@ -35,7 +35,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path, capsys):
     [
       sys.executable,
       "-c",
-      "import sys, time\nfrom experiments import rundir\n"
+      "import sys, time\nfrom experiments.run import rundir\n"
       "with rundir.claim(sys.argv[1]):\n  print('held', flush=True)\n  time.sleep(60)\n",
       str(tmp_path),
     ],

@@ -15,13 +15,13 @@ import distro_jax as dj
   # 4096 chunks of 64x64, 32 coefficients each: 12-bit indices, then fp32 values or sign bits
   # (16 per chunk: the other 16 signs travel in the order of the index pairs). Drawn
   # positions send no indices: a flag byte, then the values or one sign bit each.
+  # The quick loop keeps the default message.
   [
-    (False, False, 4096 * 32 * (12 / 8 + 4)),
-    (True, False, 4096 * (32 * 12 + 16) / 8),
-    (False, True, 1 + 4096 * 32 * 4),
-    (True, True, 1 + 4096 * 32 / 8),
+    pytest.param(False, False, 4096 * 32 * (12 / 8 + 4), id="fp32"),
+    pytest.param(True, False, 4096 * (32 * 12 + 16) / 8, id="1bit", marks=pytest.mark.slow),
+    pytest.param(False, True, 1 + 4096 * 32 * 4, id="fp32-random", marks=pytest.mark.slow),
+    pytest.param(True, True, 1 + 4096 * 32 / 8, id="1bit-random", marks=pytest.mark.slow),
   ],
-  ids=["fp32", "1bit", "fp32-random", "1bit-random"],
 )
 def test_measured_collective_bytes_equal_computed_payload(
   quantize_1bit, random_positions, expected
@@ -104,13 +104,33 @@ def test_train_step_with_local_grads_sends_only_the_payload():
   assert plain.by_kind["all-reduce"] >= 4 * (256 * 512 + 512 * 64)
 
 
+def _trajectory(tx, init, grads, mesh):
+  """``(step, params before each step and after the last, final state)``."""
+  from sharded_step import place_grads
+
+  step, params, state = build(tx, init, mesh)
+  out = [params]
+  for g in grads:
+    params, state = step(params, state, place_grads(g, mesh))
+    out.append(params)
+  return step, out, state
+
+
+# The default message stays in the quick loop; each variant compiles two steps.
 @pytest.mark.parametrize(
   "name, tx",
   [
-    ("demo", dj.demo(1e-2)),
-    ("demo-delayed", dj.demo(1e-2, delayed_apply=True)),
-    ("demo-k8-1bit", dj.demo(1e-2, compression_topk=8, quantize_1bit=True)),
-    (
+    pytest.param("demo", dj.demo(1e-2), id="demo"),
+    pytest.param(
+      "demo-delayed", dj.demo(1e-2, delayed_apply=True), id="demo-delayed", marks=pytest.mark.slow
+    ),
+    pytest.param(
+      "demo-k8-1bit",
+      dj.demo(1e-2, compression_topk=8, quantize_1bit=True),
+      id="demo-k8-1bit",
+      marks=pytest.mark.slow,
+    ),
+    pytest.param(
       "demo-drawn-rms",
       dj.demo(
         1e-2,
@@ -120,12 +140,19 @@ def test_train_step_with_local_grads_sends_only_the_payload():
         random_positions=True,
         normalize="rms",
       ),
+      id="demo-drawn-rms",
+      marks=pytest.mark.slow,
     ),
-    ("sparseloco", dj.sparseloco(optax.adamw(1e-2), sync_every=2, compression_topk=8)),
+    pytest.param(
+      "sparseloco",
+      dj.sparseloco(optax.adamw(1e-2), sync_every=2, compression_topk=8),
+      id="sparseloco",
+      marks=pytest.mark.slow,
+    ),
   ],
 )
 def test_zero_size_params_add_no_bytes_and_change_no_bits(name, tx):
-  from sharded_step import place_grads, random_problem, trajectory
+  from sharded_step import place_grads, random_problem
 
   mesh = mesh_of(8)
   shapes = {"a": (64, 128), "c": (96,)}
@@ -136,17 +163,16 @@ def test_zero_size_params_add_no_bytes_and_change_no_bits(name, tx):
     {**g, **{k: np.zeros((8, *v.shape), np.float32) for k, v in empty.items()}} for g in grads
   ]
 
-  plain, _ = trajectory(tx, init, grads, mesh)
-  padded, state = trajectory(tx, with_empty, grads_with, mesh)
+  step0, plain, state0 = _trajectory(tx, init, grads, mesh)
+  step, padded, state = _trajectory(tx, with_empty, grads_with, mesh)
   for before, after in zip(plain, padded):
     for k in shapes:
       np.testing.assert_array_equal(after[k], before[k])
     assert after["b"].shape == (0, 64) and after["d"].shape == (0,)
 
-  step, p, _ = build(tx, with_empty, mesh)
-  measured = dj.collective_bytes(step, p, state, place_grads(grads_with[0], mesh))
-  step0, p0, state0 = build(tx, init, mesh)
-  without = dj.collective_bytes(step0, p0, state0, place_grads(grads[0], mesh))
+  # The steps that ran, measured at the arguments of their last step.
+  measured = dj.collective_bytes(step, padded[-2], state, place_grads(grads_with[-1], mesh))
+  without = dj.collective_bytes(step0, plain[-2], state0, place_grads(grads[-1], mesh))
   assert measured.total == without.total > 0
   if name != "sparseloco":
     kw = _demo_options(name)
