@@ -8,8 +8,8 @@ hits all of them, and each ratio is the median over rounds of the ratio of
 calls made moments apart.
 
 The rows: ``dj.demo`` at its defaults and at Psyche's top-k 8 with 1-bit
-values; every method ``compare`` runs by default (``adamw``, ``demo``,
-``demo-k8-1bit``, ``demo-k2-1bit``, the recommended
+values; every method ``compare`` runs by default (``adamw``, ``muon``,
+``demo``, ``demo-k8-1bit``, ``demo-k2-1bit``, the recommended
 ``demo-k1-c8-1bit-rand-fb1-orth``, ``diloco``, ``sparseloco``), built by the
 method registry as ``compare`` builds them (their recipes for ``small``,
 clipping included), and the recommended message with the sign step. DiLoCo

@@ -69,7 +69,8 @@ METHOD_KEYS = {
   "drawn-orth": bench_update.ORTH_NAME,
   # The rest of compare's default methods, by their own names.
   **{
-    name: name for name in ("adamw", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco", "sparseloco")
+    name: name
+    for name in ("adamw", "muon", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco", "sparseloco")
   },
   "diloco-sync": bench_update.SYNC_STEP.format("diloco"),
   "sparseloco-sync": bench_update.SYNC_STEP.format("sparseloco"),
