@@ -2,28 +2,35 @@
 
 On XLA's CPU backend the chunked DCT is a pair of dense matmuls and the top-k a
 heap over every row, each a pass of its own over param-sized buffers
-(docs/performance.md). Two kernels in ``native/demo_cpu.cc`` do DeMo's
+(docs/performance.md). The kernels in ``native/demo_cpu.cc`` do DeMo's
 param-sized work chunk by chunk while the chunk sits in cache:
 
-- :func:`compress`: ``m' = decay * m + lr * DCT(g)`` and the top-k of every
-  chunk of ``m'``, the indices exactly those of :func:`distro_jax.codec.select_topk_blocks`
-  on the same ``m'`` (largest magnitude first, ties to the lower index);
+- :func:`compress`: ``m' = decay * m + lr * DCT(g)`` and, per chunk of
+  ``m'``, its top-k (the indices exactly those of
+  :func:`distro_jax.codec.select_topk_blocks` on the same ``m'``, largest
+  magnitude first, ties to the lower index) or the values at drawn positions
+  (64x64 chunks, or 8x8 chunks taken a band of 8 rows at a time);
 - :func:`decode`: the mean of what the workers sent (the running mean of
   :func:`distro_jax.codec.aggregate_blocks`, in the same worker order, to the
   bit) and its inverse DCT, whose first stage reads only the chunk's nonzero
-  coefficients.
+  coefficients (64x64 and 8x8 chunks);
+- :func:`draw_positions`: :func:`distro_jax.codec.draw_positions` to the bit
+  (the threefry hashes and the frequency bias's tickets), one pass.
 
-The DCT is the even/odd recursion, not the dense matmul, so its results differ
-from :func:`distro_jax.dct.forward_blocks` by float32 rounding: against a
-float64 DCT, about 1e-6 of the largest coefficient where the matmuls are off
-by about 4e-7 (docs/performance.md). Every replica runs the same kernel on the
+The 64-point DCT is the even/odd recursion, not the dense matmul, so its
+results differ from :func:`distro_jax.dct.forward_blocks` by float32
+rounding: against a float64 DCT, about 1e-6 of the largest coefficient where
+the matmuls are off by about 4e-7 (docs/performance.md). The 8-point one is
+the dense products of :mod:`distro_jax.dct`'s basis, summed in a fixed order
+that need not be XLA's, so it too differs by rounding. Every replica runs the same kernel on the
 same inputs and gets the same bits: the code has no fused multiply-add, no
 reassociation and no libm call.
 
 They serve tensors cut into 64x64 chunks (the default chunk on matrices whose
-sides are multiples of 64), float32 gradients, and arrays that are not placed
-on a mesh by the compiler (inside ``shard_map`` or on one device); everything
-else takes the XLA path. They are built on first use with ``$CXX`` (``c++`` by
+sides are multiples of 64) or, with drawn positions and for the decode, 8x8
+chunks; float32 gradients; and arrays that are not placed on a mesh by the
+compiler (inside ``shard_map`` or on one device). Everything else takes the
+XLA path. They are built on first use with ``$CXX`` (``c++`` by
 default) into ``$DISTRO_JAX_CACHE`` (``~/.cache/distro_jax``) and used when
 JAX's default backend is the CPU. Set ``DISTRO_JAX_CPU_KERNELS=0``, or use
 :func:`disabled`, for the XLA path everywhere; a machine with no compiler
