@@ -12,8 +12,6 @@ Five steps lift a singular value of about 1/500 of the Frobenius norm or
 more into the band; smaller ones grow but stay below it.
 """
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
@@ -21,8 +19,6 @@ __all__ = ["orthogonalize"]
 
 # Muon's quintic coefficients (a, b, c): X <- a X + b (X X^T) X + c (X X^T)^2 X.
 _QUINTIC = (3.4445, -4.7750, 2.0315)
-# Steps at which the Gram form reads the long side again (see _gram_steps).
-_RESTART = (0, 3)
 
 
 def orthogonalize(x_MxN: jax.Array, steps: int = 5) -> jax.Array:
@@ -61,44 +57,9 @@ def orthogonalize(x_MxN: jax.Array, steps: int = 5) -> jax.Array:
   # squared), so every device keeps all of it, and the long side stays split.
   explicit = jax.typeof(wide).sharding.mesh.explicit_axes
   gram_sharding = jax.sharding.PartitionSpec() if explicit else None
-  m, n = wide.shape
-  if 2 * n > 3 * m:
-    wide = _gram_steps(wide, steps, gram_sharding)
-  else:
-    a, b, c = _QUINTIC
-    for _ in range(steps):
-      gram = jnp.matmul(wide, wide.T, out_sharding=gram_sharding)
-      wide = a * wide + (b * gram + c * (gram @ gram)) @ wide
+  a, b, c = _QUINTIC
+  for _ in range(steps):
+    gram = jnp.matmul(wide, wide.T, out_sharding=gram_sharding)
+    wide = a * wide + (b * gram + c * (gram @ gram)) @ wide
   out = wide.T if x.shape[0] > x.shape[1] else wide
   return out.astype(x_MxN.dtype)
-
-
-def _gram_steps(wide: jax.Array, steps: int, gram_sharding: Any) -> jax.Array:
-  """The same iteration, reading the long side four times instead of twice per step.
-
-  Every step multiplies ``X`` on the left by a polynomial in ``G = X X^T``,
-  so after k steps ``X_k = R_k X_0``, where ``R_k`` is a polynomial in
-  ``G_0`` and commutes with it: ``G_k = R_k G_0 R_k``, and one step is
-  ``F = a + b G_k + c G_k^2``, ``R_{k+1} = F R_k``, ``G_{k+1} = F G_k F``:
-  short-side-square products only. Equal in exact arithmetic. In float32
-  the products of ``G`` drift, about 1e-4 of the largest entry after five
-  steps, so at step 3 the iteration starts again from ``X_3 = R_3 X_0``
-  and its own Gram matrix: that brings it to the plain iteration's own
-  float32 error against float64 (about 1e-5; docs/performance.md). The long
-  side is read for ``G_0``, ``X_3``, ``G_3`` and the result: 4 passes of
-  ``2 m^2 n`` flops where the plain iteration takes 10.
-  """
-  a, b, c = _QUINTIC
-  eye = jnp.eye(wide.shape[0], dtype=wide.dtype)
-  r = None
-  for k in range(steps):
-    if k in _RESTART:
-      if r is not None:
-        wide = r @ wide
-      r = None
-      gram = jnp.matmul(wide, wide.T, out_sharding=gram_sharding)
-    f = a * eye + b * gram + c * (gram @ gram)
-    r = f if r is None else f @ r
-    if k + 1 < steps and k + 1 not in _RESTART:
-      gram = f @ (gram @ f)
-  return r @ wide
