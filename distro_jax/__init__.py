@@ -13,6 +13,8 @@ from distro_jax import (
   exchange,
   gspmd,
   hlo_bytes,
+  kernels,
+  pallas_kernels,
   wire,
 )
 from distro_jax.dense_step import DenseStepWarning
@@ -71,6 +73,8 @@ __all__ = [
   "exchange",
   "gspmd",
   "hlo_bytes",
+  "kernels",
+  "pallas_kernels",
   "wire",
   "CollectiveBytes",
   "DemoState",

@@ -60,6 +60,7 @@ __all__ = [
   "aggregate_blocks",
   "decode_message",
   "draw_positions",
+  "draw_tables",
   "encode_message",
   "gather_blocks",
   "index_bits",
@@ -732,14 +733,36 @@ def draw_positions(
     within a chunk.
   """
   *lead, a, c1, b, c2 = block_shape
+  lo, hi, ends = draw_tables(c1, c2, k, frequency_bias)
+  ticket = jax.random.randint(key, (*lead, a, b, k), lo, hi, dtype=jnp.int32)
+  if ends is None:
+    return ticket
+  return jnp.searchsorted(jnp.asarray(ends), ticket, side="right").astype(jnp.int32)
+
+
+def draw_tables(
+  c1: int, c2: int, k: int, frequency_bias: float = 0.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+  """The tables of :func:`draw_positions`: each run's tickets, and where each position's end.
+
+  Args:
+    c1: the chunk's length along its first axis.
+    c2: its length along the second.
+    k: positions per chunk.
+    frequency_bias: as for :func:`draw_positions`.
+
+  Returns:
+    ``(lo, hi, ends)``: int32 ``(k,)`` bounds ``[lo, hi)`` of the tickets
+    drawn for each run, and int32 ``(c1 * c2,)`` ends of each position's
+    tickets (position ``p`` owns ``[ends[p - 1], ends[p])``), or ``None`` for
+    a uniform draw, whose ticket is the position itself.
+  """
   n = c1 * c2
   if not 1 <= k <= n:
     raise ValueError(f"k={k} positions do not fit a chunk of {n}; use 1 <= k <= {n}.")
   bounds = (np.arange(k + 1) * n) // k
-  shape = (*lead, a, b, k)
   if not frequency_bias:
-    lo, hi = jnp.asarray(bounds[:-1]), jnp.asarray(bounds[1:])
-    return jax.random.randint(key, shape, lo, hi, dtype=jnp.int32)
+    return bounds[:-1].astype(np.int32), bounds[1:].astype(np.int32), None
   freq = (1.0 + np.arange(c1)[:, None]) * (1.0 + np.arange(c2)[None, :])
   weight = freq.reshape(-1) ** -float(frequency_bias)
   counts = np.maximum(np.round(weight / weight.sum() * 2**24), 1).astype(np.int64)
@@ -747,9 +770,8 @@ def draw_positions(
   # a run's tickets names one of the run's positions.
   ends = np.cumsum(counts)
   starts = np.concatenate([[0], ends])
-  lo, hi = jnp.asarray(starts[bounds[:-1]], jnp.int32), jnp.asarray(ends[bounds[1:] - 1], jnp.int32)
-  ticket = jax.random.randint(key, shape, lo, hi, dtype=jnp.int32)
-  return jnp.searchsorted(jnp.asarray(ends, jnp.int32), ticket, side="right").astype(jnp.int32)
+  lo, hi = starts[bounds[:-1]], ends[bounds[1:] - 1]
+  return lo.astype(np.int32), hi.astype(np.int32), ends.astype(np.int32)
 
 
 def _mix32(h: jax.Array) -> jax.Array:

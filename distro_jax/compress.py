@@ -7,17 +7,19 @@ and zero what was selected (error feedback, so what is sent leaves the
 momentum at full precision).
 
 A fused kernel is another implementation of this stage: :func:`_fused`
-is the one place that asks whether one serves a tensor (today
-:mod:`distro_jax.cpu_kernels`, which folds, transforms and takes the top-k in
-one pass), and every tensor it does not serve takes XLA's path.
+is the one place that asks whether one serves a tensor
+(:func:`distro_jax.kernels.for_compress`: :mod:`distro_jax.cpu_kernels` on a
+CPU, :mod:`distro_jax.pallas_kernels` on a GPU, each folding, transforming and
+taking the top-k or the drawn positions in one pass), and every tensor none
+serves takes XLA's path.
 """
 
 from typing import Any, NamedTuple
 
 import jax
 
-from distro_jax import codec, cpu_kernels, dct
-from distro_jax.message import MessageFormat, Selection, TopK
+from distro_jax import codec, dct, kernels
+from distro_jax.message import Drawn, MessageFormat, Selection
 
 __all__ = ["Compressed", "compress", "fold_in"]
 
@@ -59,11 +61,14 @@ def _fused(
 ) -> tuple[jax.Array, jax.Array, jax.Array] | None:
   """``(momentum, indices, values)`` from a fused kernel; ``None`` where none serves."""
   k = fmt.layout.tensors[tensor].k
-  if fmt.basis is not dct.DCT_BASIS or not isinstance(fmt.positions, TopK):
+  drawn = isinstance(fmt.positions, Drawn)
+  if fmt.basis is not dct.DCT_BASIS:
     return None
-  if not cpu_kernels.serves(plan, g_blocks, m_blocks, k=k):
+  fused = kernels.for_compress(plan, g_blocks, m_blocks, k=k, drawn=drawn)
+  if fused is None:
     return None
-  return cpu_kernels.compress(g_blocks, m_blocks, decay, lr, k)
+  at = fmt.positions.draw(tensor, fmt.positions.worker) if drawn else None
+  return fused.compress(g_blocks, m_blocks, decay, lr, k, positions=at)
 
 
 def compress(

@@ -2,28 +2,35 @@
 
 On XLA's CPU backend the chunked DCT is a pair of dense matmuls and the top-k a
 heap over every row, each a pass of its own over param-sized buffers
-(docs/performance.md). Two kernels in ``native/demo_cpu.cc`` do DeMo's
+(docs/performance.md). The kernels in ``native/demo_cpu.cc`` do DeMo's
 param-sized work chunk by chunk while the chunk sits in cache:
 
-- :func:`compress`: ``m' = decay * m + lr * DCT(g)`` and the top-k of every
-  chunk of ``m'``, the indices exactly those of :func:`distro_jax.codec.select_topk_blocks`
-  on the same ``m'`` (largest magnitude first, ties to the lower index);
+- :func:`compress`: ``m' = decay * m + lr * DCT(g)`` and, per chunk of
+  ``m'``, its top-k (the indices exactly those of
+  :func:`distro_jax.codec.select_topk_blocks` on the same ``m'``, largest
+  magnitude first, ties to the lower index) or the values at drawn positions
+  (64x64 chunks, or 8x8 chunks taken a band of 8 rows at a time);
 - :func:`decode`: the mean of what the workers sent (the running mean of
   :func:`distro_jax.codec.aggregate_blocks`, in the same worker order, to the
   bit) and its inverse DCT, whose first stage reads only the chunk's nonzero
-  coefficients.
+  coefficients (64x64 and 8x8 chunks);
+- :func:`draw_positions`: :func:`distro_jax.codec.draw_positions` to the bit
+  (the threefry hashes and the frequency bias's tickets), one pass.
 
-The DCT is the even/odd recursion, not the dense matmul, so its results differ
-from :func:`distro_jax.dct.forward_blocks` by float32 rounding: against a
-float64 DCT, about 1e-6 of the largest coefficient where the matmuls are off
-by about 4e-7 (docs/performance.md). Every replica runs the same kernel on the
+The 64-point DCT is the even/odd recursion, not the dense matmul, so its
+results differ from :func:`distro_jax.dct.forward_blocks` by float32
+rounding: against a float64 DCT, about 1e-6 of the largest coefficient where
+the matmuls are off by about 4e-7 (docs/performance.md). The 8-point one is
+the dense products of :mod:`distro_jax.dct`'s basis, summed in a fixed order
+that need not be XLA's, so it too differs by rounding. Every replica runs the same kernel on the
 same inputs and gets the same bits: the code has no fused multiply-add, no
 reassociation and no libm call.
 
 They serve tensors cut into 64x64 chunks (the default chunk on matrices whose
-sides are multiples of 64), float32 gradients, and arrays that are not placed
-on a mesh by the compiler (inside ``shard_map`` or on one device); everything
-else takes the XLA path. They are built on first use with ``$CXX`` (``c++`` by
+sides are multiples of 64) or, with drawn positions and for the decode, 8x8
+chunks; float32 gradients; and arrays that are not placed on a mesh by the
+compiler (inside ``shard_map`` or on one device). Everything else takes the
+XLA path. They are built on first use with ``$CXX`` (``c++`` by
 default) into ``$DISTRO_JAX_CACHE`` (``~/.cache/distro_jax``) and used when
 JAX's default backend is the CPU. Set ``DISTRO_JAX_CPU_KERNELS=0``, or use
 :func:`disabled`, for the XLA path everywhere; a machine with no compiler
@@ -34,6 +41,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import pathlib
 import platform
@@ -48,11 +56,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distro_jax import dct, exchange
+from distro_jax import codec, dct, exchange
 
-__all__ = ["available", "compress", "decode", "disabled", "serves", "tables"]
+__all__ = [
+  "available",
+  "compress",
+  "decode",
+  "disabled",
+  "draw_positions",
+  "serves",
+  "serves_draw",
+  "tables",
+]
 
 CHUNK = 64
+# The chunk sides the kernels handle: 64x64 (the defaults' chunks) and 8x8
+# (one drawn position of each, the message recommended past 1,000x).
+SIDES = (8, 64)
 # The top-k's first stage ranks the 512 groups of 8 of a chunk, so k stops there.
 MAX_K = CHUNK * CHUNK // 8
 SWITCH = "DISTRO_JAX_CPU_KERNELS"
@@ -70,6 +90,16 @@ _FLAGS = (
   "-w",
 )
 _COMPRESS, _DECODE = "distro_jax_demo_compress", "distro_jax_demo_decode"
+_COMPRESS_AT, _COMPRESS8 = "distro_jax_demo_compress_at", "distro_jax_demo_compress8"
+_DECODE8, _DRAW = "distro_jax_demo_decode8", "distro_jax_demo_draw"
+_TARGETS = {
+  _COMPRESS: "DistroJaxDemoCompress",
+  _DECODE: "DistroJaxDemoDecode",
+  _COMPRESS_AT: "DistroJaxDemoCompressAt",
+  _COMPRESS8: "DistroJaxDemoCompress8",
+  _DECODE8: "DistroJaxDemoDecode8",
+  _DRAW: "DistroJaxDemoDraw",
+}
 _local = threading.local()
 
 
@@ -144,8 +174,8 @@ def _load() -> bool:
       stacklevel=3,
     )
     return False
-  jax.ffi.register_ffi_target(_COMPRESS, jax.ffi.pycapsule(lib.DistroJaxDemoCompress), "cpu")
-  jax.ffi.register_ffi_target(_DECODE, jax.ffi.pycapsule(lib.DistroJaxDemoDecode), "cpu")
+  for target, symbol in _TARGETS.items():
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), "cpu")
   return True
 
 
@@ -181,16 +211,41 @@ def disabled() -> Iterator[None]:
     _local.off = before
 
 
-def serves(plan: dct.ChunkPlan, *arrays: jax.Array, k: int | None = None) -> bool:
+def serves(
+  plan: dct.ChunkPlan, *arrays: jax.Array, k: int | None = None, drawn: bool = False
+) -> bool:
   """Whether the kernels handle a tensor of ``plan`` given as ``arrays`` (block views).
 
-  ``k``, when given, is the top-k per chunk that :func:`compress` would select.
+  Args:
+    plan: the tensor's chunk plan.
+    *arrays: its float32 block views the kernel would read.
+    k: with ``drawn=False``, the top-k per chunk that :func:`compress` would
+      select (64x64 chunks only); ``None`` asks about :func:`decode`, which
+      takes 64x64 and 8x8 chunks.
+    drawn: whether :func:`compress` would take drawn positions (64x64 or 8x8
+      chunks) instead of selecting its top-k.
   """
-  if plan.c1 != CHUNK or plan.c2 != CHUNK or (k is not None and not 1 <= k <= MAX_K):
+  side = plan.c1 if plan.c1 == plan.c2 else None
+  if drawn or k is None:
+    if side not in SIDES:
+      return False
+  elif side != CHUNK or not 1 <= k <= MAX_K:
     return False
   if any(x.dtype != jnp.float32 or dct.placed_on_mesh(x) for x in arrays):
     return False
   return available()
+
+
+def serves_draw(block_shape: tuple[int, ...], like: jax.Array) -> bool:
+  """Whether :func:`draw_positions` handles the positions of a tensor with this block view.
+
+  Args:
+    block_shape: the tensor's block view ``(*lead, A, c1, B, c2)``.
+    like: the tensor (in any view), whose placement is checked: not on a
+      compiler-placed mesh, where the draw must be sharded with the chunks.
+  """
+  *lead, a, _, b, _ = block_shape
+  return math.prod(lead) * a * b > 0 and not dct.placed_on_mesh(like) and available()
 
 
 @functools.cache
@@ -236,36 +291,48 @@ def _matrices(x_blocks: jax.Array) -> jax.Array:
 
 
 def compress(
-  g_blocks: jax.Array, m_blocks: jax.Array, decay: jax.Array | float, lr: jax.Array | float, k: int
+  g_blocks: jax.Array,
+  m_blocks: jax.Array,
+  decay: jax.Array | float,
+  lr: jax.Array | float,
+  k: int,
+  positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``m' = decay * m + lr * DCT(g)`` and the top-k of every chunk of ``m'``.
+  """``m' = decay * m + lr * DCT(g)`` and the top-k (or the drawn entries) of every chunk of ``m'``.
 
   Args:
-    g_blocks: a float32 gradient in its block view ``(*lead, A, 64, B, 64)``.
+    g_blocks: a float32 gradient in its block view ``(*lead, A, c, B, c)``,
+      ``c`` 64 (or 8 with ``positions``).
     m_blocks: the float32 momentum, same shape.
     decay: the momentum's decay.
     lr: the learning rate that scales the new coefficients.
     k: entries kept per chunk, 1 to :data:`MAX_K` (512).
+    positions: drawn chunk-local positions ``(*lead, A, B, k)`` (from
+      :func:`draw_positions`); the values there are taken instead of the top-k.
 
   Returns:
     ``(m', indices, values)``: ``m'`` in the block view, and int32 indices and
-    float32 values of shape ``(*lead, A, B, k)`` in ``jax.lax.top_k``'s order.
+    float32 values of shape ``(*lead, A, B, k)``: the top-k in
+    ``jax.lax.top_k``'s order, or ``positions`` and ``m'`` there.
   """
   _require()
-  *lead, a, _, b, _ = g_blocks.shape
+  *lead, a, side, b, _ = g_blocks.shape
   scalars = jnp.stack([jnp.asarray(decay, jnp.float32), jnp.asarray(lr, jnp.float32)])
   shape = (*lead, a, b, k)
-  call = jax.ffi.ffi_call(
-    _COMPRESS,
-    (
-      jax.ShapeDtypeStruct(_matrices(g_blocks).shape, jnp.float32),
-      jax.ShapeDtypeStruct(shape, jnp.int32),
-      jax.ShapeDtypeStruct(shape, jnp.float32),
-    ),
-    vmap_method="sequential",
-  )
-  m_new, idx, val = call(_matrices(g_blocks), _matrices(m_blocks), scalars, tables(), k=np.int64(k))
-  m_new, idx, val = _typed_like((m_new, idx, val), g_blocks, m_blocks, scalars)
+  m_shape = jax.ShapeDtypeStruct(_matrices(g_blocks).shape, jnp.float32)
+  values = jax.ShapeDtypeStruct(shape, jnp.float32)
+  g, m = _matrices(g_blocks), _matrices(m_blocks)
+  if positions is None:
+    call = jax.ffi.ffi_call(
+      _COMPRESS, (m_shape, jax.ShapeDtypeStruct(shape, jnp.int32), values), vmap_method="sequential"
+    )
+    m_new, idx, val = call(g, m, scalars, tables(), k=np.int64(k))
+  else:
+    idx = positions.astype(jnp.int32)
+    target, table = (_COMPRESS8, basis8()) if side == 8 else (_COMPRESS_AT, tables())
+    call = jax.ffi.ffi_call(target, (m_shape, values), vmap_method="sequential")
+    m_new, val = call(g, m, scalars, table, idx)
+  m_new, idx, val = _typed_like((m_new, idx, val), g_blocks, m_blocks, scalars, idx)
   return m_new.reshape(g_blocks.shape), idx, val
 
 
@@ -282,7 +349,7 @@ def decode(
     indices: int chunk-local indices ``(W, *lead, A, B, k)`` from each worker.
     values: float values, same shape.
     valid_W: bool per worker; False leaves it out.
-    block_shape: the tensor's block view ``(*lead, A, 64, B, 64)``.
+    block_shape: the tensor's block view ``(*lead, A, c, B, c)``, ``c`` 64 or 8.
 
   Returns:
     float32 of shape ``block_shape``: what :func:`distro_jax.dct.inverse_blocks`
@@ -294,11 +361,56 @@ def decode(
   rows = int(np.prod(lead, dtype=np.int64)) * a * b
   idx = indices.astype(jnp.int32).reshape(num_workers, rows, -1)
   val = values.astype(jnp.float32).reshape(num_workers, rows, -1)
+  target, table = (_DECODE8, basis8()) if c1 == 8 else (_DECODE, tables())
   call = jax.ffi.ffi_call(
-    _DECODE,
+    target,
     jax.ShapeDtypeStruct((rows // (a * b), a * c1, b * c2), jnp.float32),
     vmap_method="sequential",
   )
   valid = valid_W.astype(jnp.int32)
-  (out,) = _typed_like((call(idx, val, valid, tables()),), idx, val, valid)
+  (out,) = _typed_like((call(idx, val, valid, table),), idx, val, valid)
   return out.reshape(block_shape)
+
+
+def draw_positions(
+  key: jax.Array, block_shape: tuple[int, ...], k: int, frequency_bias: float = 0.0
+) -> jax.Array:
+  """:func:`distro_jax.codec.draw_positions`, to the bit, in one pass.
+
+  JAX's draw (two threefry hashes per entry, then a search of the frequency
+  bias's tickets) is a dozen passes on XLA's CPU backend; here each entry's
+  hashes, fold and search run while it sits in a register. Under ``jax.vmap``
+  over keys (a receiver drawing every sender's positions) it is one call.
+
+  Args:
+    key: a threefry ``jax.random`` key (:func:`distro_jax.codec.position_key`).
+    block_shape: the block view ``(*lead, A, c1, B, c2)``.
+    k: positions per chunk, ``1 <= k <= c1 * c2``.
+    frequency_bias: the draw's preference for low frequencies, 0 or more.
+
+  Returns:
+    int32 ``(*lead, A, B, k)``, what :func:`distro_jax.codec.draw_positions` returns.
+  """
+  _require()
+  *lead, a, c1, b, c2 = block_shape
+  lo, hi, ends = codec.draw_tables(c1, c2, k, frequency_bias)
+  if ends is None:
+    ends = np.full((1,), -1, np.int32)  # the kernel's mark of a uniform draw
+  # randint splits its key in two: one for the higher draw, one for the lower.
+  halves = jax.random.key_data(jax.random.split(key))
+  keys = jax.lax.bitcast_convert_type(halves, jnp.uint32).reshape(4)
+  call = jax.ffi.ffi_call(
+    _DRAW, jax.ShapeDtypeStruct((*lead, a, b, k), jnp.int32), vmap_method="expand_dims"
+  )
+  (out,) = _typed_like((call(keys, jnp.asarray(lo), jnp.asarray(hi), jnp.asarray(ends)),), keys)
+  return out
+
+
+@functools.cache
+def _basis8_np() -> np.ndarray:
+  return dct._basis_np(8).reshape(-1)
+
+
+def basis8() -> jax.Array:
+  """The 8x8 kernels' table: the orthonormal 8-point DCT-II basis, row-major."""
+  return jnp.asarray(_basis8_np())

@@ -6,9 +6,11 @@ the inverse of the format's basis, and the param's own shape and dtype
 (:func:`to_params`).
 
 A fused kernel is another implementation of this stage: :func:`_fused` is
-the one place that asks whether one serves a tensor (today
-:mod:`distro_jax.cpu_kernels`, whose mean and inverse DCT are one pass, the
-workers folded in in the same order, to the bit).
+the one place that asks whether one serves a tensor
+(:func:`distro_jax.kernels.for_decode`: :mod:`distro_jax.cpu_kernels` on a
+CPU, :mod:`distro_jax.pallas_kernels` on a GPU, whose mean and inverse DCT are
+one pass, the workers folded in in the same order, so the mean has the same
+bits).
 """
 
 from collections.abc import Hashable
@@ -16,7 +18,7 @@ from collections.abc import Hashable
 import jax
 import jax.numpy as jnp
 
-from distro_jax import codec, cpu_kernels, dct, exchange
+from distro_jax import codec, dct, exchange, kernels
 from distro_jax.message import Received
 
 __all__ = ["aggregate", "contributors", "to_params"]
@@ -34,10 +36,11 @@ def _fused(
   received: Received, tensor: int, plan: dct.ChunkPlan, basis: dct.Basis, like: jax.Array
 ) -> jax.Array | None:
   """One tensor's mean and inverse transform from a fused kernel, or ``None`` where none serves."""
-  if basis is not dct.DCT_BASIS or not cpu_kernels.serves(plan, like):
+  fused = kernels.for_decode(plan, like) if basis is dct.DCT_BASIS else None
+  if fused is None:
     return None
   idx, val = received.tensors[tensor]
-  return cpu_kernels.decode(idx, val, received.valid, plan.block_shape)
+  return fused.decode(idx, val, received.valid, plan.block_shape)
 
 
 def aggregate(

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from distro_jax import codec, dct, exchange
+from distro_jax import codec, cpu_kernels, dct, exchange
 
 __all__ = ["Drawn", "Format", "MessageFormat", "Received", "Selection", "TopK", "drawn"]
 
@@ -102,7 +102,9 @@ class TopK(NamedTuple):
 class Drawn(NamedTuple):
   """``k`` positions per chunk drawn from a key that every worker can build.
 
-  The draw is :func:`distro_jax.codec.draw_positions`; its key is a
+  The draw is :func:`distro_jax.codec.draw_positions` (or
+  :func:`distro_jax.cpu_kernels.draw_positions`, the same bits in one pass,
+  where it serves the tensor); its key is a
   function of the step, the tensor, the sender's index on the
   workers' axis and, for a tensor sharded within a site (FSDP), the device's
   place along the axes that shard it; a tensor kept whole on a site's
@@ -116,6 +118,7 @@ class Drawn(NamedTuple):
     block_shapes: per tensor, its block view.
     ks: positions per chunk, per tensor.
     bias: the draw's preference for low frequencies (0: uniform).
+    native: per tensor, whether the CPU kernel draws its positions.
   """
 
   step: jax.Array
@@ -124,11 +127,13 @@ class Drawn(NamedTuple):
   block_shapes: tuple[tuple[int, ...], ...]
   ks: tuple[int, ...]
   bias: float
+  native: tuple[bool, ...]
 
   def draw(self, tensor: int, worker: jax.Array | int) -> jax.Array:
     """Worker ``worker``'s positions in tensor ``tensor``, ``(*lead, A, B, k)``."""
     key = codec.position_key(self.step, tensor, worker, self.shards[tensor])
-    return codec.draw_positions(key, self.block_shapes[tensor], self.ks[tensor], self.bias)
+    fn = cpu_kernels.draw_positions if self.native[tensor] else codec.draw_positions
+    return fn(key, self.block_shapes[tensor], self.ks[tensor], self.bias)
 
   def select(self, blocks: list[jax.Array], tensors: Sequence[int]) -> list[tuple[Any, Any]]:
     """This worker's drawn positions and the values there, for the tensors numbered ``tensors``."""
@@ -192,7 +197,8 @@ def drawn(
     axes = tuple(a for a in site_axes if exchange.varies_over(g, a))
     shards.append(jax.lax.axis_index(axes) if axes else None)
   worker = 0 if axis_name is None else jax.lax.axis_index(axis_name)
-  return Drawn(step, worker, tuple(shards), tuple(block_shapes), tuple(ks), bias)
+  native = tuple(cpu_kernels.serves_draw(s, g) for s, g in zip(block_shapes, grads))
+  return Drawn(step, worker, tuple(shards), tuple(block_shapes), tuple(ks), bias, native)
 
 
 class MessageFormat(NamedTuple):

@@ -27,9 +27,14 @@ def _float64_basis(n=64):
   return d
 
 
-def _float64_dct_blocks(x_blocks):
-  d = _float64_basis()
+def _float64_dct_blocks(x_blocks, n=64):
+  d = _float64_basis(n)
   return np.einsum("ip,...apbq,jq->...aibj", d, np.asarray(x_blocks, np.float64), d)
+
+
+def _float64_inverse_blocks(y_blocks, n=64):
+  d = _float64_basis(n)
+  return np.einsum("pi,...apbq,qj->...aibj", d, np.asarray(y_blocks, np.float64), d)
 
 
 @pytest.mark.parametrize("shape", [(64, 64), (128, 192), (3, 64, 128), (2, 2, 128, 64)])
@@ -93,6 +98,61 @@ def test_compress_marks_a_chunk_with_a_non_finite_gradient():
   assert not np.isfinite(val[1]).all()
 
 
+@pytest.mark.parametrize(
+  "shape, chunk, k, bias",
+  [
+    ((16, 24), 8, 1, 1.0),
+    ((2, 8, 40), 8, 3, 0.0),
+    ((64, 128), 64, 8, 0.5),
+    ((64, 64), 64, 32, 0.0),
+  ],
+)
+def test_draw_positions_are_codecs_to_the_bit(shape, chunk, k, bias):
+  block_shape = dct.plan_chunks(shape, chunk).block_shape
+  for step, tensor, worker in [(0, 0, 0), (7, 3, 5)]:
+    key = codec.position_key(step, tensor, worker)
+    want = codec.draw_positions(key, block_shape, k, bias)
+    np.testing.assert_array_equal(cpu_kernels.draw_positions(key, block_shape, k, bias), want)
+
+  # A receiver draws every sender's positions at once, under vmap.
+  def draws(fn):
+    return jax.vmap(lambda w: fn(codec.position_key(4, 1, w), block_shape, k, bias))(jnp.arange(5))
+
+  np.testing.assert_array_equal(draws(cpu_kernels.draw_positions), draws(codec.draw_positions))
+
+
+@pytest.mark.parametrize("shape, chunk", [((16, 24), 8), ((2, 8, 1040), 8), ((64, 128), 64)])
+def test_compress_at_drawn_positions_takes_the_momentum_there(shape, chunk):
+  rng = np.random.default_rng(7)
+  plan = dct.plan_chunks(shape, chunk)
+  g = dct.to_blocks(jnp.asarray(rng.normal(size=shape), jnp.float32), plan)
+  m = dct.to_blocks(jnp.asarray(rng.normal(size=shape) * 0.01, jnp.float32), plan)
+  positions = codec.draw_positions(codec.position_key(2, 0, 1), plan.block_shape, 2, 1.0)
+  m_new, idx, val = jax.jit(lambda g, m, p: cpu_kernels.compress(g, m, 0.95, 3e-3, 2, positions=p))(
+    g, m, positions
+  )
+  want = 0.95 * np.asarray(m, np.float64) + 3e-3 * _float64_dct_blocks(g, chunk)
+  np.testing.assert_allclose(m_new, want, rtol=0, atol=DCT_RTOL * np.abs(want).max())
+  np.testing.assert_array_equal(idx, positions)
+  np.testing.assert_array_equal(val, codec.gather_blocks(m_new, positions))
+
+
+def test_decode_of_8x8_chunks_is_the_inverse_dct_of_the_workers_mean():
+  rng = np.random.default_rng(8)
+  k = 2
+  plan = dct.plan_chunks((2, 16, 1040), 8)
+  # Drawn positions from a few runs, so workers often send the same ones.
+  idx = jnp.stack(
+    [codec.draw_positions(codec.position_key(0, 0, w), plan.block_shape, k, 2.0) for w in range(8)]
+  )
+  val = jnp.asarray(np.sign(rng.normal(size=idx.shape)), jnp.float32)
+  valid = jnp.asarray([True, True, True, False, True, True, True, True])
+  got = cpu_kernels.decode(idx, val, valid, plan.block_shape)
+  ((mean, _),) = codec.aggregate_blocks([(idx, val)], [plan.block_shape], valid)
+  want = _float64_inverse_blocks(mean, 8)
+  np.testing.assert_allclose(got, want, rtol=0, atol=DCT_RTOL * np.abs(want).max())
+
+
 def test_decode_is_the_inverse_dct_of_the_workers_mean():
   rng = np.random.default_rng(2)
   workers, k = 8, 32
@@ -110,34 +170,39 @@ def test_decode_is_the_inverse_dct_of_the_workers_mean():
 
   got = cpu_kernels.decode(idx_b, val_b, valid, plan.block_shape)
   ((mean, _),) = codec.aggregate_blocks([(idx_b, val_b)], [plan.block_shape], valid)
-  d = _float64_basis()
-  want = np.einsum("pi,...apbq,qj->...aibj", d, np.asarray(mean, np.float64), d)
+  want = _float64_inverse_blocks(mean)
   np.testing.assert_allclose(got, want, rtol=0, atol=DCT_RTOL * np.abs(want).max())
 
 
-def test_decode_folds_the_workers_in_aggregate_blocks_order_to_the_bit():
+@pytest.mark.parametrize("chunk", [64, 8])
+def test_decode_folds_the_workers_in_aggregate_blocks_order_to_the_bit(chunk):
   # Every worker sends only chunk position 0, the DC term, whose inverse DCT
-  # is the mean divided by 64 at every entry, exactly (powers of two). So the
-  # kernel's mean can be read back to the bit, and the order of a running
-  # mean shows in its last bits.
+  # is the mean times the basis's constant d0, twice, at every entry (1/8
+  # each at 64, so exact; 1/sqrt(8), rounded, at 8). So the kernel's mean can
+  # be read back to the bit, and the order of a running mean shows in its
+  # last bits.
   rng = np.random.default_rng(5)
-  workers, rows = 8, 6
-  plan = dct.plan_chunks((128, 192), 64)
-  idx = np.zeros((workers, 2, 3, 1), np.int32)
-  val = rng.normal(size=(workers, 2, 3, 1)) * 10.0 ** rng.integers(-3, 3, (workers, 2, 3, 1))
+  workers = 8
+  plan = dct.plan_chunks((128, 192), chunk)
+  a, b = plan.block_shape[0], plan.block_shape[2]
+  rows = a * b
+  idx = np.zeros((workers, a, b, 1), np.int32)
+  val = rng.normal(size=(workers, a, b, 1)) * 10.0 ** rng.integers(-3, 3, (workers, a, b, 1))
   val = jnp.asarray(val, jnp.float32)
   valid = jnp.asarray([True, False, True, True, True, True, True, True])
   got = cpu_kernels.decode(jnp.asarray(idx), val, valid, plan.block_shape)
   ((mean, count),) = codec.aggregate_blocks([(jnp.asarray(idx), val)], [plan.block_shape], valid)
   dc = np.asarray(mean)[:, 0, :, 0]  # (A, B): each chunk's position 0
-  np.testing.assert_array_equal(np.asarray(got)[:, 0, :, 0] * 64, dc)
-  np.testing.assert_array_equal(np.asarray(got)[:, 5, :, 9] * 64, dc)
+  d0 = np.float32(dct.dct_basis(chunk)[0, 0])
+  want = d0 * (dc * d0)  # float32 throughout, as the kernel rounds it
+  np.testing.assert_array_equal(np.asarray(got)[:, 0, :, 0], want)
+  np.testing.assert_array_equal(np.asarray(got)[:, chunk - 1, :, chunk // 3], want)
   assert np.asarray(count)[:, 0, :, 0].min() == workers - 1 and rows == dc.size
   # The order matters to these bits: folded in worker-index order, some
   # chunk's mean comes out otherwise, so a kernel that ignored the order fails.
   order = np.asarray(
     codec.worker_order(
-      jnp.asarray(idx).reshape(workers, rows, 1), val.reshape(workers, rows, 1), 4096
+      jnp.asarray(idx).reshape(workers, rows, 1), val.reshape(workers, rows, 1), chunk * chunk
     )
   )
 
@@ -188,6 +253,36 @@ def test_update_keeps_replicas_identical_and_agrees_with_the_xla_path(delayed):
     np.testing.assert_allclose(got, want, rtol=0, atol=2 * 3e-3 * 4)
 
 
+DRAWN = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
+
+
+@pytest.mark.parametrize("normalize", ["sign", pytest.param("orth", marks=pytest.mark.slow)])
+def test_drawn_update_keeps_replicas_identical_and_agrees_with_the_xla_path(normalize):
+  def tx():
+    return dj.demo(3e-3, frequency_bias=1.0, normalize=normalize, **DRAWN)
+
+  step, params, state, g = _run(tx(), steps=3)
+  hlo = step.lower(params, state, g).compile().as_text()
+  for target in ("compress8", "decode8", "draw"):
+    assert f"distro_jax_demo_{target}" in hlo, target
+  with cpu_kernels.disabled():
+    _, xla_params, xla_state, _ = _run(tx(), steps=3)
+  # The same positions were drawn and sent: the momenta agree to the DCTs'
+  # rounding everywhere, and are zero at the same places (error feedback).
+  for name in SHAPES:
+    got, want = np.asarray(state[0].momentum[name]), np.asarray(xla_state[0].momentum[name])
+    np.testing.assert_array_equal(got == 0, want == 0)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    got, want = np.asarray(params[name]), np.asarray(xla_params[name])
+    if normalize == "sign":
+      # An entry differs only where a decoded direction near zero changed
+      # sign (or left zero) with the rounding of the DCTs.
+      assert np.mean(got != want) < 1e-3, name
+      np.testing.assert_allclose(got, want, rtol=0, atol=2 * 3e-3 * 3)
+    else:
+      np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
 def test_serves_only_what_the_kernels_can_do():
   plan = dct.plan_chunks((64, 128), 64)
   x = jnp.zeros(plan.block_shape, jnp.float32)
@@ -196,6 +291,13 @@ def test_serves_only_what_the_kernels_can_do():
   assert not cpu_kernels.serves(plan, x.astype(jnp.bfloat16))
   small = dct.plan_chunks((64, 128), 32)
   assert not cpu_kernels.serves(small, jnp.zeros(small.block_shape, jnp.float32))
+  # 8x8 chunks: drawn positions and the decode, not a top-k.
+  eight = dct.plan_chunks((64, 128), 8)
+  y = jnp.zeros(eight.block_shape, jnp.float32)
+  assert cpu_kernels.serves(eight, y) and cpu_kernels.serves(eight, y, k=1, drawn=True)
+  assert not cpu_kernels.serves(eight, y, k=1)
+  uneven = dct.plan_chunks((4, 128), 8)  # 4x8 chunks
+  assert not cpu_kernels.serves(uneven, jnp.zeros(uneven.block_shape, jnp.float32), drawn=True)
 
 
 def test_switch_turns_the_kernels_off(monkeypatch):

@@ -29,6 +29,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -64,6 +68,20 @@ Tables ReadTables(const float* t) {
   return out;
 }
 
+// Eight floats as one value, for loops the compiler does not vectorize well
+// on its own (it cannot rule out that the rows alias). GCC and Clang lower it
+// to the machine's vectors, or to scalars; each lane is its own IEEE
+// operation, so the bits are those of the plain loop.
+typedef float F8 __attribute__((vector_size(32)));
+
+inline F8 Load8(const float* p) {
+  F8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store8(float* p, F8 v) { std::memcpy(p, &v, sizeof(v)); }
+
 // The 1-D transforms below run down the rows of an array of rows of kC
 // floats, one transform per column, so each step is a vector op over a row.
 // Row r of an input or output sits at base + r * stride floats, which lets
@@ -83,9 +101,10 @@ struct Dct {
     for (int n = 0; n < H; ++n) {
       const float* lo = x + n * xs;
       const float* hi = x + (N - 1 - n) * xs;
-      for (int w = 0; w < kC; ++w) {
-        u[n * kC + w] = lo[w] + hi[w];
-        v[n * kC + w] = lo[w] - hi[w];
+      for (int w = 0; w < kC; w += 8) {
+        const F8 a = Load8(lo + w), b = Load8(hi + w);
+        Store8(u + n * kC + w, a + b);
+        Store8(v + n * kC + w, a - b);
       }
     }
     Dct<H>::IV(t, v, kC, out + os, 2 * os, v + H * kC);
@@ -102,9 +121,10 @@ struct Dct {
     for (int n = 0; n < H; ++n) {
       float* lo = out + n * os;
       float* hi = out + (N - 1 - n) * os;
-      for (int w = 0; w < kC; ++w) {
-        lo[w] = a[n * kC + w] + b[n * kC + w];
-        hi[w] = a[n * kC + w] - b[n * kC + w];
+      for (int w = 0; w < kC; w += 8) {
+        const F8 x = Load8(a + n * kC + w), y = Load8(b + n * kC + w);
+        Store8(lo + w, x + y);
+        Store8(hi + w, x - y);
       }
     }
   }
@@ -118,11 +138,12 @@ struct Dct {
     const float* tw = t.twiddle[Log2()];
     float* u = scratch;
     for (int n = 0; n < N; ++n)
-      for (int w = 0; w < kC; ++w) u[n * kC + w] = v[n * vs + w] * tw[n];
+      for (int w = 0; w < kC; w += 8) Store8(u + n * kC + w, Load8(v + n * vs + w) * tw[n]);
     II(t, u, kC, out, os, u + N * kC);
-    for (int w = 0; w < kC; ++w) out[w] = out[w] * 0.5f;
+    for (int w = 0; w < kC; w += 8) Store8(out + w, Load8(out + w) * 0.5f);
     for (int k = 1; k < N; ++k)
-      for (int w = 0; w < kC; ++w) out[k * os + w] = out[k * os + w] - out[(k - 1) * os + w];
+      for (int w = 0; w < kC; w += 8)
+        Store8(out + k * os + w, Load8(out + k * os + w) - Load8(out + (k - 1) * os + w));
   }
 
   static constexpr int Log2() { return N == 1 ? 0 : 1 + Dct<H>::Log2(); }
@@ -137,16 +158,46 @@ struct Dct<1> {
     std::memcpy(out, z, kC * sizeof(float));
   }
   static void IV(const Tables& t, const float* v, int64_t, float* out, int64_t, float*) {
-    for (int w = 0; w < kC; ++w) out[w] = t.twiddle[0][0] * v[w];
+    for (int w = 0; w < kC; w += 8) Store8(out + w, t.twiddle[0][0] * Load8(v + w));
   }
   static constexpr int Log2() { return 0; }
 };
 
-void Transpose(const float* in, float* out) {
+// One 8x8 tile transposed: out[b][a] = in[a][b], rows at strides is and os.
+// A transpose moves values and computes nothing, so the vector form and the
+// plain loop give the same bits.
+inline void Transpose8x8(const float* __restrict__ in, int64_t is, float* __restrict__ out,
+                         int64_t os) {
+#if defined(__AVX__)
+  __m256 r[8];
+  for (int a = 0; a < 8; ++a) r[a] = _mm256_loadu_ps(in + a * is);
+  // Pairs, then quads, then halves: the usual three rounds of shuffles.
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(out + 0 * os, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(out + 1 * os, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(out + 2 * os, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(out + 3 * os, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(out + 4 * os, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(out + 5 * os, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(out + 6 * os, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(out + 7 * os, _mm256_permute2f128_ps(u3, u7, 0x31));
+#else
+  for (int a = 0; a < 8; ++a)
+    for (int b = 0; b < 8; ++b) out[b * os + a] = in[a * is + b];
+#endif
+}
+
+// A 64x64 block transposed: out[j][i] = in[i][j], rows at strides is and os.
+void Transpose(const float* in, int64_t is, float* out, int64_t os) {
   for (int i = 0; i < kC; i += 8)
-    for (int j = 0; j < kC; j += 8)
-      for (int a = 0; a < 8; ++a)
-        for (int b = 0; b < 8; ++b) out[(j + b) * kC + i + a] = in[(i + a) * kC + j + b];
+    for (int j = 0; j < kC; j += 8) Transpose8x8(in + i * is + j, is, out + j * os + i, os);
 }
 
 // Scratch a chunk's work needs, in floats.
@@ -158,12 +209,13 @@ inline float Scale(const Tables& t, int i) { return i ? t.scale : t.scale0; }
 // Orthonormal 2-D DCT of a chunk given transposed (xt[j][i] = x[i][j]), into
 // y in the chunk's own orientation. Starting transposed saves a transpose:
 // C xt = C x^T, its transpose is x C^T, and C (x C^T) is the transform.
-void Dct2dFromTransposed(const Tables& t, const float* xt, float* y, float* scratch) {
+__attribute__((flatten)) void Dct2dFromTransposed(const Tables& t, const float* xt, float* y,
+                                                  float* scratch) {
   float* t1 = scratch;
   float* t2 = t1 + kN;
   float* rest = t2 + kN;
   Dct<kC>::II(t, xt, kC, t1, kC, rest);
-  Transpose(t1, t2);
+  Transpose(t1, kC, t2, kC);
   Dct<kC>::II(t, t2, kC, y, kC, rest);
   float s[kC];
   for (int i = 0; i < kC; ++i) s[i] = Scale(t, i);
@@ -302,20 +354,22 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t total, int64_t grain,
 // One chunk of CompressImpl; g, m and m_out point at the chunk's first entry
 // in matrices with rows of `stride` floats.
 void CompressChunk(const Tables& t, const float* g, const float* m, float* m_out, int64_t stride,
-                   float decay, float lr, int k, int32_t* idx, float* val, float* x, float* y,
-                   float* scratch, std::vector<Entry>& cands) {
-  // Read in 8x8 tiles, transposed: x[j][i] = g[i][j].
-  for (int i0 = 0; i0 < kC; i0 += 8)
-    for (int j0 = 0; j0 < kC; j0 += 8)
-      for (int i = i0; i < i0 + 8; ++i)
-        for (int j = j0; j < j0 + 8; ++j) x[j * kC + i] = g[i * stride + j];
+                   float decay, float lr, int k, const int32_t* given, int32_t* idx, float* val,
+                   float* x, float* y, float* scratch, std::vector<Entry>& cands) {
+  // Read transposed: x[j][i] = g[i][j].
+  Transpose(g, stride, x, kC);
   Dct2dFromTransposed(t, x, y, scratch);
   for (int i = 0; i < kC; ++i) {
     const float* mr = m + i * stride;
     float* yr = y + i * kC;
     for (int j = 0; j < kC; ++j) yr[j] = decay * mr[j] + lr * yr[j];
   }
-  SelectTopK(y, k, idx, val, cands);
+  if (given == nullptr) {
+    SelectTopK(y, k, idx, val, cands);
+  } else {
+    // Drawn positions: the values there, as codec.gather_blocks reads them.
+    for (int e = 0; e < k; ++e) val[e] = y[given[e] & (kN - 1)];
+  }
   for (int i = 0; i < kC; ++i) std::memcpy(m_out + i * stride, y + i * kC, kC * sizeof(float));
 }
 
@@ -331,7 +385,7 @@ inline uint32_t Mix32(uint32_t h) {
 // distro_jax.codec.worker_order: the workers sorted by two wrapping sums of
 // a hash of each (flat position, value bits) they sent, ties kept in order.
 std::vector<int64_t> WorkerOrder(ffi::ThreadPool& pool, const int32_t* ip, const float* vp,
-                                 int64_t workers, int64_t rows, int64_t k) {
+                                 int64_t workers, int64_t rows, int64_t k, uint32_t chunk_size) {
   std::vector<uint32_t> key_a(workers), key_b(workers);
   ParallelFor(pool, workers, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
@@ -340,7 +394,7 @@ std::vector<int64_t> WorkerOrder(ffi::ThreadPool& pool, const int32_t* ip, const
         const int32_t* iw = ip + (w * rows + r) * k;
         const float* vw = vp + (w * rows + r) * k;
         for (int64_t e = 0; e < k; ++e) {
-          const uint32_t pos = static_cast<uint32_t>(r) * kN + static_cast<uint32_t>(iw[e]);
+          const uint32_t pos = static_cast<uint32_t>(r) * chunk_size + static_cast<uint32_t>(iw[e]);
           uint32_t bits;
           std::memcpy(&bits, vw + e, sizeof(bits));
           a += Mix32(Mix32(pos ^ 0x27D4EB2Fu) ^ bits);
@@ -357,6 +411,133 @@ std::vector<int64_t> WorkerOrder(ffi::ThreadPool& pool, const int32_t* ip, const
     return key_a[x] != key_a[y] ? key_a[x] < key_a[y] : key_b[x] < key_b[y];
   });
   return order;
+}
+
+
+// ---------------------------------------------------------------------------
+// Drawn positions: distro_jax.codec.draw_positions, bit for bit.
+//
+// jax.random.randint(key, shape, lo, hi) with the threefry2x32 generator and
+// jax_threefry_partitionable (JAX's default): the key is split in two, each
+// half hashes the entry's flat index (as a 64-bit counter, high word first)
+// into 32 bits (the two output words xor-ed), and the two draws are folded
+// into [lo, hi) with JAX's modular arithmetic. With a frequency bias the
+// draw is a ticket, and the position is the number of ticket ends at or
+// below it (jnp.searchsorted(ends, ticket, side="right")).
+
+inline uint32_t Rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+// Threefry-2x32, 20 rounds, of the counter (hi, lo) under key (k0, k1);
+// returns the xor of the two output words.
+inline uint32_t ThreefryBits(uint32_t k0, uint32_t k1, uint32_t hi, uint32_t lo) {
+  const uint32_t k2 = k0 ^ k1 ^ 0x1BD11BDAu;
+  uint32_t x0 = hi + k0, x1 = lo + k1;
+#define DISTRO_JAX_ROUND(r) \
+  x0 += x1;                 \
+  x1 = Rotl(x1, r);         \
+  x1 ^= x0;
+#define DISTRO_JAX_ROUNDS_A \
+  DISTRO_JAX_ROUND(13) DISTRO_JAX_ROUND(15) DISTRO_JAX_ROUND(26) DISTRO_JAX_ROUND(6)
+#define DISTRO_JAX_ROUNDS_B \
+  DISTRO_JAX_ROUND(17) DISTRO_JAX_ROUND(29) DISTRO_JAX_ROUND(16) DISTRO_JAX_ROUND(24)
+  DISTRO_JAX_ROUNDS_A x0 += k1; x1 += k2 + 1u;
+  DISTRO_JAX_ROUNDS_B x0 += k2; x1 += k0 + 2u;
+  DISTRO_JAX_ROUNDS_A x0 += k0; x1 += k1 + 3u;
+  DISTRO_JAX_ROUNDS_B x0 += k1; x1 += k2 + 4u;
+  DISTRO_JAX_ROUNDS_A x0 += k2; x1 += k0 + 5u;
+#undef DISTRO_JAX_ROUNDS_B
+#undef DISTRO_JAX_ROUNDS_A
+#undef DISTRO_JAX_ROUND
+  return x0 ^ x1;
+}
+
+// a % d for every 32-bit a and a fixed d > 0, without a division (which
+// does not vectorize): Lemire's multiply-high with magic = ceil(2^64 / d)
+// (0 for d = 1, where every remainder is 0), exact for all a.
+struct ModBy {
+  uint32_t d;
+  uint64_t magic;
+  explicit ModBy(uint32_t divisor) : d(divisor), magic(~uint64_t{0} / divisor + 1) {}
+  uint32_t operator()(uint32_t a) const {
+    const uint64_t low = magic * a;
+    return static_cast<uint32_t>(((low >> 32) * d + (((low & 0xffffffffu) * d) >> 32)) >> 32);
+  }
+};
+
+// One run's part of jax.random.randint: two 32-bit draws folded into
+// [lo, hi) as JAX folds them (its multiplier is 2^32 mod span, and the
+// products wrap at 32 bits as XLA's do).
+struct Fold {
+  int32_t lo;
+  ModBy mod;
+  uint32_t mult;
+  Fold(int32_t lo_, int32_t hi_)
+      : lo(lo_), mod(hi_ > lo_ ? static_cast<uint32_t>(hi_ - lo_) : 1u), mult(0) {
+    const uint32_t m = 65536u % mod.d;
+    mult = (m * m) % mod.d;
+  }
+  int32_t operator()(uint32_t higher, uint32_t lower) const {
+    const uint32_t offset = mod(mod(higher) * mult + mod(lower));
+    return lo + static_cast<int32_t>(offset);
+  }
+};
+
+// The number of ends at or below t (ends strictly increasing, n >= 1): a
+// search with a fixed number of steps and no branch on the data.
+inline int32_t CountAtOrBelow(const int32_t* ends, int64_t n, int32_t t) {
+  const int32_t* base = ends;
+  while (n > 1) {
+    const int64_t half = n / 2;
+    base = base[half] <= t ? base + half : base;
+    n -= half;
+  }
+  return static_cast<int32_t>(base - ends) + (base[0] <= t);
+}
+
+// ---------------------------------------------------------------------------
+// 8x8 chunks (one drawn position of each, the message recommended past
+// 1,000x). A chunk is 8 floats of 8 rows, so the kernels work on bands: the
+// 8 rows of one chunk row, cut into tiles of columns. Along the rows every
+// step is a vector op over a tile; within a chunk, over its 8 outputs. The
+// 8-point transforms are dense (8 products per entry and axis), from the
+// orthonormal basis the caller passes (distro_jax.dct's own).
+
+constexpr int kS = 8;             // chunk side
+constexpr int kSN = kS * kS;      // coefficients per chunk
+constexpr int64_t kTile = 512;    // columns per piece of work
+
+// The 8x8 blocks of an 8-row band, each transposed: out[j][8c + i] = in[i][8c + j].
+void TransposeBlocks8(const float* __restrict__ in, int64_t is, float* __restrict__ out, int64_t os,
+                      int64_t cols) {
+  for (int64_t c = 0; c < cols; c += kS) Transpose8x8(in + c, is, out + c, os);
+}
+
+// out = D in along the band's rows (each column on its own): 8 products per
+// entry, each column's 8 inputs read once and its 8 outputs written once.
+// cols is a multiple of 8.
+void Rows8(const float* __restrict__ D, const float* __restrict__ in, int64_t is,
+           float* __restrict__ out, int64_t os, int64_t cols) {
+  for (int64_t c = 0; c < cols; c += kS) {
+    F8 x[kS];
+    for (int p = 0; p < kS; ++p) x[p] = Load8(in + p * is + c);
+    for (int i = 0; i < kS; ++i) {
+      F8 a = D[i * kS] * x[0];
+      for (int p = 1; p < kS; ++p) a = a + D[i * kS + p] * x[p];
+      Store8(out + i * os + c, a);
+    }
+  }
+}
+
+// y = D x D^T for the chunks of a band tile: x is 8 rows of `cols` floats at
+// row stride xs, y 8 rows of `cols` at stride cols. Both stages run down the
+// rows: D x, then (D (D x)^T)^T with each block transposed around it. t and u
+// hold 8 * cols floats each.
+void Forward8(const float* D, const float* x, int64_t xs, float* y, int64_t cols, float* t,
+              float* u) {
+  Rows8(D, x, xs, t, cols, cols);
+  TransposeBlocks8(t, cols, u, cols, cols);
+  Rows8(D, u, cols, t, cols, cols);
+  TransposeBlocks8(t, cols, y, cols, cols);
 }
 
 }  // namespace
@@ -395,7 +576,7 @@ static ffi::Error CompressImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
       const int64_t b = c / (A * B), a = (c / B) % A, col = c % B;
       const int64_t base = (b * n1 + a * kC) * n2 + col * kC;
       CompressChunk(t, gp + base, mp + base, mo + base, n2, decay, lr, static_cast<int>(k),
-                    ip + c * k, vp + c * k, x, y, scratch, cands);
+                    nullptr, ip + c * k, vp + c * k, x, y, scratch, cands);
     }
   });
   return ffi::Error::Success();
@@ -435,7 +616,7 @@ static ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> idx,
   const int32_t* ip = idx.typed_data();
   const float* vp = val.typed_data();
   const int32_t* ok = valid.typed_data();
-  const std::vector<int64_t> order = WorkerOrder(pool, ip, vp, workers, rows, k);
+  const std::vector<int64_t> order = WorkerOrder(pool, ip, vp, workers, rows, k, kN);
   const int64_t* op = order.data();
   float* qp = out->typed_data();
   ParallelFor(pool, rows, 64, [&](int64_t begin, int64_t end) {
@@ -487,6 +668,289 @@ static ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> idx,
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DistroJaxDemoDecode, DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// codec.draw_positions for one or more keys (a vmap over the senders stacks
+// them): keys (N, 4) uint32, each the key data of jax.random.split(key) (the
+// key of the higher draw, then of the lower); lo and hi (k) the tickets of
+// each run; ends (n) each position's last ticket plus one, or a single -1 for
+// a uniform draw, whose ticket is the position. out (N, rows, k): the
+// positions of every chunk, entry f of a key drawn from counter f.
+static ffi::Error DrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> keys,
+                           ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
+                           ffi::Buffer<ffi::S32> ends, ffi::ResultBuffer<ffi::S32> out) {
+  const int64_t k = static_cast<int64_t>(lo.element_count());
+  const int64_t n_keys = static_cast<int64_t>(keys.element_count()) / 4;
+  const int64_t total = static_cast<int64_t>(out->element_count());
+  if (k < 1 || static_cast<int64_t>(hi.element_count()) != k || keys.element_count() % 4 ||
+      n_keys < 1 || total % (n_keys * k))
+    return ffi::Error::InvalidArgument("demo_draw: bad shapes");
+  const int64_t per_key = total / n_keys;
+  if (per_key > static_cast<int64_t>(UINT32_MAX))
+    return ffi::Error::InvalidArgument("demo_draw: more than 2^32 positions per key");
+  const int64_t n = static_cast<int64_t>(ends.element_count());
+  const int32_t* ep = ends.typed_data();
+  const bool uniform = n == 1 && ep[0] < 0;
+  std::vector<Fold> folds;
+  for (int64_t j = 0; j < k; ++j) folds.emplace_back(lo.typed_data()[j], hi.typed_data()[j]);
+  const uint32_t* kp = keys.typed_data();
+  int32_t* op = out->typed_data();
+  constexpr int64_t kPiece = 4096;
+  const int64_t pieces = (per_key + kPiece - 1) / kPiece;
+  ParallelFor(pool, n_keys * pieces, 4, [&](int64_t begin, int64_t end) {
+    alignas(64) uint32_t higher[kPiece], lower[kPiece];
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t key = w / pieces;
+      const int64_t f0 = (w % pieces) * kPiece;
+      const int64_t len = std::min(kPiece, per_key - f0);
+      const uint32_t* kk = kp + 4 * key;
+      // The hashes first, in a loop of their own, which vectorizes.
+      for (int64_t i = 0; i < len; ++i) {
+        const uint32_t f = static_cast<uint32_t>(f0 + i);
+        higher[i] = ThreefryBits(kk[0], kk[1], 0u, f);
+        lower[i] = ThreefryBits(kk[2], kk[3], 0u, f);
+      }
+      int32_t* o = op + key * per_key + f0;
+      if (k == 1) {
+        const Fold fold = folds[0];
+        for (int64_t i = 0; i < len; ++i) o[i] = fold(higher[i], lower[i]);
+      } else {
+        for (int64_t i = 0; i < len; ++i) o[i] = folds[(f0 + i) % k](higher[i], lower[i]);
+      }
+      if (!uniform)
+        for (int64_t i = 0; i < len; ++i) o[i] = CountAtOrBelow(ep, n, o[i]);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DistroJaxDemoDraw, DrawImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+// The worker side for 64x64 chunks at positions given (drawn): as
+// CompressImpl, with the values at `positions` (rows, k) in place of the top-k.
+static ffi::Error CompressAtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
+                                 ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> decay_lr,
+                                 ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> positions,
+                                 ffi::ResultBuffer<ffi::F32> m_out,
+                                 ffi::ResultBuffer<ffi::F32> val_out) {
+  const auto dims = g.dimensions();
+  if (dims.size() < 2 || table.element_count() != kTableFloats)
+    return ffi::Error::InvalidArgument("demo_compress_at: bad shapes");
+  const int64_t n1 = dims[dims.size() - 2], n2 = dims[dims.size() - 1];
+  if (n1 % kC || n2 % kC) return ffi::Error::InvalidArgument("demo_compress_at: not 64x64 chunks");
+  const int64_t A = n1 / kC, B = n2 / kC;
+  const int64_t chunks = static_cast<int64_t>(g.element_count()) / kN;
+  const int64_t k = static_cast<int64_t>(positions.element_count()) / chunks;
+  if (k < 1 || k * chunks != static_cast<int64_t>(positions.element_count()))
+    return ffi::Error::InvalidArgument("demo_compress_at: positions do not match the chunks");
+  const Tables t = ReadTables(table.typed_data());
+  const float decay = decay_lr.typed_data()[0], lr = decay_lr.typed_data()[1];
+  const float* gp = g.typed_data();
+  const float* mp = m.typed_data();
+  const int32_t* pp = positions.typed_data();
+  float* mo = m_out->typed_data();
+  float* vp = val_out->typed_data();
+  ParallelFor(pool, chunks, 64, [&](int64_t begin, int64_t end) {
+    Workspace& ws = ThreadWorkspace();
+    float* x = ws.floats.data();
+    float* y = x + kN;
+    float* scratch = y + kN;
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t b = c / (A * B), a = (c / B) % A, col = c % B;
+      const int64_t base = (b * n1 + a * kC) * n2 + col * kC;
+      CompressChunk(t, gp + base, mp + base, mo + base, n2, decay, lr, static_cast<int>(k),
+                    pp + c * k, nullptr, vp + c * k, x, y, scratch, ws.cands);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DistroJaxDemoCompressAt, CompressAtImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+namespace {
+
+// The shape of a (batch, n1, n2) tensor of 8x8 chunks, cut into pieces of
+// work: a band (8 rows of one matrix) by a tile of up to kTile columns.
+struct Bands8 {
+  int64_t n1, n2, A, B, bands, tiles;
+  bool Init(ffi::Span<const int64_t> dims, int64_t elements) {
+    if (dims.size() < 2) return false;
+    n1 = dims[dims.size() - 2];
+    n2 = dims[dims.size() - 1];
+    if (n1 % kS || n2 % kS || n1 == 0 || n2 == 0) return false;
+    A = n1 / kS;
+    B = n2 / kS;
+    bands = elements / (kS * n2);
+    tiles = (n2 + kTile - 1) / kTile;
+    return true;
+  }
+  int64_t rows() const { return bands * B; }
+};
+
+}  // namespace
+
+// The worker side for 8x8 chunks, at positions given (drawn): the momentum
+// m' = decay * m + lr * DCT(g) and the values of m' at `positions` (rows, k).
+// basis: the orthonormal 8x8 DCT-II matrix, row-major.
+static ffi::Error Compress8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g,
+                                ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> decay_lr,
+                                ffi::Buffer<ffi::F32> basis, ffi::Buffer<ffi::S32> positions,
+                                ffi::ResultBuffer<ffi::F32> m_out,
+                                ffi::ResultBuffer<ffi::F32> val_out) {
+  Bands8 s;
+  if (!s.Init(g.dimensions(), static_cast<int64_t>(g.element_count())) ||
+      basis.element_count() != kSN)
+    return ffi::Error::InvalidArgument("demo_compress8: not 8x8 chunks");
+  const int64_t k = static_cast<int64_t>(positions.element_count()) / s.rows();
+  if (k < 1 || k * s.rows() != static_cast<int64_t>(positions.element_count()))
+    return ffi::Error::InvalidArgument("demo_compress8: positions do not match the chunks");
+  const float* D = basis.typed_data();
+  const float decay_value = decay_lr.typed_data()[0], lr_value = decay_lr.typed_data()[1];
+  const float* gp = g.typed_data();
+  const float* mp = m.typed_data();
+  const int32_t* pp = positions.typed_data();
+  float* mo = m_out->typed_data();
+  float* vp = val_out->typed_data();
+  ParallelFor(pool, s.bands * s.tiles, 4, [&, s](int64_t begin, int64_t end) {
+    // Locals, not captures: a store through a float pointer could alias a
+    // captured reference, and the compiler would reload it every time.
+    const float decay = decay_value, lr = lr_value;
+    const int64_t n2 = s.n2;
+    Workspace& ws = ThreadWorkspace();
+    float* t = ws.floats.data();
+    float* u = t + kS * kTile;
+    float* y = u + kS * kTile;
+    for (int64_t piece = begin; piece < end; ++piece) {
+      const int64_t band = piece / s.tiles, c0 = (piece % s.tiles) * kTile;
+      const int64_t w = std::min(kTile, n2 - c0);
+      const int64_t base = band * kS * n2 + c0;
+      Forward8(D, gp + base, n2, y, w, t, u);
+      for (int i = 0; i < kS; ++i) {
+        const float* mr = mp + base + i * n2;
+        float* mw = mo + base + i * n2;
+        float* yr = y + i * w;
+        for (int64_t c = 0; c < w; c += kS) {
+          const F8 v = decay * Load8(mr + c) + lr * Load8(yr + c);
+          Store8(yr + c, v);
+          Store8(mw + c, v);
+        }
+      }
+      const int64_t row0 = band * s.B + c0 / kS;
+      for (int64_t cc = 0; cc < w / kS; ++cc) {
+        const int32_t* pr = pp + (row0 + cc) * k;
+        float* vr = vp + (row0 + cc) * k;
+        for (int64_t e = 0; e < k; ++e) {
+          const int32_t p = pr[e] & (kSN - 1);
+          vr[e] = y[(p / kS) * w + cc * kS + p % kS];
+        }
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DistroJaxDemoCompress8, Compress8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// The receiving side for a tensor of 8x8 chunks: every chunk's mean over the
+// workers that sent each coefficient (folded in distro_jax.codec.worker_order's
+// order with codec.aggregate's running mean, so the same bits), then its
+// inverse DCT, D^T Z D, whose first stage reads only the coefficients sent.
+static ffi::Error Decode8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> idx,
+                              ffi::Buffer<ffi::F32> val, ffi::Buffer<ffi::S32> valid,
+                              ffi::Buffer<ffi::F32> basis, ffi::ResultBuffer<ffi::F32> out) {
+  const auto d = idx.dimensions();
+  Bands8 s;
+  if (d.size() != 3 || basis.element_count() != kSN ||
+      !s.Init(out->dimensions(), static_cast<int64_t>(out->element_count())))
+    return ffi::Error::InvalidArgument("demo_decode8: bad shapes");
+  const int64_t workers = d[0], rows = d[1], k = d[2];
+  if (rows != s.rows()) return ffi::Error::InvalidArgument("demo_decode8: rows do not match");
+  const float* D = basis.typed_data();
+  alignas(32) float DT[kSN];
+  for (int i = 0; i < kS; ++i)
+    for (int j = 0; j < kS; ++j) DT[j * kS + i] = D[i * kS + j];
+  const int32_t* ip = idx.typed_data();
+  const float* vp = val.typed_data();
+  const int32_t* ok = valid.typed_data();
+  const std::vector<int64_t> order = WorkerOrder(pool, ip, vp, workers, rows, k, kSN);
+  const int64_t* op = order.data();
+  float* qp = out->typed_data();
+  ParallelFor(pool, s.bands * s.tiles, 4, [&](int64_t begin, int64_t end) {
+    Workspace& ws = ThreadWorkspace();
+    float* r = ws.floats.data();  // Z D of the tile's chunks, 8 rows of w
+    float* z = r + kS * kTile;    // one chunk's mean; zero between chunks
+    std::fill(z, z + kSN, 0.f);
+    std::vector<int32_t>& count = ws.ints;
+    std::vector<int32_t>& touched = ws.touched;
+    for (int64_t piece = begin; piece < end; ++piece) {
+      const int64_t band = piece / s.tiles, c0 = (piece % s.tiles) * kTile;
+      const int64_t w = std::min(kTile, s.n2 - c0);
+      std::memset(r, 0, kS * w * sizeof(float));
+      const int64_t row0 = band * s.B + c0 / kS;
+      for (int64_t cc = 0; cc < w / kS; ++cc) {
+        const int64_t c = row0 + cc;
+        touched.clear();
+        for (int64_t i = 0; i < workers; ++i) {
+          const int64_t wk = op[i];
+          if (!ok[wk]) continue;
+          const int32_t* iw = ip + (wk * rows + c) * k;
+          const float* vw = vp + (wk * rows + c) * k;
+          for (int64_t e = 0; e < k; ++e) {
+            const int32_t p = iw[e] & (kSN - 1);
+            const int n = ++count[p];
+            if (n == 1) touched.push_back(p);
+            z[p] = z[p] + (vw[e] - z[p]) / static_cast<float>(n);
+          }
+        }
+        // R = Z D along the chunk's second axis, in the order the
+        // coefficients first arrived (fixed by the worker order).
+        for (const int32_t p : touched) {
+          const float v = z[p];
+          z[p] = 0.f;
+          count[p] = 0;
+          float* ri = r + (p / kS) * w + cc * kS;
+          Store8(ri, Load8(ri) + v * Load8(D + (p % kS) * kS));
+        }
+      }
+      // Q = D^T R along the first axis, straight into the output's rows.
+      Rows8(DT, r, w, qp + band * kS * s.n2 + c0, s.n2, w);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DistroJaxDemoDecode8, Decode8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -1,4 +1,4 @@
-r"""Benchmark: one DeMo update against one AdamW update plus gradient pmean.
+r"""Benchmark: one optimizer update of every method against AdamW plus gradient pmean.
 
 Every method updates the same params tree from the same per-worker gradients,
 on simulated CPU devices (or real accelerators when present), inside one
@@ -7,21 +7,34 @@ methods are timed in interleaved rounds, so a slow spell of a shared machine
 hits all of them, and each ratio is the median over rounds of the ratio of
 calls made moments apart.
 
+The rows: ``dj.demo`` at its defaults and at Psyche's top-k 8 with 1-bit
+values; every method ``compare`` runs by default (``adamw``, ``muon``,
+``demo``, ``demo-k8-1bit``, ``demo-k2-1bit``, the recommended
+``demo-k1-c8-1bit-rand-fb1-orth``, ``diloco``, ``sparseloco``), built by the
+method registry as ``compare`` builds them (their recipes for ``small``,
+clipping included), and the recommended message with the sign step. DiLoCo
+and SparseLoCo step locally between exchanges: their row is a local step, a
+second row times the same method synchronizing at every step, and a third is
+the per-step cost over a round of H steps, ``((H - 1) local + 1
+synchronizing) / H``.
+
 Beside the totals it times DeMo's parts on the same data, each as its own
 jitted step: ``transform`` (the momentum update with the chunked DCT of the
 gradient), ``top-k`` (selection and error feedback), ``aggregate`` (encode,
 all-gather, decode and mean over contributors) and ``decode`` (the inverse DCT
-of the aggregate). It also prints the wire bytes for the defaults and for
-Psyche's top-k 8 with 1-bit values.
+of the aggregate). It also prints the wire bytes for the defaults, for
+Psyche's top-k 8 with 1-bit values and for one drawn position of each 8x8
+chunk.
 
   python -m experiments.bench_update                  # 13.4M-param stacked tree
+  python -m experiments.bench_update --methods=demo-k1-c8-1bit-rand-fb1-orth --noparts
   python -m experiments.bench_update --preset=small   # a model preset's params
   python -m experiments.bench_update --preset=medium --scan_layers   # its layers stacked
 """
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,24 +52,38 @@ SYNTHETIC = "stacked"
 
 
 def transformer_params(d_model: int, layers: int, vocab: int, dtype: Any) -> dict:
-  """Shapes of a Llama-style decoder: stacked attention and SwiGLU weights."""
+  """Shapes of a Llama-style decoder with its layers stacked, laid out as the model's own.
+
+  The paths are those of ``experiments.run.model`` with ``scan_layers``
+  (``blocks/attn/wq``, ``embedding``, ``lm_head``...), so a method built by
+  the registry treats each tensor as it treats the model's (``orth``
+  orthogonalizes each layer's hidden matrices, the embedding and the head
+  step at unit RMS).
+  """
   ff = 4 * d_model * 2 // 3 // 64 * 64 or 64
+  square = (layers, d_model, d_model)
+  norm = {"scale": (layers, 1, d_model)}
   shapes = {
-    "embed": (vocab, d_model),
-    "wq": (layers, d_model, d_model),
-    "wk": (layers, d_model, d_model),
-    "wv": (layers, d_model, d_model),
-    "wo": (layers, d_model, d_model),
-    "w_gate": (layers, d_model, ff),
-    "w_up": (layers, d_model, ff),
-    "w_down": (layers, ff, d_model),
-    "norm_attn": (layers, d_model),
-    "norm_mlp": (layers, d_model),
-    "norm_out": (d_model,),
-    "unembed": (d_model, vocab),
+    "embedding": (vocab, d_model),
+    "blocks": {
+      "attn": {"wq": square, "wk": square, "wv": square, "wo": square},
+      "attn_norm": norm,
+      "mlp": {
+        "w_gate": (layers, d_model, ff),
+        "w_up": (layers, d_model, ff),
+        "w_down": (layers, ff, d_model),
+      },
+      "mlp_norm": norm,
+    },
+    "final_norm": {"scale": (d_model,)},
+    "lm_head": (d_model, vocab),
   }
   rng = np.random.default_rng(0)
-  return {k: jnp.asarray(rng.normal(size=s) * 0.02, dtype) for k, s in shapes.items()}
+  return jax.tree.map(
+    lambda s: jnp.asarray(rng.normal(size=s) * 0.02, dtype),
+    shapes,
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
 
 
 def preset_params(name: str, dtype: Any, scan_layers: bool = False) -> Any:
@@ -76,23 +103,69 @@ def preset_params(name: str, dtype: Any, scan_layers: bool = False) -> Any:
 
 # One drawn position of every 8x8 chunk, one sign bit each (docs/results.md).
 DRAWN = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
-DRAWN_NAME = "dj.demo (1 drawn of 8x8, 1-bit)"
-# The same message, each matrix's step orthogonalized: five Newton-Schulz
-# steps per matrix on every worker, the cost the bytes do not show.
-ORTH_NAME = "dj.demo (1 drawn, 1-bit, orth)"
+BASELINE = "AdamW + grad pmean"
+DEFAULTS_NAME = "dj.demo (defaults)"
+K8_NAME = "dj.demo (top-k 8, 1-bit)"
+# The message recommended past 1,000x as compare runs it (each layer's hidden
+# matrices orthogonalized), and the same message with the sign step, which
+# shows what the orthogonalization costs.
+ORTH_NAME = "demo-k1-c8-1bit-rand-fb1-orth"
+DRAWN_NAME = "demo-k1-c8-1bit-rand-fb1"
+# What a row of a method with local steps names: its synchronizing step.
+SYNC_STEP = "{} (synchronizing step)"
+
+
+def compare_update(name: str) -> tuple[optax.GradientTransformation, int]:
+  """``name`` (a method as ``compare`` takes it) built as ``compare`` builds it, and its H.
+
+  The registry's build with its recipe for the ``small`` preset (clipping
+  included), on the data axis ``"data"``, for a tree with its layers
+  stacked; H is the steps between its exchanges (1 for DeMo).
+  """
+  from experiments.run import checks
+  from experiments.run import methods as registry
+  from experiments.run.config import TrainConfig
+
+  method, fields = registry.parse(name)
+  # SparseLoCo's median clip would take a stack of layers as one tensor, and
+  # its check refuses --scan_layers; only the modes of --normalize read it.
+  stacked = fields.get("optimizer") != "sparseloco"
+  cfg = checks.resolve(TrainConfig(**fields, preset="small", scan_layers=stacked))
+  return method.build(cfg, registry.Axes(replica="data", fsdp=None)), method.exchange_every(cfg)
+
+
+def _compare_names() -> tuple[str, ...]:
+  from experiments.run.methods import DEFAULT_COMPARISON
+
+  return (*DEFAULT_COMPARISON, DRAWN_NAME)
 
 
 def methods(learning_rate: float = 1e-3) -> dict[str, optax.GradientTransformation]:
-  """The updates compared: the all-reduce baseline, DeMo's defaults, Psyche's message, and
-  the smallest message that trained within a few percent of AdamW (drawn positions), with
-  the sign and orthogonalized."""
-  return {
-    "AdamW + grad pmean": optax.chain(dj.pmean_gradients("data"), optax.adamw(learning_rate)),
-    "dj.demo (defaults)": dj.demo(learning_rate),
-    "dj.demo (top-k 8, 1-bit)": dj.demo(learning_rate, compression_topk=8, quantize_1bit=True),
-    DRAWN_NAME: dj.demo(learning_rate, **DRAWN),
-    ORTH_NAME: dj.demo(learning_rate, normalize="orth", **DRAWN),
+  """The updates compared, the all-reduce baseline first.
+
+  DeMo's defaults and Psyche's top-k 8 with 1-bit values as ``dj.demo`` builds
+  them; then every method ``compare`` runs by default, as it builds them
+  (:func:`compare_update`), and the recommended drawn message with the sign.
+  A method with local steps (DiLoCo, SparseLoCo) has a second row: the same
+  method synchronizing at every step, whose time is that of its 1-in-H
+  synchronizing step (:func:`local_steps`).
+  """
+  rows = {
+    BASELINE: optax.chain(dj.pmean_gradients("data"), optax.adamw(learning_rate)),
+    DEFAULTS_NAME: dj.demo(learning_rate),
+    K8_NAME: dj.demo(learning_rate, compression_topk=8, quantize_1bit=True),
   }
+  for name in _compare_names():
+    rows[name], every = compare_update(name)
+    if every > 1:
+      rows[SYNC_STEP.format(name)], _ = compare_update(f"{name}-h1")
+  return rows
+
+
+def local_steps() -> dict[str, int]:
+  """H of each method in :func:`methods` that takes local steps between exchanges."""
+  every = {name: compare_update(name)[1] for name in _compare_names()}
+  return {name: h for name, h in every.items() if h > 1}
 
 
 def _worker_grads(params: Any, mesh: jax.sharding.Mesh, seed: int = 1) -> Any:
@@ -245,13 +318,29 @@ def run(
   repeats: int,
   dtype: str,
   scan_layers: bool = False,
+  only: Sequence[str] | None = None,
+  parts: bool = True,
 ) -> dict[str, Any]:
   """Times every method and DeMo's parts; prints the table and returns the medians.
+
+  Args:
+    workers: simulated devices on the data axis.
+    preset: a model preset, or :data:`SYNTHETIC`.
+    d_model: the synthetic tree's width.
+    layers: the synthetic tree's blocks.
+    vocab: the synthetic tree's embedding rows.
+    repeats: interleaved rounds.
+    dtype: the params' dtype.
+    scan_layers: with ``preset``, its layers stacked.
+    only: the rows of :func:`methods` to time (AdamW always is); all by default.
+    parts: also time DeMo's parts.
 
   Returns:
     ``{"ms": {name: median ms}, "ratio": {name: median ratio to AdamW},
     "first_call_s": {update: seconds of its first call, the compile included},
-    "numel": int}``.
+    "numel": int}``. A method with local steps also has the row
+    ``"NAME (per step, H=...)"``: ``((H - 1) local + 1 synchronizing) / H``
+    in each round.
   """
   devices = jax.devices()[:workers]
   if len(devices) < workers:
@@ -271,15 +360,21 @@ def run(
   params = jax.device_put(params, NamedSharding(mesh, P()))
   grads = _worker_grads(params, mesh)
 
+  every = methods()
+  if only is not None:
+    unknown = sorted(set(only) - set(every))
+    if unknown:
+      raise ValueError(f"Unknown methods {unknown}; choose from {sorted(every)}.")
+    every = {n: tx for n, tx in every.items() if n == BASELINE or n in only}
   timed: dict[str, tuple[Callable[..., Any], Any, bool]] = {}
   first_s: dict[str, float] = {}
-  for name, tx in methods().items():
+  for name, tx in every.items():
     step, carry = build_update(tx, params, mesh)
     carry, first_s[name] = first_call(name, step, *carry, grads)
     timed[name] = (step, carry, True)
-  for label, kw in [("defaults", (32, False)), ("top-k 8, 1-bit", (8, True))]:
-    parts = demo_parts(params, grads, mesh, topk=kw[0], quantize_1bit=kw[1])
-    for part, (fn, args) in parts.items():
+  for label, kw in [("defaults", (32, False)), ("top-k 8, 1-bit", (8, True))] if parts else []:
+    cut = demo_parts(params, grads, mesh, topk=kw[0], quantize_1bit=kw[1])
+    for part, (fn, args) in cut.items():
       jax.block_until_ready(fn(*args))
       timed[f"  {part} ({label})"] = (fn, args, False)
 
@@ -291,8 +386,15 @@ def run(
       times[name].append(time.perf_counter() - t0)
       if is_step:
         timed[name] = (fn, out, True)
+  for name, h in local_steps().items():
+    sync = SYNC_STEP.format(name)
+    if name in times and sync in times:
+      # One round of H steps: H - 1 local steps and one that synchronizes.
+      times[f"{name} (per step, H={h})"] = [
+        ((h - 1) * t + ts) / h for t, ts in zip(times[name], times[sync])
+      ]
 
-  base = times["AdamW + grad pmean"]
+  base = times[BASELINE]
   ms = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
   ratio = {name: statistics.median(t / b for t, b in zip(ts, base)) for name, ts in times.items()}
   if preset == SYNTHETIC:
@@ -308,12 +410,12 @@ def run(
   )
   print(f"DeMo's fused CPU kernels (distro_jax.cpu_kernels): {kernels}")
   print(
-    f"{'update':<34}{'median ms':>12}{'x AdamW':>10}{'first call s':>14}"
+    f"{'update':<48}{'median ms':>12}{'x AdamW':>10}{'first call s':>14}"
     f"   (medians of {repeats} rounds; an update's first call compiles it)"
   )
   for name in times:
     first = f"{first_s[name]:>14.1f}" if name in first_s else ""
-    print(f"{name:<34}{ms[name]:>12.1f}{ratio[name]:>10.2f}{first}")
+    print(f"{name:<48}{ms[name]:>12.1f}{ratio[name]:>10.2f}{first}")
 
   print(f"\n{'wire (per worker per step)':<34}{'payload B':>12}{'vs bf16 grad':>14}{'vs ring':>10}")
   for name, kw in [
@@ -347,6 +449,13 @@ def main() -> None:
   scan_layers = flags.DEFINE_bool(
     "scan_layers", False, "With --preset: the model's tree with its layers stacked (ModelConfig)."
   )
+  only = flags.DEFINE_list(
+    "methods",
+    None,
+    "Rows to time (AdamW + grad pmean always is), e.g. 'dj.demo (defaults)' or "
+    f"{ORTH_NAME}; all by default.",
+  )
+  parts = flags.DEFINE_bool("parts", True, "Also time DeMo's parts (transform, top-k, ...).")
 
   def _main(argv: list[str]) -> None:
     del argv
@@ -362,6 +471,8 @@ def main() -> None:
         repeats=repeats.value,
         dtype=dtype.value,
         scan_layers=scan_layers.value,
+        only=only.value,
+        parts=parts.value,
       )
     except ValueError as e:
       raise app.UsageError(str(e)) from e

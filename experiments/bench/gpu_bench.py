@@ -6,11 +6,20 @@ every visible device:
 
 1. **Update.** One optimizer update on the preset's params tree, from a
    different gradient per worker: DeMo at the defaults and at Psyche's top-k 8
-   with 1-bit values (``--methods=all`` adds the drawn-position messages),
-   against ``pmean`` + AdamW (``experiments.bench_update``'s step).
+   with 1-bit values (``--methods=all`` adds the drawn-position messages and
+   the rest of ``compare``'s methods), against ``pmean`` + AdamW
+   (``experiments.bench_update``'s step).
 2. **Train step.** A full step of the Llama model (forward, backward, exchange,
    update) against the same step without the optimizer; the optimizer's share
    is ``1 - gradient time / step time``.
+
+Each DeMo update and train step runs twice (``--paths``): as JAX takes it
+on the device, with the Pallas kernels on a GPU (``distro_jax.pallas_kernels``),
+and on XLA's path alone, as ``"NAME (XLA path)"``, so one run shows what the
+kernels buy. The check a GPU session runs, in one command (about ten
+programs to compile per preset):
+
+  python -m experiments.gpu_bench --presets=base,largest --methods=defaults,k8-1bit,drawn-orth
 
 The default ``--presets=base,medium,largest`` runs ``base``, ``medium`` and
 then the largest of ``report-1.2b``, ``1b`` and ``base`` that fits in memory,
@@ -27,11 +36,12 @@ with separate layers, the first run there printed no figure in 225 s at
   python -m experiments.gpu_bench --presets=tiny --batch_size=2 --seq_len=16  # CPU smoke
 """
 
+import contextlib
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -44,18 +54,26 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
+from distro_jax import cpu_kernels, pallas_kernels
 from experiments.bench import bench_update
 from experiments.run import model as model_lib
 from experiments.run.presets import get_preset
 
 LARGEST = ("report-1.2b", "1b", "base")
-BASELINE = "AdamW + grad pmean"
+BASELINE = bench_update.BASELINE
 # --methods names DeMo's updates by these keys (the full names hold commas).
 METHOD_KEYS = {
-  "defaults": "dj.demo (defaults)",
-  "k8-1bit": "dj.demo (top-k 8, 1-bit)",
+  "defaults": bench_update.DEFAULTS_NAME,
+  "k8-1bit": bench_update.K8_NAME,
   "drawn": bench_update.DRAWN_NAME,
   "drawn-orth": bench_update.ORTH_NAME,
+  # The rest of compare's default methods, by their own names.
+  **{
+    name: name
+    for name in ("adamw", "muon", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco", "sparseloco")
+  },
+  "diloco-sync": bench_update.SYNC_STEP.format("diloco"),
+  "sparseloco-sync": bench_update.SYNC_STEP.format("sparseloco"),
 }
 # DeMo's update unrolls one pipeline per tensor (50,000 lines of optimized HLO
 # at base on the CPU, AdamW's 3,600), and an H200 gave no figure in 225 s at
@@ -63,8 +81,12 @@ METHOD_KEYS = {
 # drawn-position ones, which compile for twice as long.
 DEFAULT_KEYS = ("defaults", "k8-1bit")
 DEFAULT_METHODS = (BASELINE, *(METHOD_KEYS[k] for k in DEFAULT_KEYS))
+# Each DeMo update as JAX takes it here (the Pallas kernels on a GPU) and on
+# XLA's path alone.
+PATHS = ("kernels", "xla")
+XLA_PATH = "{} (XLA path)"
 # The train step compiles the whole model per method; two keep the run short.
-TRAIN_METHODS = (BASELINE, "dj.demo (defaults)")
+TRAIN_METHODS = (BASELINE, bench_update.DEFAULTS_NAME)
 
 
 def _random_params(config: model_lib.ModelConfig, seed: int = 0) -> tuple[Any, Any]:
@@ -121,15 +143,40 @@ def _chosen(methods: Sequence[str] | None) -> dict[str, optax.GradientTransforma
   return {name: tx for name, tx in every.items() if name == BASELINE or name in methods}
 
 
+@contextlib.contextmanager
+def _xla_path() -> Iterator[None]:
+  """Traces DeMo's update on XLA's path: no Pallas kernel, no CPU kernel."""
+  with pallas_kernels.disabled(), cpu_kernels.disabled():
+    yield
+
+
 def time_updates(
-  params: Any, mesh: jax.sharding.Mesh, rounds: int, methods: Sequence[str] | None = None
+  params: Any,
+  mesh: jax.sharding.Mesh,
+  rounds: int,
+  methods: Sequence[str] | None = None,
+  paths: Sequence[str] = PATHS,
 ) -> dict[str, Any]:
-  """Median ms of one update per method and its ratio to AdamW + all-reduce."""
+  """Median ms of one update per method and its ratio to AdamW + all-reduce.
+
+  With ``"kernels"`` in ``paths`` each DeMo update is timed as JAX takes it
+  here (the Pallas kernels on a GPU, the fused CPU kernels on a CPU); with
+  ``"xla"``, also on XLA's path alone, as ``"NAME (XLA path)"``.
+  """
   grads = _worker_grads(params, mesh)
   steps: dict[str, list[Any]] = {}
   for name, tx in _chosen(methods).items():
-    step, carry = bench_update.build_update(tx, params, mesh)
-    steps[name] = [step, bench_update.first_call(f"update {name}", step, *carry, grads)[0]]
+    variants = {name: contextlib.nullcontext}
+    if name != BASELINE:
+      variants = {
+        **({name: contextlib.nullcontext} if "kernels" in paths else {}),
+        **({XLA_PATH.format(name): _xla_path} if "xla" in paths else {}),
+      }
+    for label, path in variants.items():
+      # The kernels are chosen as the update is traced, at its first call.
+      with path():
+        step, carry = bench_update.build_update(tx, params, mesh)
+        steps[label] = [step, bench_update.first_call(f"update {label}", step, *carry, grads)[0]]
 
   def call(name: str) -> Callable[[], Any]:
     def run():
@@ -187,8 +234,12 @@ def time_train_steps(
   seq_len: int,
   vocab_size: int,
   rounds: int,
+  paths: Sequence[str] = PATHS,
 ) -> dict[str, Any]:
-  """Per method: step and gradient-only ms, the optimizer's share, and ratios to AdamW's."""
+  """Per method: step and gradient-only ms, the optimizer's share, and ratios to AdamW's.
+
+  With ``"xla"`` in ``paths``, DeMo's step on XLA's path too (see :func:`time_updates`).
+  """
   workers = mesh.shape["data"]
   tokens = jax.device_put(
     jnp.asarray(
@@ -201,12 +252,18 @@ def time_train_steps(
   for name, tx in bench_update.methods().items():
     if name not in TRAIN_METHODS:
       continue
-    full_step, grad_step, state = _train_steps(graphdef, tx, params, mesh)
-    first = bench_update.first_call
-    out, _ = first(f"train step {name}", full_step, jax.tree.map(jnp.copy, params), state, tokens)
-    carry = out[:2]
-    first(f"gradient step {name}", grad_step, *carry, tokens)
-    runs[name] = [full_step, grad_step, carry]
+    variants = {name: contextlib.nullcontext}
+    if name != BASELINE and "xla" in paths:
+      variants[XLA_PATH.format(name)] = _xla_path
+    for label, path in variants.items():
+      with path():
+        full_step, grad_step, state = _train_steps(graphdef, tx, params, mesh)
+        first = bench_update.first_call
+        start = jax.tree.map(jnp.copy, params)
+        out, _ = first(f"train step {label}", full_step, start, state, tokens)
+        carry = out[:2]
+        first(f"gradient step {label}", grad_step, *carry, tokens)
+      runs[label] = [full_step, grad_step, carry]
 
   def step_call(name: str) -> Callable[[], Any]:
     def run():
@@ -257,6 +314,7 @@ def run(
   seq_len: int = 512,
   methods: Sequence[str] | None = DEFAULT_METHODS,
   scan_layers: bool = True,
+  paths: Sequence[str] = PATHS,
 ) -> dict[str, Any]:
   """Measures every preset (``largest``: the biggest of :data:`LARGEST` that fits).
 
@@ -273,6 +331,8 @@ def run(
       (:class:`experiments.run.model.ModelConfig`), so DeMo's update is one
       pipeline per kind of weight and compiles in seconds; the message is
       that of the separate layers.
+    paths: time DeMo's updates with the kernels JAX takes here
+      (``"kernels"``: Pallas's on a GPU), on XLA's path (``"xla"``), or both.
 
   Returns:
     ``{preset: {"params": int, "update": {...}, "train_step": {...}}}``, as printed.
@@ -291,9 +351,9 @@ def run(
         numel = sum(x.size for x in jax.tree.leaves(params))
         layers = ", layers stacked and scanned" if scan_layers else ""
         print(f"\n== {name}: {numel / 1e6:,.1f}M params{layers}", flush=True)
-        update = time_updates(params, mesh, rounds, methods)
+        update = time_updates(params, mesh, rounds, methods, paths)
         for method, row in update.items():
-          print(f"  update {method:<28} {row['ms']:>9.2f} ms  {row['x_adamw']:>6.2f}x AdamW")
+          print(f"  update {method:<40} {row['ms']:>9.2f} ms  {row['x_adamw']:>6.2f}x AdamW")
         train = time_train_steps(
           graphdef,
           params,
@@ -302,10 +362,11 @@ def run(
           seq_len=min(seq_len, config.max_seq_len),
           vocab_size=config.vocab_size,
           rounds=train_rounds,
+          paths=paths,
         )
         for method, row in train.items():
           print(
-            f"  train  {method:<28} step {row['step_ms']:>9.2f} ms, optimizer "
+            f"  train  {method:<40} step {row['step_ms']:>9.2f} ms, optimizer "
             f"{row['optimizer_ms']:>8.2f} ms = {row['optimizer_share']:>6.1%} of the step "
             f"({row['share_x_adamw']:.2f}x AdamW's share)"
           )
@@ -335,6 +396,11 @@ def main() -> None:
     "Stack and scan the layers: far shorter compiles, the same message (ModelConfig); "
     "--noscan_layers keeps them separate.",
   )
+  paths = flags.DEFINE_list(
+    "paths",
+    list(PATHS),
+    "DeMo's updates with the kernels JAX takes here (Pallas's on a GPU), on XLA's path, or both.",
+  )
   methods = flags.DEFINE_list(
     "methods",
     list(DEFAULT_KEYS),
@@ -347,6 +413,8 @@ def main() -> None:
     if unknown:  # before any compile
       raise app.UsageError(f"--methods: unknown {unknown}; choose from {list(METHOD_KEYS)}.")
     chosen = None if "all" in methods.value else [METHOD_KEYS[m] for m in methods.value]
+    if not paths.value or set(paths.value) - set(PATHS):
+      raise app.UsageError(f"--paths: some of {list(PATHS)}; got {paths.value}.")
     results = run(
       presets.value,
       workers=workers.value,
@@ -356,6 +424,7 @@ def main() -> None:
       seq_len=seq_len.value,
       methods=chosen,
       scan_layers=scan_layers.value,
+      paths=paths.value,
     )
     if out.value:
       with open(out.value, "w") as f:

@@ -1,0 +1,419 @@
+"""DeMo's fused kernels for the GPU, in Pallas: compress and decode, one pass per chunk.
+
+XLA's GPU path runs each stage of the update as several kernels with a
+param-sized buffer between each: the two DCT matmuls, the momentum, the
+top-k's two stages; on the receiving side the scatter loop of the mean, then
+the inverse DCT (docs/performance.md: at 934M parameters the update is 4.7x
+AdamW's, near the memory bound). Here each stage is one Pallas kernel that
+reads a chunk once and writes its results once:
+
+- :func:`compress`: ``m' = decay * m + lr * DCT(g)`` and the chunk's top-k
+  (64x64 chunks; at drawn positions, 64x64 or 8x8 chunks, ``m'`` alone), the
+  same contract as :func:`distro_jax.cpu_kernels.compress`. The values sent
+  are read back from the stored ``m'`` (a gather of k entries a chunk), so
+  they are its bits whatever the compiler does with the kernel;
+- :func:`decode`: the mean of the W workers' messages, folded in
+  :func:`distro_jax.codec.worker_order` with the running mean of
+  :func:`distro_jax.codec.aggregate_blocks` (so the same bits), and its
+  inverse DCT, without the dense mean and count buffers between the two.
+
+The top-k is exact: ``k`` rounds of (largest magnitude, lowest position among
+ties), ``jax.lax.top_k``'s order. The DCTs are float32 products at
+``Precision.HIGHEST`` (no TF32), so they differ from XLA's by float32
+rounding only; every replica runs the same kernel on the same inputs and gets
+the same bits.
+
+They lower with Triton (``jax.experimental.pallas.triton``). JAX takes them
+on a GPU backend where they serve (:func:`serves`), XLA's path elsewhere;
+``DISTRO_JAX_PALLAS=0`` (or :func:`disabled`) asks for XLA's path on the GPU
+too. On the CPU they run in Pallas's interpret mode, for tests only
+(``interpret=True``).
+"""
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from distro_jax import codec, dct, exchange
+
+__all__ = ["available", "compress", "decode", "disabled", "interpreted", "serves"]
+
+SWITCH = "DISTRO_JAX_PALLAS"
+# The chunk sides served: 64x64 chunks (top-k or drawn) and 8x8 (drawn).
+SIDES = (8, 64)
+# The top-k runs k rounds over the chunk; past this the two-stage XLA top-k wins.
+MAX_K = 64
+# 8x8 chunks are taken up to this many along a band at a time.
+_BAND = 16
+_HIGHEST = jax.lax.Precision.HIGHEST
+_local = threading.local()
+
+
+def available() -> bool:
+  """Whether DeMo's update takes these kernels where they serve, as traced now.
+
+  True on a GPU backend unless ``DISTRO_JAX_PALLAS=0`` or a :func:`disabled`
+  block is open in this thread; anywhere within :func:`interpreted`.
+  """
+  if getattr(_local, "off", False) or os.environ.get(SWITCH, "1") == "0":
+    return False
+  return getattr(_local, "interpret", False) or jax.default_backend() == "gpu"
+
+
+@contextlib.contextmanager
+def interpreted() -> Iterator[None]:
+  """Traces DeMo's update with these kernels in Pallas's interpret mode (this thread only).
+
+  For checking the kernels where there is no GPU: the update then takes them
+  wherever they serve, on any backend, slowly.
+
+  Example:
+    >>> import distro_jax as dj
+    >>> with dj.pallas_kernels.interpreted():
+    ...   dj.pallas_kernels.available()
+    True
+  """
+  before = getattr(_local, "interpret", False)
+  _local.interpret = True
+  try:
+    yield
+  finally:
+    _local.interpret = before
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+  """Traces DeMo's update on XLA's path within the block (this thread only).
+
+  Example:
+    >>> import distro_jax as dj
+    >>> with dj.pallas_kernels.disabled():
+    ...   dj.pallas_kernels.available()
+    False
+  """
+  before = getattr(_local, "off", False)
+  _local.off = True
+  try:
+    yield
+  finally:
+    _local.off = before
+
+
+def serves(
+  plan: dct.ChunkPlan, *arrays: jax.Array, k: int | None = None, drawn: bool = False
+) -> bool:
+  """Whether the kernels take a tensor of ``plan`` given as ``arrays`` (block views).
+
+  Args:
+    plan: the tensor's chunk plan.
+    *arrays: its float32 block views the kernel would read.
+    k: with ``drawn=False``, the top-k per chunk that :func:`compress` would
+      select (64x64 chunks, ``k <= MAX_K``); ``None`` asks about :func:`decode`.
+    drawn: whether :func:`compress` would take drawn positions.
+  """
+  return available() and _fits(plan, *arrays, k=k, drawn=drawn)
+
+
+def _fits(plan: dct.ChunkPlan, *arrays: jax.Array, k: int | None, drawn: bool) -> bool:
+  """:func:`serves` without the backend: what the kernels can do at all."""
+  side = plan.c1 if plan.c1 == plan.c2 else None
+  if side not in SIDES:
+    return False
+  if k is not None and not drawn and (side != 64 or not 1 <= k <= MAX_K):
+    return False
+  return not any(x.dtype != jnp.float32 or dct.placed_on_mesh(x) for x in arrays)
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _band(b: int) -> int:
+  """Chunks of a band taken at once: the largest power of two up to _BAND dividing b."""
+  t = _BAND
+  while b % t:
+    t //= 2
+  return t
+
+
+@functools.cache
+def _bases(side: int) -> tuple[np.ndarray, np.ndarray]:
+  d = dct._basis_np(side)
+  return d, np.ascontiguousarray(d.T)
+
+
+def _together(*arrays: jax.Array) -> tuple[list[jax.Array], dict]:
+  """``arrays`` typed alike inside ``shard_map``, and the outputs' typing to match.
+
+  A ``pallas_call`` inside ``shard_map`` takes its outputs' varying axes from
+  ``out_shape``: every input is typed as varying over the axes any of them
+  varies over, and so is every output (what it computes depends on them).
+  """
+  axes = frozenset().union(*(exchange.varying_axes(x) for x in arrays))
+  typed = [exchange.as_varying(x, axes) for x in arrays]
+  manual = getattr(jax.typeof(typed[0]), "manual_axis_type", None)
+  return typed, ({} if manual is None else {"manual_axis_type": manual})
+
+
+def _interpreting(interpret: bool) -> bool:
+  return interpret or getattr(_local, "interpret", False)
+
+
+def _params(interpret: bool) -> dict:
+  if interpret:
+    return {"interpret": True}
+  from jax.experimental.pallas import triton as pl_triton
+
+  return {"compiler_params": pl_triton.CompilerParams(num_warps=4)}
+
+
+def _largest_first(mag, flat, size, k, kp):
+  """Positions of the k largest ``mag``, ties to the lower position, in k rounds."""
+  slots = jax.lax.broadcasted_iota(jnp.int32, (kp,), 0)
+
+  def round_(e, carry):
+    mag, picked = carry
+    top = jnp.max(mag)
+    p = jnp.min(jnp.where(mag == top, flat, size))
+    # Taken entries drop below every magnitude (all are >= 0).
+    return jnp.where(flat == p, -1.0, mag), jnp.where(slots == e, p, picked)
+
+  _, picked = jax.lax.fori_loop(0, k, round_, (mag, jnp.zeros((kp,), jnp.int32)))
+  return picked
+
+
+def _compress64_kernel(s_ref, d_ref, dt_ref, g_ref, m_ref, mo_ref, *idx_ref, k, kp):
+  y = jnp.dot(jnp.dot(d_ref[...], g_ref[...], precision=_HIGHEST), dt_ref[...], precision=_HIGHEST)
+  m_new = s_ref[0] * m_ref[...] + s_ref[1] * y
+  mo_ref[...] = m_new
+  if idx_ref:
+    rows = jax.lax.broadcasted_iota(jnp.int32, m_new.shape, 0)
+    flat = rows * 64 + jax.lax.broadcasted_iota(jnp.int32, m_new.shape, 1)
+    # A NaN has no rank: such a chunk sends positions 0..k-1 (and NaN values,
+    # read back from m'), which mark the message to be left out.
+    bad = jnp.max(jnp.where(m_new != m_new, 1, 0)) > 0
+    picked = _largest_first(jnp.abs(m_new), flat, 4096, k, kp)
+    idx_ref[0][...] = jnp.where(bad, jax.lax.broadcasted_iota(jnp.int32, (kp,), 0), picked)
+
+
+def _compress8_kernel(s_ref, d_ref, g_ref, m_ref, mo_ref):
+  # A band of bt chunks of 8x8, as the block view holds them: x[i, b, j].
+  d = d_ref[...]
+  decay, lr = s_ref[0], s_ref[1]
+  for i in range(8):
+    t = d_ref[i, 0] * g_ref[0]
+    for p in range(1, 8):
+      t = t + d_ref[i, p] * g_ref[p]
+    # y[i, b, j] = sum_q D[j, q] t[b, q]
+    y = jnp.sum(t[:, None, :] * d[None, :, :], axis=-1)
+    mo_ref[i] = decay * m_ref[i] + lr * y
+
+
+def compress(
+  g_blocks: jax.Array,
+  m_blocks: jax.Array,
+  decay: jax.Array | float,
+  lr: jax.Array | float,
+  k: int,
+  positions: jax.Array | None = None,
+  *,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``m' = decay * m + lr * DCT(g)`` and the top-k (or the drawn entries) of every chunk of ``m'``.
+
+  The contract of :func:`distro_jax.cpu_kernels.compress`.
+
+  Args:
+    g_blocks: a float32 gradient in its block view ``(*lead, A, c, B, c)``,
+      ``c`` 64 (or 8 with ``positions``).
+    m_blocks: the float32 momentum, same shape.
+    decay: the momentum's decay.
+    lr: the learning rate that scales the new coefficients.
+    k: entries kept per chunk.
+    positions: drawn chunk-local positions ``(*lead, A, B, k)``; the values
+      there are taken instead of the top-k.
+    interpret: run in Pallas's interpret mode (any backend; for tests).
+
+  Returns:
+    ``(m', indices, values)``: ``m'`` in the block view, and int32 indices and
+    float32 values of shape ``(*lead, A, B, k)``.
+  """
+  *lead, a, side, b, _ = g_blocks.shape
+  bands = int(np.prod(lead, dtype=np.int64)) * a
+  kp = _pow2(k)
+  interpret = _interpreting(interpret)
+  scalars = jnp.stack([jnp.asarray(decay, jnp.float32), jnp.asarray(lr, jnp.float32)])
+  g = g_blocks.reshape(bands, side, b, side)
+  m = m_blocks.reshape(bands, side, b, side)
+  d, dt = (jnp.asarray(x) for x in _bases(side))
+  (scalars, d, dt, g, m), typing = _together(scalars, d, dt, g, m)
+  whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  m_shape = jax.ShapeDtypeStruct(g.shape, jnp.float32, **typing)
+  if side == 64:
+    chunk = pl.BlockSpec((None, 64, None, 64), lambda r, c: (r, 0, c, 0))
+    top_k = positions is None
+    outs = pl.pallas_call(
+      functools.partial(_compress64_kernel, k=k, kp=kp),
+      out_shape=(m_shape, *[jax.ShapeDtypeStruct((bands, b, kp), jnp.int32, **typing)] * top_k),
+      grid=(bands, b),
+      in_specs=[whole((2,)), whole((64, 64)), whole((64, 64)), chunk, chunk],
+      out_specs=(chunk, *[pl.BlockSpec((None, None, kp), lambda r, c: (r, c, 0))] * top_k),
+      **_params(interpret),
+    )(scalars, d, dt, g, m)
+    m_new = outs[0]
+    idx = outs[1][..., :k].reshape(*lead, a, b, k) if top_k else positions.astype(jnp.int32)
+  else:
+    if positions is None:
+      raise ValueError("pallas_kernels.compress takes 8x8 chunks only at drawn positions.")
+    bt = _band(b)
+    band = pl.BlockSpec((None, 8, bt, 8), lambda r, c: (r, 0, c, 0))
+    m_new = pl.pallas_call(
+      _compress8_kernel,
+      out_shape=m_shape,
+      grid=(bands, b // bt),
+      in_specs=[whole((2,)), whole((8, 8)), band, band],
+      out_specs=band,
+      **_params(interpret),
+    )(scalars, d, g, m)
+    idx = positions.astype(jnp.int32)
+  m_new = m_new.reshape(g_blocks.shape)
+  # The values sent, read back from the stored m': the k of a chunk cost a
+  # gather of k entries, and they are the momentum's bits by construction.
+  idx = exchange.as_varying(idx, exchange.varying_axes(m_new))
+  return m_new, idx, codec.gather_blocks(m_new, idx)
+
+
+def _decode64_kernel(order_ref, ok_ref, d_ref, dt_ref, idx_ref, val_ref, q_ref, *, workers, k):
+  shape = (64, 64)
+  flat = jax.lax.broadcasted_iota(jnp.int32, shape, 0) * 64
+  flat = flat + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+
+  def entry(n, carry):
+    # Worker after worker in their canonical order, each's entries in turn.
+    mean, count = carry
+    # lax's integer division, not jnp's: the operands are non-negative, and
+    # jnp's sign corrections do not lower inside a Triton loop.
+    w, e = order_ref[jax.lax.div(n, k)], jax.lax.rem(n, k)
+    hit = (flat == (idx_ref[w, e] & 4095)) & (ok_ref[w] > 0)
+    count = count + hit.astype(jnp.int32)
+    step = (val_ref[w, e] - mean) / jnp.maximum(count, 1).astype(jnp.float32)
+    return jnp.where(hit, mean + step, mean), count
+
+  zeros = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32))
+  mean, _ = jax.lax.fori_loop(0, workers * k, entry, zeros)
+  t = jnp.dot(dt_ref[...], mean, precision=_HIGHEST)
+  q_ref[...] = jnp.dot(t, d_ref[...], precision=_HIGHEST)
+
+
+def _decode8_kernel(order_ref, ok_ref, d_ref, idx_ref, val_ref, q_ref, *, workers, k):
+  bt = idx_ref.shape[1]
+  cols = jax.lax.broadcasted_iota(jnp.int32, (bt, 8), 1)
+
+  def entry(n, carry):
+    mean, count = list(carry[0]), list(carry[1])
+    w, e = order_ref[jax.lax.div(n, k)], jax.lax.rem(n, k)
+    p = (idx_ref[w, :, e] & 63)[:, None]
+    v = val_ref[w, :, e][:, None]
+    ok = ok_ref[w] > 0
+    row, col = jax.lax.shift_right_logical(p, 3), p & 7
+    for i in range(8):
+      hit = (row == i) & (cols == col) & ok
+      count[i] = count[i] + hit.astype(jnp.int32)
+      step = (v - mean[i]) / jnp.maximum(count[i], 1).astype(jnp.float32)
+      mean[i] = jnp.where(hit, mean[i] + step, mean[i])
+    return tuple(mean), tuple(count)
+
+  zeros = (
+    tuple(jnp.zeros((bt, 8), jnp.float32) for _ in range(8)),
+    tuple(jnp.zeros((bt, 8), jnp.int32) for _ in range(8)),
+  )
+  mean, _ = jax.lax.fori_loop(0, workers * k, entry, zeros)
+  d = d_ref[...]
+  # R[i, b, n] = sum_j Z[i, b, j] D[j, n], then Q[p] = sum_i D[i, p] R[i].
+  r = [jnp.sum(z[:, :, None] * d[None, :, :], axis=1) for z in mean]
+  for p in range(8):
+    acc = d_ref[0, p] * r[0]
+    for i in range(1, 8):
+      acc = acc + d_ref[i, p] * r[i]
+    q_ref[p] = acc
+
+
+def decode(
+  indices: jax.Array,
+  values: jax.Array,
+  valid_W: jax.Array,
+  block_shape: tuple[int, ...],
+  *,
+  interpret: bool = False,
+) -> jax.Array:
+  """The inverse DCT of the mean of the workers' selections, in the block view.
+
+  The contract of :func:`distro_jax.cpu_kernels.decode`: the workers folded
+  in :func:`distro_jax.codec.worker_order` (computed here by XLA, a hash of
+  the small message), so the mean is that of
+  :func:`distro_jax.codec.aggregate_blocks` to the bit.
+
+  Args:
+    indices: int chunk-local indices ``(W, *lead, A, B, k)`` from each worker.
+    values: float values, same shape.
+    valid_W: bool per worker; False leaves it out.
+    block_shape: the tensor's block view ``(*lead, A, c, B, c)``, ``c`` 64 or 8.
+    interpret: run in Pallas's interpret mode (any backend; for tests).
+
+  Returns:
+    float32 of shape ``block_shape``.
+  """
+  workers = indices.shape[0]
+  *lead, a, side, b, _ = block_shape
+  interpret = _interpreting(interpret)
+  bands = int(np.prod(lead, dtype=np.int64)) * a
+  k = indices.shape[-1]
+  idx = indices.astype(jnp.int32).reshape(workers, bands, b, k)
+  val = values.astype(jnp.float32).reshape(workers, bands, b, k)
+  order = codec.worker_order(
+    idx.reshape(workers, bands * b, k), val.reshape(workers, bands * b, k), side * side
+  )
+  # Triton's blocks have power-of-two sides; the padding is never read.
+  kp = _pow2(k)
+  idx, val = (jnp.pad(x, ((0, 0),) * 3 + ((0, kp - k),)) for x in (idx, val))
+  ok = valid_W.astype(jnp.int32)
+  d, dt = (jnp.asarray(x) for x in _bases(side))
+  (order, ok, d, dt, idx, val), typing = _together(order, ok, d, dt, idx, val)
+  whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  out_shape = jax.ShapeDtypeStruct((bands, side, b, side), jnp.float32, **typing)
+  if side == 64:
+    per_chunk = pl.BlockSpec((workers, None, None, kp), lambda r, c: (0, r, c, 0))
+    q = pl.pallas_call(
+      functools.partial(_decode64_kernel, workers=workers, k=k),
+      out_shape=out_shape,
+      grid=(bands, b),
+      in_specs=[
+        whole((workers,)),
+        whole((workers,)),
+        whole((64, 64)),
+        whole((64, 64)),
+        per_chunk,
+        per_chunk,
+      ],
+      out_specs=pl.BlockSpec((None, 64, None, 64), lambda r, c: (r, 0, c, 0)),
+      **_params(interpret),
+    )(order, ok, d, dt, idx, val)
+  else:
+    bt = _band(b)
+    per_band = pl.BlockSpec((workers, None, bt, kp), lambda r, c: (0, r, c, 0))
+    q = pl.pallas_call(
+      functools.partial(_decode8_kernel, workers=workers, k=k),
+      out_shape=out_shape,
+      grid=(bands, b // bt),
+      in_specs=[whole((workers,)), whole((workers,)), whole((8, 8)), per_band, per_band],
+      out_specs=pl.BlockSpec((None, 8, bt, 8), lambda r, c: (r, 0, c, 0)),
+      **_params(interpret),
+    )(order, ok, d, idx, val)
+  return q.reshape(block_shape)
