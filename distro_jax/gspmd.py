@@ -393,19 +393,7 @@ def per_worker(
       jax.tree_util.keystr(p)
       for p, _ in jax.tree_util.tree_flatten_with_path(p_def.unflatten(p_leaves))[0]
     ]
-    for path, g, p in zip(paths, g_leaves, p_leaves):
-      if np.shape(g) != (num_workers, *np.shape(p)):
-        hint = (
-          "That is the gradient of the whole batch, which GSPMD all-reduces across the "
-          "workers (a dense step). "
-          if np.shape(g) == np.shape(p)
-          else ""
-        )
-        raise ValueError(
-          f"Gradient leaf {path} has shape {np.shape(g)}; dj.per_worker needs each worker's "
-          f"own gradient stacked on a leading axis, {(num_workers, *np.shape(p))}. {hint}"
-          f"Take it with dj.worker_value_and_grad(loss, mesh, {axis_name!r})."
-        )
+    _check_gradient_shapes(paths, g_leaves, p_leaves, num_workers, axis_name)
     flags = wrapper.per_worker_leaves(plain_params)
     s_leaves, s_def = jax.tree.flatten(state)
     template, t_def = jax.tree.flatten(jax.eval_shape(tx.init, _shapes(plain_params)))
@@ -414,14 +402,7 @@ def per_worker(
         "The optimizer state does not match this optimizer's: build it with this "
         "dj.per_worker(...).init(params)."
       )
-    for x, t, stacked in zip(s_leaves, template, flags):
-      want = (num_workers, *t.shape) if stacked else t.shape
-      if np.shape(x) != want:
-        raise ValueError(
-          f"An optimizer state leaf has shape {np.shape(x)}, but this optimizer's layout on "
-          f"{num_workers} workers has {want}: the state was built for another worker count or "
-          "other params. Resize a state of another worker count with dj.resize_per_worker."
-        )
+    _check_state_shapes(s_leaves, template, flags, num_workers)
     dense_step.warn_if_replicated_per_worker(
       [x for x, f in zip(s_leaves, flags) if f], axis_name, num_workers
     )
@@ -472,6 +453,39 @@ def per_worker(
   wrapper.inner, wrapper.mesh, wrapper.axis_name = tx, mesh, axis_name
   wrapper._flags = {}
   return wrapper
+
+
+def _check_gradient_shapes(
+  paths: list[str], g_leaves: list[Any], p_leaves: list[Any], num_workers: int, axis_name: Hashable
+) -> None:
+  """Each gradient leaf must be its param's shape with the worker axis in front."""
+  for path, g, p in zip(paths, g_leaves, p_leaves):
+    if np.shape(g) != (num_workers, *np.shape(p)):
+      hint = (
+        "That is the gradient of the whole batch, which GSPMD all-reduces across the "
+        "workers (a dense step). "
+        if np.shape(g) == np.shape(p)
+        else ""
+      )
+      raise ValueError(
+        f"Gradient leaf {path} has shape {np.shape(g)}; dj.per_worker needs each worker's "
+        f"own gradient stacked on a leading axis, {(num_workers, *np.shape(p))}. {hint}"
+        f"Take it with dj.worker_value_and_grad(loss, mesh, {axis_name!r})."
+      )
+
+
+def _check_state_shapes(
+  s_leaves: list[Any], template: list[Any], flags: list[bool], num_workers: int
+) -> None:
+  """The state must be this optimizer's on this many workers (per-worker leaves stacked)."""
+  for x, t, stacked in zip(s_leaves, template, flags):
+    want = (num_workers, *t.shape) if stacked else t.shape
+    if np.shape(x) != want:
+      raise ValueError(
+        f"An optimizer state leaf has shape {np.shape(x)}, but this optimizer's layout on "
+        f"{num_workers} workers has {want}: the state was built for another worker count or "
+        "other params. Resize a state of another worker count with dj.resize_per_worker."
+      )
 
 
 def _unit_sharding(unit: Any, mesh: Mesh, ndim: int) -> NamedSharding:
