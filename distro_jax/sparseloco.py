@@ -67,11 +67,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from distro_jax import bitpack, codec, dct, delivery, exchange, message, wire
+from distro_jax import (
+  bitpack,
+  codec,
+  compress,
+  dct,
+  decode,
+  delivery,
+  exchange,
+  message,
+  unit_rms,
+  wire,
+)
 from distro_jax.hyperparams import (
   StaticFloat,
   StaticInt,
   check_decay,
+  check_learning_rate,
+  static_nonnegative_float,
   static_positive_int,
   unwrap_static,
 )
@@ -464,6 +477,9 @@ class _Config(NamedTuple):
   basis: dct.Basis
   clip: bool
   axis_name: Hashable | None
+  drawn: bool
+  bias: float
+  normalize: Any
 
 
 class _Round(NamedTuple):
@@ -474,16 +490,21 @@ class _Round(NamedTuple):
     carried: which leaves the message carries (not the zero-size ones).
     all_leaves: every param leaf.
     leaves: the carried ones.
-    layout: the message's layout.
+    layout: the message's layout: :class:`SparseLocoLayout` for the top-k,
+      DeMo's :class:`~distro_jax.codec.WireLayout` for drawn positions.
     plans: per carried leaf, its :class:`~distro_jax.dct.ChunkPlan`.
+    modes: per carried leaf, how its mean becomes a step
+      (:func:`distro_jax.unit_rms.normalized_step`), or ``None`` for the mean
+      itself.
   """
 
   treedef: Any
   carried: wire.CarriedLeaves
   all_leaves: list[jax.Array]
   leaves: list[jax.Array]
-  layout: SparseLocoLayout
+  layout: SparseLocoLayout | codec.WireLayout
   plans: list[dct.ChunkPlan]
+  modes: list[Any]
 
 
 def _compress(
@@ -546,12 +567,21 @@ def _clip_factors(norms_W: jax.Array, valid_W: jax.Array) -> jax.Array:
   return jnp.minimum(1.0, _lower_median(norms_W, valid_W) / (norms_W + _CLIP_EPS))
 
 
-def _outer_step(means: list[jax.Array], rnd: _Round, cfg: _Config) -> Any:
-  """``-outer_lr * mean``, back out of the basis, in the params' shapes and dtypes."""
+def _outer_step(means: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Array) -> Any:
+  """``-outer_lr * normalize(mean)``, in the params' shapes and dtypes.
+
+  ``means`` are in their block views, out of the basis. Every worker computes
+  the same bits from the same gathered messages.
+  """
+  rate = cfg.outer_learning_rate
+  # A schedule is read at this update's own step, as the inner optimizer read its rate.
+  rate = rate(count - 1) if callable(rate) else rate
   outer = []
-  for mean, plan, x in zip(means, rnd.plans, rnd.leaves):
-    step = dct.from_blocks(cfg.basis.inverse(mean, plan), plan, like=x)
-    outer.append((-cfg.outer_learning_rate * step).astype(x.dtype))
+  for mean, plan, x, mode in zip(means, rnd.plans, rnd.leaves, rnd.modes):
+    step = dct.from_blocks(mean, plan, like=x)
+    if mode is not None:
+      step = unit_rms.normalized_step(step, mode)
+    outer.append((-rate * step).astype(x.dtype))
   return rnd.treedef.unflatten(rnd.carried.with_empty(outer, rnd.all_leaves, jnp.zeros_like))
 
 
@@ -572,22 +602,87 @@ def _restart(
   return restart, inner_state
 
 
-def _synchronize(cfg: _Config, rnd: _Round, params: Any, local: Any, errors: Any, inner_state: Any):
+class _Exchanged(NamedTuple):
+  """One worker's round of messages: the mean it decoded and its own buffer after.
+
+  Attributes:
+    means: per tensor, the mean of the valid workers' messages in its block
+      view, out of the basis (the same on every worker).
+    contributors: how many workers' messages went into it.
+    errors: per tensor, this worker's buffer with what it sent taken out, in
+      its param's shape.
+    finite: whether this worker's pseudo-gradient and message were finite.
+  """
+
+  means: list[jax.Array]
+  contributors: jax.Array
+  errors: list[jax.Array]
+  finite: jax.Array
+
+
+def _exchange_topk(
+  pseudo: list[jax.Array], errors: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Array
+) -> _Exchanged:
+  """SparseLoCo's message: the top-k of each chunk of the buffer, with their indices."""
+  del count  # The message names its positions.
+  selection, new_errors = _compress(pseudo, errors, rnd, cfg)
+  finite = exchange.all_finite([*pseudo, *selection.sent])
+  received = delivery.deliver(_Format(rnd.layout), selection, finite, cfg.axis_name)
+  means, contributors = _aggregate(received, rnd, cfg.clip)
+  means = [cfg.basis.inverse(m, plan) for m, plan in zip(means, rnd.plans)]
+  return _Exchanged(means, contributors, new_errors, finite)
+
+
+def _exchange_drawn(
+  pseudo: list[jax.Array], errors: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Array
+) -> _Exchanged:
+  """DeMo's drawn message: the buffer's values at positions every worker draws for itself.
+
+  DeMo's compress stage with the pseudo-gradient as the gradient and the
+  error decay as the momentum's (``e <- decay * e + basis(d)``), its drawn
+  positions keyed by the step count, its codec (no indices; 1-bit signs or
+  param-dtype values) and its aggregate (each coefficient's mean over the
+  workers that drew it). What was drawn leaves the buffer at full precision.
+  """
+  block_shapes = [plan.block_shape for plan in rnd.plans]
+  ks = tuple(t.k for t in rnd.layout.tensors)
+  positions = message.drawn(count, cfg.axis_name, pseudo, [], block_shapes, ks, cfg.bias)
+  fmt = message.MessageFormat(rnd.layout, positions, cfg.basis)
+  blocks = [dct.to_blocks(e, plan) for e, plan in zip(errors, rnd.plans)]
+  out = compress.compress(pseudo, blocks, rnd.plans, fmt, lr=1.0, decay=cfg.error_decay)
+  finite = exchange.all_finite([*pseudo, *out.selection.values])
+  received = delivery.deliver(fmt, out.selection, finite, cfg.axis_name)
+  means = decode.aggregate(received, out.kept, rnd.plans, cfg.basis, cfg.axis_name)
+  contributors = jnp.sum(received.valid.astype(jnp.int32))
+  new_errors = [
+    dct.from_blocks(k, plan, plan.state_shape, like=e)
+    for k, plan, e in zip(out.kept, rnd.plans, errors)
+  ]
+  return _Exchanged(means, contributors, new_errors, finite)
+
+
+def _synchronize(
+  cfg: _Config,
+  rnd: _Round,
+  count: jax.Array,
+  params: Any,
+  local: Any,
+  errors: Any,
+  inner_state: Any,
+):
   """A synchronization: compress, exchange, aggregate, outer step, restart."""
   local_leaves = rnd.carried.pick(rnd.treedef.flatten_up_to(local))
   pseudo = [p.astype(jnp.float32) - q.astype(jnp.float32) for p, q in zip(rnd.leaves, local_leaves)]
   all_errors = rnd.treedef.flatten_up_to(errors)
   old_errors = rnd.carried.pick(all_errors)
-  selection, new_errors = _compress(pseudo, old_errors, rnd, cfg)
-  finite = exchange.all_finite([*pseudo, *selection.sent])
+  exchange_round = _exchange_drawn if cfg.drawn else _exchange_topk
+  got = exchange_round(pseudo, old_errors, rnd, cfg, count)
   # A worker that is not finite keeps its buffer of before the round.
-  kept = [jnp.where(finite, e, old) for e, old in zip(new_errors, old_errors)]
+  kept = [jnp.where(got.finite, e, old) for e, old in zip(got.errors, old_errors)]
   errors = rnd.treedef.unflatten(rnd.carried.merge(kept, all_errors))
-  received = delivery.deliver(_Format(rnd.layout), selection, finite, cfg.axis_name)
-  means, contributors = _aggregate(received, rnd, cfg.clip)
-  outer = _outer_step(means, rnd, cfg)
-  restart, inner_state = _restart(params, outer, inner_state, finite, cfg)
-  return outer, restart, errors, inner_state, contributors
+  outer = _outer_step(got.means, rnd, cfg, count)
+  restart, inner_state = _restart(params, outer, inner_state, got.finite, cfg)
+  return outer, restart, errors, inner_state, got.contributors
 
 
 def _config(
@@ -601,12 +696,19 @@ def _config(
   use_dct: bool,
   clip_to_median_norm: bool,
   axis_name: Hashable | None,
+  random_positions: bool = False,
+  frequency_bias: Any = None,
+  normalize: Any = None,
 ) -> _Config:
   """:func:`sparseloco`'s arguments checked, each refused with the fix when wrong."""
   sync_every = static_positive_int("sync_every", sync_every, example=30)
   topk = static_positive_int("compression_topk", compression_topk, example=64)
   chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
   bits = _check_value_bits(value_bits)
+  drawn, bias = _check_positions(random_positions, frequency_bias, bits)
+  check_learning_rate("outer_learning_rate", outer_learning_rate)
+  if normalize is not None:
+    unit_rms.check_normalize(normalize)
   error_decay = unwrap_static(error_decay)
   check_decay(
     "error_decay", error_decay, one_allowed=True, hint="SparseLoCo's production value is 0.95."
@@ -619,8 +721,54 @@ def _config(
   basis = dct.basis(bool(use_dct))
   clip = bool(clip_to_median_norm)
   return _Config(
-    inner, sync_every, outer_learning_rate, error_decay, topk, chunk, bits, basis, clip, axis_name
+    inner,
+    sync_every,
+    outer_learning_rate,
+    error_decay,
+    topk,
+    chunk,
+    bits,
+    basis,
+    clip,
+    axis_name,
+    drawn,
+    bias,
+    normalize,
   )
+
+
+def _check_positions(random_positions: Any, frequency_bias: Any, bits: int | None):
+  """``(drawn, bias)``: whether positions are drawn, and the draw's bias (0 for uniform)."""
+  drawn = bool(random_positions)
+  if drawn and bits == 2:
+    raise ValueError(
+      "random_positions=True sends DeMo's drawn message, whose values travel as 1-bit "
+      "signs or in the parameter dtype; use value_bits=1 (or None), not value_bits=2."
+    )
+  if frequency_bias is None:
+    return drawn, 0.0
+  bias = static_nonnegative_float("frequency_bias", frequency_bias, example=1.0)
+  if not drawn:
+    raise ValueError(
+      f"frequency_bias={frequency_bias} shapes the draw of random_positions=True; pass "
+      "random_positions=True, or leave frequency_bias=None."
+    )
+  return drawn, bias
+
+
+def _layout(
+  leaves: list[Any], topk: int, chunk: int, bits: int | None, drawn: bool
+) -> SparseLocoLayout | codec.WireLayout:
+  """The message's layout: SparseLoCo's top-k one, or DeMo's drawn one (no indices)."""
+  if drawn:
+    return wire.wire_layout(
+      leaves,
+      compression_topk=topk,
+      compression_chunk=chunk,
+      quantize_1bit=bits == 1,
+      random_positions=True,
+    )
+  return sparseloco_layout(leaves, compression_topk=topk, compression_chunk=chunk, value_bits=bits)
 
 
 def _round(params: Any, state: SparseLocoState, cfg: _Config) -> _Round:
@@ -628,13 +776,15 @@ def _round(params: Any, state: SparseLocoState, cfg: _Config) -> _Round:
   all_leaves, treedef = jax.tree.flatten(params)
   carried = wire.CarriedLeaves(all_leaves)
   leaves = carried.pick(all_leaves)
-  layout = sparseloco_layout(
-    leaves, compression_topk=cfg.topk, compression_chunk=cfg.chunk, value_bits=cfg.bits
-  )
+  layout = _layout(leaves, cfg.topk, cfg.chunk, cfg.bits, cfg.drawn)
   plans = [_plan(x, cfg.chunk) for x in leaves]
   if leaves:
     _check_errors(carried.pick(treedef.flatten_up_to(state.error_feedback)), plans)
-  return _Round(treedef, carried, all_leaves, leaves, layout, plans)
+  if cfg.normalize is None:
+    modes = [None] * len(leaves)
+  else:
+    modes = carried.pick(unit_rms.normalize_modes(cfg.normalize, params))
+  return _Round(treedef, carried, all_leaves, leaves, layout, plans, modes)
 
 
 def sparseloco(
@@ -649,6 +799,9 @@ def sparseloco(
   use_dct: bool = False,
   clip_to_median_norm: bool = True,
   axis_name: Hashable | None = "data",
+  random_positions: bool = False,
+  frequency_bias: float | None = None,
+  normalize: Any = None,
 ) -> optax.GradientTransformation:
   """SparseLoCo: H local steps of ``inner``, then a compressed, error-fed outer step.
 
@@ -664,11 +817,27 @@ def sparseloco(
   mean``; it restarts its inner params there. Between synchronizations the
   update of the outer params is zero, so replicas stay identical.
 
+  **Drawn positions** (``random_positions=True``). The message is DeMo's
+  drawn one instead of the top-k (:func:`distro_jax.scale_by_demo`): the
+  buffer, kept in the chunked DCT basis with ``use_dct``, sends its values
+  at ``compression_topk`` positions per chunk drawn from the step count and
+  the sender's index, so no indices travel, as 1-bit signs with
+  ``value_bits=1``; the drawn values leave the buffer at full precision, and
+  each coefficient's mean is over the workers that drew it. Every worker's
+  1-bit message has the same norm, so the median clip, which would scale
+  each by one, is not applied. With ``normalize="orth"`` the mean of each
+  matrix is orthogonalized before the outer step, so the error feedback sits
+  before the orthogonalization (as in Dion and EF21-Muon): what the signs
+  did not carry stays in the buffer, and the step's size is the outer rate's.
+
   Args:
     inner: the inner optimizer, e.g. ``optax.adamw(lr)``; its state is per
       worker and carries on across synchronizations.
     sync_every: inner steps between synchronizations (H). Static.
-    outer_learning_rate: the outer step size (1.0 in the paper).
+    outer_learning_rate: the outer step size (1.0 in the paper), or a
+      schedule, read at the step count of the synchronizing update (the
+      step the inner optimizer's schedule read too). With ``normalize`` the
+      step has unit RMS, so this is its size per entry.
     error_decay: the error-feedback decay in ``[0, 1]`` (0.95 in the paper).
     compression_topk: entries kept per chunk, clamped to the chunk size. Static.
     compression_chunk: chunk length target per axis; 64 gives 64x64 chunks of
@@ -682,6 +851,17 @@ def sparseloco(
       Static.
     axis_name: the data-parallel axis bound by an enclosing ``jax.shard_map``;
       ``None`` for one worker and no collective.
+    random_positions: send DeMo's drawn message (see above) instead of the
+      top-k and its indices; needs ``value_bits`` 1 or ``None``. Static.
+    frequency_bias: with ``random_positions``, the draw's preference for a
+      chunk's low frequencies (:func:`distro_jax.codec.draw_positions`);
+      ``None`` draws uniformly. Static.
+    normalize: how the mean becomes the outer step: ``None`` (the mean
+      itself, SparseLoCo's), or as :func:`distro_jax.demo` takes it:
+      ``"sign"``, ``"rms"`` (each tensor at unit RMS), ``"orth"`` (each
+      matrix orthogonalized as Muon does, then at unit RMS; other tensors at
+      unit RMS), a tree of these like the params, or a function of the params
+      that returns one. Static.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`SparseLocoState`.
@@ -689,6 +869,9 @@ def sparseloco(
   References:
     Sarfi, Thérien, Lidin, Belilovsky, "Communication Efficient LLM
     Pre-training with SparseLoCo", arXiv:2508.15706, 2025.
+
+    Ahn, Xu, "Dion: A Communication-Efficient Optimizer for Large Models",
+    arXiv:2504.05295, 2025 (error feedback before the orthogonalization).
 
   Example:
     >>> import jax.numpy as jnp, optax, distro_jax as dj
@@ -702,6 +885,18 @@ def sparseloco(
     >>> updates, state = tx.update(g, state, params)  # sync: the compressed outer step
     >>> int((updates["w"] != 0).sum())  # top-64 of each 64x64 chunk
     64
+
+    The drawn, orthogonalized form: one 1-bit coefficient of each 8x8 DCT
+    chunk, no indices, each matrix's mean orthogonalized.
+
+    >>> tx = dj.sparseloco(optax.adamw(1e-2), sync_every=2, compression_topk=1,
+    ...     compression_chunk=8, value_bits=1, use_dct=True, random_positions=True,
+    ...     frequency_bias=1.0, normalize="orth", outer_learning_rate=2e-2, axis_name=None)
+    >>> state = tx.init(params)
+    >>> for _ in range(2):
+    ...   updates, state = tx.update(g, state, params)
+    >>> round(float(jnp.sqrt(jnp.mean(updates["w"] ** 2))), 4)  # unit RMS times the rate
+    0.02
   """
   cfg = _config(
     inner,
@@ -714,6 +909,9 @@ def sparseloco(
     use_dct,
     clip_to_median_norm,
     axis_name,
+    random_positions,
+    frequency_bias,
+    normalize,
   )
 
   def init_fn(params):
@@ -741,7 +939,7 @@ def sparseloco(
       return updates, SparseLocoState(count, local, inner_state, state.error_feedback, everyone)
 
     def synchronize(local, errors, inner_state):
-      return _synchronize(cfg, rnd, params, local, errors, inner_state)
+      return _synchronize(cfg, rnd, count, params, local, errors, inner_state)
 
     def keep_going(local, errors, inner_state):
       return jax.tree.map(jnp.zeros_like, params), local, errors, inner_state, everyone
@@ -802,6 +1000,7 @@ def sparseloco_bytes(
   compression_chunk: int = 64,
   value_bits: int | None = 2,
   num_workers: int = 8,
+  random_positions: bool = False,
 ) -> SparseLocoBytes:
   """Bytes per worker per synchronization and per step of :func:`sparseloco`.
 
@@ -813,6 +1012,8 @@ def sparseloco_bytes(
     compression_chunk: chunk target length per axis.
     value_bits: 1, 2, or ``None`` for the parameter dtype.
     num_workers: W, for the ring all-reduce baseline.
+    random_positions: the message is DeMo's drawn one (no indices; see
+      :func:`sparseloco`), whose bytes :func:`distro_jax.wire_bytes` counts.
 
   Returns:
     A :class:`SparseLocoBytes`.
@@ -825,14 +1026,22 @@ def sparseloco_bytes(
     True
     >>> round(b.ratio_vs_bf16)
     2194
+    >>> drawn = dj.sparseloco_bytes({"w": jnp.zeros((4096, 4096))}, sync_every=2,
+    ...     compression_topk=1, compression_chunk=8, value_bits=1, random_positions=True)
+    >>> drawn.payload == 1 + 512 * 512 // 8  # a flag byte, one sign bit per 8x8 chunk
+    True
+    >>> round(drawn.ratio_vs_bf16)
+    2048
   """
   bits = _check_value_bits(value_bits)
+  drawn, _ = _check_positions(random_positions, None, bits)
   sync_every = static_positive_int("sync_every", sync_every, example=30)
-  layout = sparseloco_layout(
-    params,
-    compression_topk=static_positive_int("compression_topk", compression_topk, example=64),
-    compression_chunk=static_positive_int("compression_chunk", compression_chunk, example=64),
-    value_bits=bits,
+  layout = _layout(
+    [x for x in jax.tree.leaves(params) if wire.carried(x)],
+    static_positive_int("compression_topk", compression_topk, example=64),
+    static_positive_int("compression_chunk", compression_chunk, example=64),
+    bits,
+    drawn,
   )
   leaves = jax.tree.leaves(params)
   numel = sum(math.prod(np.shape(x)) for x in leaves)

@@ -166,7 +166,7 @@ def test_abstract_params_need_no_devices():
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
 
 
-def test_the_default_methods_include_one_past_1000x_on_small():
+def test_the_default_methods_include_points_past_1000x_and_3000x_on_small():
   # The default comparison shows the promise's setting, not only the families.
   params = model.abstract_params(presets.get_preset("small"))
   bf16 = sum(2 * int(np.prod(x.shape)) for x in jax.tree.leaves(params))
@@ -179,3 +179,5 @@ def test_the_default_methods_include_one_past_1000x_on_small():
   # 1,811 bytes: a flag byte and one sign bit per 8x8 chunk.
   assert past.keys() >= {"demo-k1-c8-1bit-rand-fb1-orth"}, ratios
   assert int(ratios["demo-k1-c8-1bit-rand-fb1-orth"]) == 1014
+  # One drawn sign bit per 16x16 chunk: 458 bytes.
+  assert int(ratios[methods.NEAR_3000X]) == 4011

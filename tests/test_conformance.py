@@ -74,6 +74,22 @@ TRANSFORMATIONS: list[tuple[str, Factory]] = [
       optax.adamw(learning_rate), sync_every=2, compression_topk=8, axis_name=None
     ),
   ),
+  (
+    "sparseloco-drawn-orth",
+    lambda learning_rate: dj.sparseloco(
+      optax.adamw(learning_rate),
+      sync_every=2,
+      outer_learning_rate=learning_rate,
+      compression_topk=1,
+      compression_chunk=8,
+      value_bits=1,
+      use_dct=True,
+      random_positions=True,
+      frequency_bias=1.0,
+      normalize="orth",
+      axis_name=None,
+    ),
+  ),
 ]
 
 # Transformations that compress (top-k by magnitude: complex, integer and bool params

@@ -60,6 +60,19 @@ def test_method_names_map_to_config_fields():
     "sparseloco_clip": False,
     "sparseloco_dct": True,
   }
+  assert parse("sparseloco-h2-k1-c8-1bit-dct-rand-fb1-orth-muon") == {
+    "optimizer": "sparseloco",
+    "sparseloco_sync_every": 2,
+    "sparseloco_topk": 1,
+    "sparseloco_chunk": 8,
+    "sparseloco_value_bits": 1,
+    "sparseloco_dct": True,
+    "sparseloco_random_positions": True,
+    "sparseloco_frequency_bias": 1.0,
+    "sparseloco_normalize": "orth",
+    "sparseloco_inner": "muon",
+  }
+  assert parse("sparseloco-rand-1bit-rms")["sparseloco_normalize"] == "rms"
 
 
 # One 64x64 param, and a gradient that does not depend on it.
@@ -189,6 +202,49 @@ def test_sparseloco_dct_option_reaches_the_transformation():
   # Top-8 raw entries of one chunk touch 8 params; top-8 DCT coefficients touch all.
   assert int(jnp.sum(plain != 0)) == 8
   assert int(jnp.sum(dct != 0)) > 8
+
+
+def test_sparseloco_drawn_orth_options_reach_the_transformation_and_its_bytes():
+  """The drawn message's bytes; an orthogonalized outer step of ``outer_lr * H * lr_t`` RMS."""
+  steps = {}
+  for name in (
+    "sparseloco-h1-k1-c8-1bit-dct-rand-fb1-orth",
+    "sparseloco-h1-k1-c8-1bit-dct-rand-fb1-rms",
+  ):
+    steps[name], method, cfg = _first_outer_step(name)
+    # One sign bit per 8x8 chunk and a flag byte: no index bits, no codebook.
+    assert method.payload(cfg, _W).message == 1 + 64 // 8
+    rms = float(jnp.sqrt(jnp.mean(steps[name] ** 2)))
+    np.testing.assert_allclose(rms, float(methods.lr_schedule(cfg)(1)), rtol=1e-4)
+  # Orthogonalized, the step's nonzero singular values sit in a band (Newton-Schulz's,
+  # about 0.6 to 1 of the largest here); at unit RMS they spread (down to 0.13).
+  spread = []
+  for u in steps.values():
+    s = np.linalg.svd(np.asarray(u), compute_uv=False)
+    s = s[s > 1e-3 * s[0]]  # rank 29 here: the rest is rounding
+    spread.append(s[-1] / s[0])
+  orth, rms = spread
+  assert orth > 0.5 > 0.3 > rms
+
+
+def test_sparseloco_muon_inner_option_builds_muon():
+  _, method, cfg = _first_outer_step("sparseloco-h1-k1-c8-1bit-dct-rand-orth-muon")
+  tx = method.build(cfg, methods.Axes(None, None))
+  is_muon = lambda x: type(x).__name__ == "MuonState"
+  assert any(map(is_muon, jax.tree.leaves(tx.init(_W).inner_state, is_leaf=is_muon)))
+
+
+@pytest.mark.parametrize(
+  "name, match",
+  [
+    ("sparseloco-h1-rand", "use --sparseloco_value_bits=1"),
+    ("sparseloco-h1-fb1", "shapes the draw of --sparseloco_random_positions"),
+  ],
+)
+def test_sparseloco_drawn_settings_that_cannot_work_are_refused(name, match):
+  fields = methods.parse(name)[1]
+  with pytest.raises(ConfigError, match=match):
+    checks.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
 
 
 def test_sparseloco_chunk_option_reaches_the_transformation_and_its_bytes():

@@ -31,6 +31,7 @@ IDS = [
   "demo-k2-c8-random",
   "distro_adamw",
   "sparseloco-h3",
+  "sparseloco-h2-drawn-orth",
   "demo-partial",
   "demo-delayed-drawn",
   "demo-drawn-rms",
@@ -57,6 +58,19 @@ def _quick_first(factories):
       lambda: dj.demo(3e-3, compression_topk=2, compression_chunk=8, random_positions=True),
       lambda: dj.distro_adamw(3e-3, weight_decay=0.01, compression_topk=8),
       lambda: dj.sparseloco(optax.adamw(3e-3), sync_every=3, compression_topk=16),
+      # DeMo's drawn 1-bit message every 2 local steps, each matrix's mean
+      # orthogonalized on every worker.
+      lambda: dj.sparseloco(
+        optax.adamw(3e-3),
+        sync_every=2,
+        outer_learning_rate=6e-3,
+        use_dct=True,
+        value_bits=1,
+        random_positions=True,
+        frequency_bias=1.0,
+        normalize="orth",
+        **{k: DRAWN[k] for k in ("compression_topk", "compression_chunk")},
+      ),
       # A partial overlap: the weights exchanged in their own step, the rest
       # one step late, each worker looking ahead from its own momentum.
       lambda: dj.demo(

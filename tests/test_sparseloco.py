@@ -1,5 +1,6 @@
 """dj.sparseloco: against its float64 NumPy reference, on the wire, and in the HLO."""
 
+import functools
 import re
 
 import jax
@@ -91,6 +92,80 @@ def test_matches_numpy_reference_and_replicas_stay_identical(value_bits, use_dct
   assert not np.array_equal(errors[0], errors[1])
 
 
+@functools.cache
+def _draw(block_shape, k, bias):
+  """``dj.codec.draw_positions`` at a position key, jitted once per block view."""
+
+  def draw(step, tensor, worker):
+    return dj.codec.draw_positions(
+      dj.codec.position_key(step, tensor, worker), block_shape, k, bias
+    )
+
+  return jax.jit(draw)
+
+
+def _drawn(name, worker, step, k, chunk, bias):
+  """The positions sparseloco(random_positions=True) draws, from DeMo's documented key."""
+  plan = dj.dct.plan_chunks(SHAPES[name], chunk)
+  draw = _draw(plan.block_shape, k, bias)
+  return draw(np.int32(step), np.int32(sorted(SHAPES).index(name)), np.int32(worker))
+
+
+@pytest.mark.slow
+def test_drawn_orthogonalized_form_matches_numpy_reference():
+  """Drawn 1-bit message, error feedback before the orthogonalization, a scheduled outer rate."""
+  workers, steps, h, lr, chunk, k, bias = 4, 4, 2, 0.05, 8, 2, 1.0
+  rng = np.random.default_rng(3)
+  init = {k_: (rng.normal(size=s) * 0.1).astype(np.float32) for k_, s in SHAPES.items()}
+  outer_lr = lambda count: 0.02 * (1.0 + count) / 4.0  # read at the synchronizing step
+  ref = ReferenceSparseLoCo(
+    init,
+    workers,
+    lr=lr,
+    sync_every=h,
+    outer_lr=outer_lr,
+    decay=0.95,
+    topk=k,
+    chunk=chunk,
+    bits=1,
+    use_dct=True,
+    clip=False,
+    positions=functools.partial(_drawn, chunk=chunk, bias=bias),
+    normalize="orth",
+  )
+  tx = dj.sparseloco(
+    optax.sgd(lr),
+    sync_every=h,
+    outer_learning_rate=outer_lr,
+    error_decay=0.95,
+    compression_topk=k,
+    compression_chunk=chunk,
+    value_bits=1,
+    use_dct=True,
+    random_positions=True,
+    frequency_bias=bias,
+    normalize="orth",
+  )
+  mesh = mesh_of(workers)
+  step, params, state = build(tx, init, mesh)
+  for t in range(1, steps + 1):
+    grads = _grads(rng, ref.local, workers)
+    expected = ref.step(grads)
+    grads_W = {k_: np.stack([g[k_] for g in grads]).astype(np.float32) for k_ in SHAPES}
+    params, state = step(params, state, place_grads(grads_W, mesh))
+    for name in SHAPES:
+      copies = per_device_copies(params[name])
+      assert_identical_on_every_device(params[name], copies=workers, context=f"{name}, {t}")
+      np.testing.assert_allclose(copies[0], expected[name], atol=2e-6, err_msg=f"{name}, {t}")
+  # Each tensor moved by its two outer steps (unit RMS at rates 0.005 and 0.01),
+  # far above the tolerance, and each worker's buffer kept what it did not send.
+  for name in SHAPES:
+    moved = np.sqrt(np.mean((np.asarray(params[name]) - init[name]) ** 2))
+    assert moved > 5e-3, (name, moved)
+  errors = np.asarray(state.error_feedback["a"]).reshape(workers, -1)
+  assert np.abs(errors).max() > 0 and not np.array_equal(errors[0], errors[1])
+
+
 def test_quantizer_is_templars_two_bit_rule():
   rng = np.random.default_rng(1)
   v = rng.normal(size=(50, 16)).astype(np.float32)
@@ -138,7 +213,16 @@ _HAND_COUNTED = {
     dict(value_bits=2, compression_topk=1, compression_chunk=8),
     _IDX_8 + (16 * 24 * 2 + 7) // 8 + 16 + (5 * 2 + 7) // 8 + 16,
   ),
+  # DeMo's drawn message: no indices, no codebook; a flag byte, then one sign
+  # bit per 8x8 chunk (16x24) and per chunk of 8 (5), packed together.
+  "drawn-1bit": (
+    dict(value_bits=1, compression_topk=1, compression_chunk=8, random_positions=True),
+    1 + (16 * 24 + 5 + 7) // 8,
+  ),
 }
+# What changes the step but not the bytes: the drawn form's bias, basis and
+# orthogonalized outer step (whose Newton-Schulz runs on every worker alone).
+_BUILD_ONLY = {"drawn-1bit": dict(frequency_bias=1.0, use_dct=True, normalize="orth")}
 
 
 @pytest.mark.slow
@@ -147,7 +231,7 @@ def test_the_hlo_all_gathers_exactly_the_payload_once(case):
   params = {"w": jnp.zeros((128, 192), jnp.bfloat16), "b": jnp.zeros((40,), jnp.float32)}
   options, by_hand = _HAND_COUNTED[case]
   options = dict(sync_every=30, **options)
-  step, params, state, grads = _step_parts(params, options)
+  step, params, state, grads = _step_parts(params, {**options, **_BUILD_ONLY.get(case, {})})
   measured = dj.collective_bytes(step, params, state, grads)
   computed = dj.sparseloco_bytes(params, **options)
   assert [k for k, v in measured.by_kind.items() if v] == ["all-gather"]

@@ -72,6 +72,12 @@ _FLOAT_RANGES: dict[str, tuple[float, bool, float, str]] = {
   "sparseloco_error_decay": (0.0, True, 1.0, "the paper uses 0.95; 0 keeps no error"),
   "sparseloco_outer_lr": (0.0, False, math.inf, "the paper uses 1.0"),
   "frequency_bias": (0.0, True, math.inf, "0 draws uniformly; e.g. 1.0 prefers low frequencies"),
+  "sparseloco_frequency_bias": (
+    0.0,
+    True,
+    math.inf,
+    "0 draws uniformly; e.g. 1.0 prefers low frequencies",
+  ),
 }
 
 

@@ -135,6 +135,30 @@ class TrainConfig:
   sparseloco_dct: bool = _field(
     False, "SparseLoCo: select in the chunked DCT domain, as DeMo does (the paper: no DCT)."
   )
+  sparseloco_random_positions: bool = _field(
+    False,
+    "SparseLoCo: send DeMo's drawn message (values at --sparseloco_topk positions per chunk "
+    "drawn from a seed every worker shares, no indices) instead of the top-k; needs "
+    "--sparseloco_value_bits=1 (or 0).",
+  )
+  sparseloco_frequency_bias: float = _field(
+    0.0,
+    "SparseLoCo: with --sparseloco_random_positions, the draw's preference for a chunk's low "
+    "frequencies, as --frequency_bias; 0 draws uniformly.",
+  )
+  sparseloco_normalize: str = _field(
+    "",
+    "SparseLoCo: how the mean of the messages becomes the outer step: '' (the mean, the "
+    "paper's), 'rms' (each tensor at unit RMS) or 'orth' (each hidden matrix orthogonalized "
+    "as Muon does, then at unit RMS; the rest at unit RMS). With 'rms' or 'orth' the step "
+    "per entry is --sparseloco_outer_lr x H x the learning-rate schedule.",
+  )
+  sparseloco_inner: str = _field(
+    "adamw",
+    "SparseLoCo: the inner optimizer, 'adamw', 'muon' (optax's Muon on the hidden "
+    "matrices, AdamW on the rest, as --optimizer=muon; MuLoCo's inner optimizer) or 'sgd' "
+    "(plain SGD at the schedule's rate).",
+  )
   delayed_apply: bool = _field(
     False,
     "Apply the previous step's aggregate, so the exchange can overlap the next "

@@ -40,6 +40,7 @@ __all__ = [
   "ALL_REDUCE",
   "BASELINE",
   "DEFAULT_COMPARISON",
+  "NEAR_3000X",
   "Axes",
   "CompressionGroup",
   "Method",
@@ -62,9 +63,16 @@ ALL_REDUCE = "all-reduce"
 # The method every other is measured against: AdamW with a gradient all-reduce.
 BASELINE = "adamw"
 # What compare and frontier run with no --methods: the dense baselines, the
-# families, Psyche's message, and the best point measured past 1,000x fewer
+# families, Psyche's message, the best point measured past 1,000x fewer
 # bytes than a bf16 gradient at 1,000 steps (docs/results.md: drawn
-# positions, each hidden matrix's step orthogonalized).
+# positions, each hidden matrix's step orthogonalized), and the best point
+# measured past 3,000x: the same step from one drawn coefficient of each
+# 16x16 chunk (4,012x; +5.6% to +8.8% behind AdamW at 1,000 steps on the
+# English file). The local-step form near 3,000x (that 1,014x message every
+# third SGD step, 3,044x) ended 12.6% behind AdamW read once at 900 steps
+# (docs/results.md, "Past 1,000x, read once"); the two were not run side
+# by side.
+NEAR_3000X = "demo-k1-c16-1bit-rand-fb1-orth"
 DEFAULT_COMPARISON = (
   "adamw",
   "muon",
@@ -72,6 +80,7 @@ DEFAULT_COMPARISON = (
   "demo-k8-1bit",
   "demo-k2-1bit",
   "demo-k1-c8-1bit-rand-fb1-orth",
+  NEAR_3000X,
   "diloco",
   "sparseloco",
 )
@@ -137,6 +146,10 @@ class Option:
 
 def _int(m: re.Match[str]) -> int:
   return int(m[1])
+
+
+def _float(m: re.Match[str]) -> float:
+  return float(m[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -633,18 +646,21 @@ def muon_dimensions(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(dims, params)
 
 
-# Muon clips the all-reduced gradient as AdamW does, then optax's Muon steps:
-# Nesterov momentum 0.95 orthogonalized by five Newton-Schulz steps on the
-# hidden matrices, AdamW (optax's, Nesterov too) on the rest.
-def _build_muon(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
-  muon = optax.contrib.muon(
+def _muon(cfg: TrainConfig) -> optax.GradientTransformation:
+  """optax's Muon: Nesterov momentum 0.95 orthogonalized by five Newton-Schulz steps on the
+  hidden matrices, AdamW (optax's, Nesterov too) on the rest."""
+  return optax.contrib.muon(
     lr_schedule(cfg),
     weight_decay=cfg.weight_decay,
     adam_weight_decay=cfg.weight_decay,
     muon_weight_dimension_numbers=muon_dimensions,
     consistent_rms=MUON_CONSISTENT_RMS,
   )
-  return _all_reduced(cfg, axes, optax.chain(_clip(cfg, axes), muon))
+
+
+# Muon clips the all-reduced gradient as AdamW does, then optax's Muon steps.
+def _build_muon(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
+  return _all_reduced(cfg, axes, optax.chain(_clip(cfg, axes), _muon(cfg)))
 
 
 # Each DiLoCo worker clips and steps its own gradient between synchronizations;
@@ -675,11 +691,48 @@ def _sparseloco_bits(cfg: TrainConfig) -> int | None:
   return cfg.sparseloco_value_bits or None
 
 
+# The inner optimizers SparseLoCo's workers may step with between exchanges.
+SPARSELOCO_INNER = ("adamw", "muon", "sgd")
+# How its mean may become the outer step ("" is the mean itself, the paper's).
+SPARSELOCO_NORMALIZE = ("", "rms", "orth")
+
+
+def _sparseloco_inner(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
+  """Each worker's clipped inner optimizer: AdamW, Muon as MuLoCo steps, or plain SGD.
+
+  SGD at the schedule's rate keeps the gradient's own spectrum in the
+  pseudo-gradient (AdamW's per-entry scaling flattens it, and with it what
+  a chunk's low DCT frequencies hold); with H=1 and the drawn, orthogonalized
+  message it is DeMo's update with ``normalize="orth"``.
+  """
+  if cfg.sparseloco_inner == "muon":
+    return optax.chain(_clip(cfg, axes), _muon(cfg))
+  if cfg.sparseloco_inner == "sgd":
+    return optax.chain(_clip(cfg, axes), optax.sgd(lr_schedule(cfg)))
+  return _clipped_adamw(cfg, axes)
+
+
+def _sparseloco_outer_lr(cfg: TrainConfig) -> optax.ScalarOrSchedule:
+  """The outer rate: the paper's constant, or, for a normalized step, one that follows lr.
+
+  A unit-RMS (or orthogonalized) step has no size of its own, so each entry
+  moves ``outer_lr * H * lr_t``: over the H steps it covers, DeMo's ``lr_t``
+  a step, on the run's schedule.
+  """
+  if not cfg.sparseloco_normalize:
+    return cfg.sparseloco_outer_lr
+  schedule, scale = lr_schedule(cfg), cfg.sparseloco_outer_lr * cfg.sparseloco_sync_every
+  return lambda count: scale * schedule(count)
+
+
 def _build_sparseloco(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
+  normalize = None
+  if cfg.sparseloco_normalize:
+    normalize = demo_normalize(cfg.sparseloco_normalize, cfg.scan_layers)
   return dj.sparseloco(
-    _clipped_adamw(cfg, axes),
+    _sparseloco_inner(cfg, axes),
     sync_every=cfg.sparseloco_sync_every,
-    outer_learning_rate=cfg.sparseloco_outer_lr,
+    outer_learning_rate=_sparseloco_outer_lr(cfg),
     error_decay=cfg.sparseloco_error_decay,
     compression_topk=cfg.sparseloco_topk,
     compression_chunk=cfg.sparseloco_chunk,
@@ -687,6 +740,9 @@ def _build_sparseloco(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformat
     clip_to_median_norm=cfg.sparseloco_clip,
     use_dct=cfg.sparseloco_dct,
     axis_name=axes.replica,
+    random_positions=cfg.sparseloco_random_positions,
+    frequency_bias=cfg.sparseloco_frequency_bias or None,
+    normalize=normalize,
   )
 
 
@@ -697,6 +753,7 @@ def _sparseloco_message(cfg: TrainConfig, params: Any) -> int:
     compression_topk=cfg.sparseloco_topk,
     compression_chunk=cfg.sparseloco_chunk,
     value_bits=_sparseloco_bits(cfg),
+    random_positions=cfg.sparseloco_random_positions,
   ).payload
 
 
@@ -714,13 +771,36 @@ def _check_sparseloco(cfg: TrainConfig) -> None:
       f"--sparseloco_sync_every<={cfg.steps} (e.g. the method sparseloco-h"
       f"{max(cfg.steps // 4, 1)}), or more --steps."
     )
-  if cfg.scan_layers and cfg.sparseloco_clip:
+  _check_sparseloco_drawn(cfg)
+  if cfg.scan_layers and cfg.sparseloco_clip and not cfg.sparseloco_random_positions:
     raise ConfigError(
       "SparseLoCo clips each worker's contribution to each tensor at the median norm, "
       "so with --scan_layers it would clip the stack of all layers as one tensor. Add "
       "--nosparseloco_clip, or drop --scan_layers."
     )
   _check_topk_fits(cfg, "sparseloco", "the paper sends 64 of 4096")
+
+
+def _check_sparseloco_drawn(cfg: TrainConfig) -> None:
+  """The drawn message's, the outer step's and the inner optimizer's settings."""
+  if cfg.sparseloco_inner not in SPARSELOCO_INNER:
+    raise ConfigError(
+      f"--sparseloco_inner={cfg.sparseloco_inner!r}; use --sparseloco_inner=adamw, muon or sgd."
+    )
+  if cfg.sparseloco_normalize not in SPARSELOCO_NORMALIZE:
+    raise ConfigError(
+      f"--sparseloco_normalize={cfg.sparseloco_normalize!r}; use '' (the mean), 'rms' or 'orth'."
+    )
+  if cfg.sparseloco_frequency_bias and not cfg.sparseloco_random_positions:
+    raise ConfigError(
+      f"--sparseloco_frequency_bias={cfg.sparseloco_frequency_bias:g} shapes the draw of "
+      "--sparseloco_random_positions; add it (method option rand), or drop the bias."
+    )
+  if cfg.sparseloco_random_positions and cfg.sparseloco_value_bits == 2:
+    raise ConfigError(
+      "--sparseloco_random_positions sends DeMo's drawn message, whose values are 1-bit "
+      "signs or floats; use --sparseloco_value_bits=1 (method option 1bit) or 0."
+    )
 
 
 def overlapped_share(cfg: TrainConfig) -> float:
@@ -839,14 +919,21 @@ _MUON_RECIPE = Recipe(learning_rate=3e-3, warmup_steps=30)
 _MUON_RATES = (1.5e-3, 3e-3, 6e-3)
 
 
-def _from_1000_steps(recipe: Recipe, learning_rate: float) -> dict[str, tuple[int, Recipe]]:
-  """``recipe`` at ``learning_rate`` for runs of 1,000 steps or more on ``small``.
+# Where the long recipes start. Their rates were measured at 1,000 steps; the
+# 300-step recipes were tuned at 300. Issue 54's acceptance check runs about
+# 900 steps, far nearer the first, so runs from 900 steps take the long
+# recipe. No rate was measured at 900 itself.
+LONG_RUN_STEPS = 900
+
+
+def _long_runs(recipe: Recipe, learning_rate: float) -> dict[str, tuple[int, Recipe]]:
+  """``recipe`` at ``learning_rate`` for runs of :data:`LONG_RUN_STEPS` or more on ``small``.
 
   ``experiments.frontier`` at 1,000 steps (small, 8 workers, English; the
   grids in docs/results.md) found every family's best peak rate below the
   300-step recipe's. Measured on ``small`` only, so only ``small`` takes it.
   """
-  return {"small": (1000, dataclasses.replace(recipe, learning_rate=learning_rate))}
+  return {"small": (LONG_RUN_STEPS, dataclasses.replace(recipe, learning_rate=learning_rate))}
 
 
 register(
@@ -860,7 +947,7 @@ register(
     preset_recipes={"report-1.2b": _REPORT_RECIPE},
     # demo-k8-1bit: 1.9982 at 1.5e-3, 2.0185 at 7.5e-4; the defaults are flat
     # there (1.8829, 1.8816), so the family takes 1.5e-3.
-    long_recipes=_from_1000_steps(_DEMO_RECIPE, 1.5e-3),
+    long_recipes=_long_runs(_DEMO_RECIPE, 1.5e-3),
     options=_DEMO_OPTIONS,
     supports_delayed_apply=True,
     excludes_nonfinite=True,
@@ -901,7 +988,7 @@ register(
     recipe=_DEFAULT_RECIPE,
     preset_recipes={"report-1.2b": _REPORT_RECIPE},
     # 1.7898 at 7.5e-4; 1.8388, 1.8034, 1.8244 at 3.75e-4, 1.5e-3, 3e-3.
-    long_recipes=_from_1000_steps(_DEFAULT_RECIPE, 7.5e-4),
+    long_recipes=_long_runs(_DEFAULT_RECIPE, 7.5e-4),
     supports_skip_nonfinite=True,
     dense=True,
   )
@@ -928,14 +1015,15 @@ register(
 register(
   Method(
     name="sparseloco",
-    description="SparseLoCo: H local AdamW steps, then a top-k, 2-bit, error-fed outer step",
+    description="SparseLoCo: H local AdamW (or Muon) steps, then a top-k 2-bit (or drawn 1-bit) "
+    "error-fed outer step, optionally orthogonalized",
     build=_build_sparseloco,
     message_bytes=_sparseloco_message,
     collective=ALL_GATHER,
     recipe=_DEFAULT_RECIPE,
     preset_recipes={"report-1.2b": _REPORT_RECIPE},
     # H 30: 2.2488 at 1.5e-3, 2.3011 at 3e-3, 2.3292 at 7.5e-4.
-    long_recipes=_from_1000_steps(_DEFAULT_RECIPE, 1.5e-3),
+    long_recipes=_long_runs(_DEFAULT_RECIPE, 1.5e-3),
     options=(
       Option(r"h(\d+)", "sparseloco_sync_every", _int, "hH"),
       Option(r"k(\d+)", "sparseloco_topk", _int, "kK"),
@@ -943,6 +1031,13 @@ register(
       Option(r"([012])bit", "sparseloco_value_bits", _int, "Nbit"),
       Option(r"noclip", "sparseloco_clip", lambda m: False, "noclip"),
       Option(r"dct", "sparseloco_dct", lambda m: True, "dct"),
+      # DeMo's drawn message (with -dct in its basis, where -fbB's low
+      # frequencies mean something), and the outer step's shape:
+      # sparseloco-h2-k1-c8-1bit-dct-rand-fb1-orth.
+      Option(r"rand", "sparseloco_random_positions", lambda m: True, "rand"),
+      Option(r"fb(\d+(?:\.\d+)?)", "sparseloco_frequency_bias", _float, "fbB"),
+      Option(r"(rms|orth)", "sparseloco_normalize", lambda m: m[1], "orth"),
+      Option(r"(muon|sgd)", "sparseloco_inner", lambda m: m[1], "muon"),
     ),
     exchange_every=lambda cfg: cfg.sparseloco_sync_every,
     supports_fsdp=False,
