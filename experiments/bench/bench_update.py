@@ -124,13 +124,15 @@ def compare_update(name: str) -> tuple[optax.GradientTransformation, int]:
   """
   from experiments.run import checks
   from experiments.run import methods as registry
-  from experiments.run.config import TrainConfig
+  from experiments.run.config import ConfigError, TrainConfig
 
   method, fields = registry.parse(name)
-  # SparseLoCo's median clip would take a stack of layers as one tensor, and
-  # its check refuses --scan_layers; only the modes of --normalize read it.
-  stacked = fields.get("optimizer") != "sparseloco"
-  cfg = checks.resolve(TrainConfig(**fields, preset="small", scan_layers=stacked))
+  try:
+    cfg = checks.resolve(TrainConfig(**fields, preset="small", scan_layers=True))
+  except ConfigError:
+    # A method whose check refuses a stack of layers (SparseLoCo's median clip
+    # would take the stack as one tensor) runs on the tree with a tensor per layer.
+    cfg = checks.resolve(TrainConfig(**fields, preset="small", scan_layers=False))
   return method.build(cfg, registry.Axes(replica="data", fsdp=None)), method.exchange_every(cfg)
 
 
