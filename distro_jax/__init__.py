@@ -4,7 +4,18 @@ Each worker sends a compressed message (per-chunk top-k of its decoupled
 momentum in a chunked DCT basis) instead of its gradient. See ``README.md``.
 """
 
-from distro_jax import bitpack, codec, cpu_kernels, dct, exchange, hlo_bytes, wire
+from distro_jax import (
+  bitpack,
+  codec,
+  cpu_kernels,
+  dct,
+  dense_step,
+  exchange,
+  gspmd,
+  hlo_bytes,
+  wire,
+)
+from distro_jax.dense_step import DenseStepWarning
 from distro_jax.diloco import DilocoState, diloco, inner_params
 from distro_jax.elastic import (
   abstract_state_of_workers,
@@ -21,6 +32,13 @@ from distro_jax.fsdp import (
   gather_params,
   local_shapes,
   plan_fsdp,
+)
+from distro_jax.gspmd import (
+  PerWorker,
+  abstract_per_worker,
+  per_worker,
+  resize_per_worker,
+  worker_value_and_grad,
 )
 from distro_jax.hlo_bytes import (
   CollectiveBytes,
@@ -49,19 +67,24 @@ __all__ = [
   "codec",
   "cpu_kernels",
   "dct",
+  "dense_step",
   "exchange",
+  "gspmd",
   "hlo_bytes",
   "wire",
   "CollectiveBytes",
   "DemoState",
+  "DenseStepWarning",
   "DeviceBytes",
   "DilocoState",
   "FsdpPlan",
   "PerLayer",
+  "PerWorker",
   "SparseLocoBytes",
   "SparseLocoState",
   "Split",
   "WireBytes",
+  "abstract_per_worker",
   "abstract_state_of_workers",
   "abstract_worker_state",
   "clip_by_sharded_global_norm",
@@ -83,8 +106,10 @@ __all__ = [
   "lookahead_update",
   "orthogonalize",
   "parse_collective_bytes",
+  "per_worker",
   "plan_fsdp",
   "pmean_gradients",
+  "resize_per_worker",
   "resize_worker_state",
   "scale_by_demo",
   "scale_to_unit_rms",
@@ -95,4 +120,5 @@ __all__ = [
   "worker_count",
   "worker_local",
   "worker_state_specs",
+  "worker_value_and_grad",
 ]

@@ -30,6 +30,7 @@ accelerator.
 import functools
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -45,7 +46,11 @@ except ImportError:
   shard_alike = None
 
 __all__ = [
+  "DCT_BASIS",
+  "IDENTITY_BASIS",
+  "Basis",
   "ChunkPlan",
+  "basis",
   "chunk_length",
   "dct_basis",
   "decode",
@@ -423,6 +428,53 @@ def inverse_blocks(y_blocks: jax.Array, plan: ChunkPlan) -> jax.Array:
   d1, d2 = dct_basis(plan.c1), dct_basis(plan.c2)
   t = _along_c1(d1.T, y_blocks)
   return jnp.einsum("jq,...apbj->...apbq", d2, t, precision=_HIGHEST)
+
+
+class Basis(NamedTuple):
+  """What a chunk's coefficients are, as a pair of block-view functions. Static.
+
+  The compressed exchanges (DeMo's, SparseLoCo's) select, send and feed back
+  coefficients in a basis and decode the aggregate back out of it; only these
+  two functions say which basis that is.
+
+  Attributes:
+    name: ``"dct"`` or ``"identity"``.
+    forward: ``forward(x_blocks, plan)``: float32 coefficients of a block view.
+    inverse: ``inverse(y_blocks, plan)``: the block view they came from.
+  """
+
+  name: str
+  forward: Callable[[jax.Array, ChunkPlan], jax.Array]
+  inverse: Callable[[jax.Array, ChunkPlan], jax.Array]
+
+
+def _entries(x_blocks: jax.Array, plan: ChunkPlan) -> jax.Array:
+  del plan
+  return x_blocks.astype(jnp.float32)
+
+
+def _unchanged(y_blocks: jax.Array, plan: ChunkPlan) -> jax.Array:
+  del plan
+  return y_blocks
+
+
+DCT_BASIS = Basis("dct", forward_blocks, inverse_blocks)
+"""Every chunk's orthonormal 2-D DCT: :func:`forward_blocks`, :func:`inverse_blocks`."""
+IDENTITY_BASIS = Basis("identity", _entries, _unchanged)
+"""A chunk's own entries, in float32 (the ``use_dct=False`` ablation)."""
+
+
+def basis(use_dct: bool) -> Basis:
+  """:data:`DCT_BASIS` if ``use_dct``, else :data:`IDENTITY_BASIS`.
+
+  Example:
+    >>> import jax.numpy as jnp, distro_jax as dj
+    >>> plan = dj.dct.plan_chunks((8, 8), 8)
+    >>> y = dj.dct.basis(True).forward(jnp.ones(plan.block_shape), plan)
+    >>> round(float(y[0, 0, 0, 0]), 4)  # the one chunk's DC term
+    8.0
+  """
+  return DCT_BASIS if use_dct else IDENTITY_BASIS
 
 
 def transform(x: jax.Array, plan: ChunkPlan) -> jax.Array:

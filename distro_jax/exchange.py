@@ -36,8 +36,11 @@ def bound_axis_size(axis_name: Hashable | None) -> int:
     raise ValueError(
       f"axis_name={axis_name!r} is not bound here. Call the update inside "
       f"jax.shard_map over a mesh with an axis named {axis_name!r} (for example "
-      f"jax.make_mesh((n,), ({axis_name!r},))), or pass axis_name=None for a "
-      "single worker with no collective."
+      f"jax.make_mesh((n,), ({axis_name!r},))); in a jax.jit step without "
+      f"shard_map, wrap the optimizer in dj.per_worker(tx, mesh, {axis_name!r}) and "
+      "take per-worker gradients with dj.worker_value_and_grad (docs/porting.md). "
+      "axis_name=None is a single worker with no collective: over several devices, "
+      "XLA would all-reduce the whole gradient instead."
     ) from e
 
 

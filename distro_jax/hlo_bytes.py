@@ -171,10 +171,36 @@ def parse_collective_bytes(hlo_text: str) -> CollectiveBytes:
 
 _GROUPS_LIST = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[0-9,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+# replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([4,2]T(1,0)) {'axis_1'}: the devices
+# (an iota, transposed, or 0..n-1 without device_ids) laid out on a mesh of named axes; each
+# group is the devices that differ along the axes in braces only.
+_GROUPS_MESH = re.compile(
+  r"replica_groups=mesh\[([^\]]*)\]"
+  r"(?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?\s*\{([^}]*)\}"
+)
+
+
+def _iota(num_devices: int, dims: str, perm: str | None) -> np.ndarray:
+  ids = np.arange(num_devices).reshape([int(x) for x in dims.split(",")])
+  return ids.transpose([int(x) for x in perm.split(",")]) if perm else ids
+
+
+def _mesh_groups(m: re.Match, num_devices: int) -> list[list[int]]:
+  axes = re.findall(r"'([^']*)'=([0-9]+)", m.group(1))
+  names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+  ids = _iota(num_devices, m.group(2), m.group(3)) if m.group(2) else np.arange(num_devices)
+  ids = ids.reshape(sizes)
+  over = [names.index(a) for a in re.findall(r"'([^']*)'", m.group(4))]
+  rest = [d for d in range(len(names)) if d not in over]
+  size = int(np.prod([sizes[d] for d in over]))
+  return ids.transpose(rest + over).reshape(-1, size).tolist()
 
 
 def _device_groups(attrs: str, num_devices: int) -> list[list[int]]:
   """The groups of logical device ids a collective runs over, from its attributes."""
+  m = _GROUPS_MESH.search(attrs)
+  if m:
+    return _mesh_groups(m, num_devices)
   m = _GROUPS_IOTA.search(attrs)
   if m:
     shape = [int(x) for x in m.group(1).split(",")]

@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from distro_jax import bitpack, codec, dct, exchange, wire
+from distro_jax import bitpack, codec, dct, delivery, exchange, message, wire
 from distro_jax.hyperparams import (
   StaticFloat,
   StaticInt,
@@ -394,6 +394,249 @@ def _check_value_bits(value_bits: Any) -> int | None:
   return int(bits)
 
 
+class _Selection(NamedTuple):
+  """One worker's SparseLoCo message before it is written, per tensor.
+
+  Attributes:
+    indices: chunk-local positions in the block view, ``(*lead, A, B, k)``.
+    codes: the quantized codes (or, without quantization, the values in the
+      param dtype), shaped as the indices.
+    codebooks: per tensor a float32 codebook, or ``None`` without quantization.
+    sent: the values as receivers decode them, float32.
+  """
+
+  indices: list[jax.Array]
+  codes: list[jax.Array]
+  codebooks: list[jax.Array | None]
+  sent: list[jax.Array]
+
+
+class _Format(NamedTuple):
+  """SparseLoCo's message format, as the exchange (:func:`distro_jax.delivery.deliver`) asks.
+
+  A message is marked invalid by NaN where a valid one is finite: in every
+  codebook entry or, without quantization, in every value. So a receiver
+  reads each worker's validity from its values.
+  """
+
+  layout: SparseLocoLayout
+
+  @property
+  def num_bytes(self) -> int:
+    return self.layout.num_bytes
+
+  def encode(self, selection: _Selection, valid: jax.Array) -> jax.Array:
+    quantized = [t.value_bits is not None for t in self.layout.tensors]
+    codes = [c if q else _invalid_unless(valid, c) for c, q in zip(selection.codes, quantized)]
+    books = [b if b is None else _invalid_unless(valid, b) for b in selection.codebooks]
+    # The message is one byte vector: a selection sharded with its param is
+    # gathered onto every device first, never the param.
+    rows_k = [(t.rows, t.k) for t in self.layout.tensors]
+    return _encode(
+      [codec.unsharded(i).reshape(s) for i, s in zip(selection.indices, rows_k)],
+      [codec.unsharded(c).reshape(s) for c, s in zip(codes, rows_k)],
+      books,
+      self.layout,
+    )
+
+  def decode(self, messages: jax.Array) -> message.Received:
+    tensors = _decode(messages, self.layout)
+    return message.Received(tensors, _all_finite_per_worker([val for _, val in tensors]))
+
+  def as_received(self, selection: _Selection, valid: jax.Array) -> message.Received:
+    tensors = [
+      (idx[None], _invalid_unless(valid, sent)[None])
+      for idx, sent in zip(selection.indices, selection.sent)
+    ]
+    return message.Received(tensors, _all_finite_per_worker([val for _, val in tensors]))
+
+
+class _Config(NamedTuple):
+  """:func:`sparseloco`'s options, checked. Static."""
+
+  inner: optax.GradientTransformation
+  sync_every: int
+  outer_learning_rate: Any
+  error_decay: float
+  topk: int
+  chunk: int
+  bits: int | None
+  basis: dct.Basis
+  clip: bool
+  axis_name: Hashable | None
+
+
+class _Round(NamedTuple):
+  """What one synchronization knows of the params before it computes anything. Static.
+
+  Attributes:
+    treedef: the params' tree structure.
+    carried: which leaves the message carries (not the zero-size ones).
+    all_leaves: every param leaf.
+    leaves: the carried ones.
+    layout: the message's layout.
+    plans: per carried leaf, its :class:`~distro_jax.dct.ChunkPlan`.
+  """
+
+  treedef: Any
+  carried: wire.CarriedLeaves
+  all_leaves: list[jax.Array]
+  leaves: list[jax.Array]
+  layout: SparseLocoLayout
+  plans: list[dct.ChunkPlan]
+
+
+def _compress(
+  pseudo_grads: list[jax.Array], errors: list[jax.Array], rnd: _Round, cfg: _Config
+) -> tuple[_Selection, list[jax.Array]]:
+  """Error feedback, top-k and quantization of one worker's pseudo-gradient.
+
+  Returns what the message sends and, per tensor in its param's shape, the
+  buffer with what was sent (as the receivers decode it) taken out.
+  """
+  indices, codes, books, sents, kept = [], [], [], [], []
+  for d, e, plan, t in zip(pseudo_grads, errors, rnd.plans, rnd.layout.tensors):
+    # Everything param-sized stays in its block view, sharded as the param is.
+    coeffs = cfg.basis.forward(dct.to_blocks(d, plan), plan)
+    e_blocks = cfg.error_decay * dct.to_blocks(e, plan) + coeffs
+    idx, val = codec.select_topk_blocks(e_blocks, t.k)
+    if cfg.bits is None:
+      code, book = val.astype(t.value_dtype), None
+      sent = code.astype(jnp.float32)
+    else:
+      code, book = quantize(val, cfg.bits)
+      sent = dequantize(code, book)
+    # What was sent, as the receivers decode it, leaves the buffer.
+    e_blocks = codec.scatter_blocks(e_blocks, idx, val - sent)
+    kept.append(dct.from_blocks(e_blocks, plan, plan.state_shape, like=e))
+    indices.append(idx)
+    codes.append(code)
+    books.append(book)
+    sents.append(sent)
+  return _Selection(indices, codes, books, sents), kept
+
+
+def _aggregate(
+  received: message.Received, rnd: _Round, clip: bool
+) -> tuple[list[jax.Array], jax.Array]:
+  """The mean of the valid workers' messages, per tensor in its block view, and their count.
+
+  Each worker's values are clipped first, with ``clip``, to the lower median
+  of the valid workers' norms of that tensor. The sum runs over the workers
+  in their order, so every worker computes it bit for bit alike.
+  """
+  valid_W = received.valid
+  tensors = [(idx, _per_worker(valid_W, val, 0.0)) for idx, val in received.tensors]
+  if clip:
+    tensors = [
+      (idx, val * _per_worker(_clip_factors(_norm_per_worker(val), valid_W), val))
+      for idx, val in tensors
+    ]
+  contributors = jnp.sum(valid_W.astype(jnp.int32))
+  means = []
+  for (idx, val), plan, x in zip(tensors, rnd.plans, rnd.leaves):
+    zeros = dct.to_blocks(jnp.zeros_like(x, dtype=jnp.float32), plan)
+    # A round with no valid message sums to zero and moves nothing.
+    means.append(_sum_in_worker_order(zeros, idx, val) / jnp.maximum(contributors, 1))
+  return means, contributors
+
+
+def _clip_factors(norms_W: jax.Array, valid_W: jax.Array) -> jax.Array:
+  """Each worker's scale for one tensor: at most the lower median of the valid norms."""
+  return jnp.minimum(1.0, _lower_median(norms_W, valid_W) / (norms_W + _CLIP_EPS))
+
+
+def _outer_step(means: list[jax.Array], rnd: _Round, cfg: _Config) -> Any:
+  """``-outer_lr * mean``, back out of the basis, in the params' shapes and dtypes."""
+  outer = []
+  for mean, plan, x in zip(means, rnd.plans, rnd.leaves):
+    step = dct.from_blocks(cfg.basis.inverse(mean, plan), plan, like=x)
+    outer.append((-cfg.outer_learning_rate * step).astype(x.dtype))
+  return rnd.treedef.unflatten(rnd.carried.with_empty(outer, rnd.all_leaves, jnp.zeros_like))
+
+
+def _restart(
+  params: Any, outer: Any, inner_state: Any, finite: jax.Array, cfg: _Config
+) -> tuple[Any, Any]:
+  """Every worker's inner params at the new outer params; a failed worker's inner state afresh.
+
+  Its own inner state may hold the NaN. Leaves shared by every worker (a
+  step count) took in no gradient, so they carry on.
+  """
+  restart = exchange.worker_local(optax.apply_updates(params, outer), cfg.axis_name)
+  inner_state = jax.tree.map(
+    lambda s, f: s if exchange.is_shared(s, cfg.axis_name) else jnp.where(finite, s, f),
+    inner_state,
+    cfg.inner.init(restart),
+  )
+  return restart, inner_state
+
+
+def _synchronize(cfg: _Config, rnd: _Round, params: Any, local: Any, errors: Any, inner_state: Any):
+  """A synchronization: compress, exchange, aggregate, outer step, restart."""
+  local_leaves = rnd.carried.pick(rnd.treedef.flatten_up_to(local))
+  pseudo = [p.astype(jnp.float32) - q.astype(jnp.float32) for p, q in zip(rnd.leaves, local_leaves)]
+  all_errors = rnd.treedef.flatten_up_to(errors)
+  old_errors = rnd.carried.pick(all_errors)
+  selection, new_errors = _compress(pseudo, old_errors, rnd, cfg)
+  finite = exchange.all_finite([*pseudo, *selection.sent])
+  # A worker that is not finite keeps its buffer of before the round.
+  kept = [jnp.where(finite, e, old) for e, old in zip(new_errors, old_errors)]
+  errors = rnd.treedef.unflatten(rnd.carried.merge(kept, all_errors))
+  received = delivery.deliver(_Format(rnd.layout), selection, finite, cfg.axis_name)
+  means, contributors = _aggregate(received, rnd, cfg.clip)
+  outer = _outer_step(means, rnd, cfg)
+  restart, inner_state = _restart(params, outer, inner_state, finite, cfg)
+  return outer, restart, errors, inner_state, contributors
+
+
+def _config(
+  inner: Any,
+  sync_every: Any,
+  outer_learning_rate: Any,
+  error_decay: Any,
+  compression_topk: Any,
+  compression_chunk: Any,
+  value_bits: Any,
+  use_dct: bool,
+  clip_to_median_norm: bool,
+  axis_name: Hashable | None,
+) -> _Config:
+  """:func:`sparseloco`'s arguments checked, each refused with the fix when wrong."""
+  sync_every = static_positive_int("sync_every", sync_every, example=30)
+  topk = static_positive_int("compression_topk", compression_topk, example=64)
+  chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
+  bits = _check_value_bits(value_bits)
+  error_decay = unwrap_static(error_decay)
+  check_decay(
+    "error_decay", error_decay, one_allowed=True, hint="SparseLoCo's production value is 0.95."
+  )
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(
+      f"inner must be an optax.GradientTransformation such as optax.adamw(1e-3), got "
+      f"{type(inner).__name__}."
+    )
+  basis = dct.basis(bool(use_dct))
+  clip = bool(clip_to_median_norm)
+  return _Config(
+    inner, sync_every, outer_learning_rate, error_decay, topk, chunk, bits, basis, clip, axis_name
+  )
+
+
+def _round(params: Any, state: SparseLocoState, cfg: _Config) -> _Round:
+  """This update's :class:`_Round`; a zero-size param has nothing to send (an empty step)."""
+  all_leaves, treedef = jax.tree.flatten(params)
+  carried = wire.CarriedLeaves(all_leaves)
+  leaves = carried.pick(all_leaves)
+  layout = sparseloco_layout(
+    leaves, compression_topk=cfg.topk, compression_chunk=cfg.chunk, value_bits=cfg.bits
+  )
+  plans = [_plan(x, cfg.chunk) for x in leaves]
+  if leaves:
+    _check_errors(carried.pick(treedef.flatten_up_to(state.error_feedback)), plans)
+  return _Round(treedef, carried, all_leaves, leaves, layout, plans)
+
+
 def sparseloco(
   inner: optax.GradientTransformation,
   *,
@@ -460,21 +703,18 @@ def sparseloco(
     >>> int((updates["w"] != 0).sum())  # top-64 of each 64x64 chunk
     64
   """
-  sync_every = static_positive_int("sync_every", sync_every, example=30)
-  topk = static_positive_int("compression_topk", compression_topk, example=64)
-  chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
-  bits = _check_value_bits(value_bits)
-  error_decay = unwrap_static(error_decay)
-  check_decay(
-    "error_decay", error_decay, one_allowed=True, hint="SparseLoCo's production value is 0.95."
+  cfg = _config(
+    inner,
+    sync_every,
+    outer_learning_rate,
+    error_decay,
+    compression_topk,
+    compression_chunk,
+    value_bits,
+    use_dct,
+    clip_to_median_norm,
+    axis_name,
   )
-  if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError(
-      f"inner must be an optax.GradientTransformation such as optax.adamw(1e-3), got "
-      f"{type(inner).__name__}."
-    )
-  use_dct = bool(use_dct)
-  clip = bool(clip_to_median_norm)
 
   def init_fn(params):
     dct.refuse_non_float(params, "SparseLoCo", "top-k by magnitude and quantizer")
@@ -486,120 +726,22 @@ def sparseloco(
       contributors=jnp.zeros([], jnp.int32),
     )
 
-  def compress(pseudo_grads, errors, layout, plans):
-    """Error feedback, top-k and quantization of one worker's pseudo-gradient.
-
-    Returns, per tensor, the block-view indices, the codes (or values), the
-    codebook, the values as receivers decode them, and the new buffer.
-    """
-    out = []
-    for d, e, plan, t in zip(pseudo_grads, errors, plans, layout.tensors):
-      # Everything param-sized stays in its block view, sharded as the param is.
-      d_blocks = dct.to_blocks(d, plan)
-      coeffs = dct.forward_blocks(d_blocks, plan) if use_dct else d_blocks
-      e_blocks = error_decay * dct.to_blocks(e, plan) + coeffs
-      idx, val = codec.select_topk_blocks(e_blocks, t.k)
-      if bits is None:
-        code, book = val.astype(t.value_dtype), None
-        sent = code.astype(jnp.float32)
-      else:
-        code, book = quantize(val, bits)
-        sent = dequantize(code, book)
-      # What was sent, as the receivers decode it, leaves the buffer.
-      e_blocks = codec.scatter_blocks(e_blocks, idx, val - sent)
-      out.append((idx, code, book, sent, dct.from_blocks(e_blocks, plan, plan.state_shape, like=e)))
-    return out
-
-  def clip_factors(norms_W, valid_W):
-    """Each worker's scale for one tensor: at most the lower median of the valid norms."""
-    return jnp.minimum(1.0, _lower_median(norms_W, valid_W) / (norms_W + _CLIP_EPS))
-
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError(
         "dj.sparseloco needs the outer params: call tx.update(grads, state, params)."
       )
-    num_workers = exchange.bound_axis_size(axis_name)
+    everyone = jnp.full([], exchange.bound_axis_size(axis_name), jnp.int32)
     steps, inner_state = inner.update(updates, state.inner_state, state.local_params)
     local = optax.apply_updates(state.local_params, steps)
     count = optax.safe_increment(state.count)
-    everyone = jnp.full([], num_workers, jnp.int32)
-    all_leaves, treedef = jax.tree.flatten(params)
-    # A zero-size param has nothing to send; it keeps an empty outer step.
-    carried = wire.CarriedLeaves(all_leaves)
-    leaves = carried.pick(all_leaves)
-    if not leaves:
+    rnd = _round(params, state, cfg)
+    if not rnd.leaves:
       # Nothing to exchange (an empty tree, or optax.masked selecting nothing).
       return updates, SparseLocoState(count, local, inner_state, state.error_feedback, everyone)
-    layout = sparseloco_layout(
-      leaves, compression_topk=topk, compression_chunk=chunk, value_bits=bits
-    )
-    plans = [_plan(x, chunk) for x in leaves]
-    _check_errors(carried.pick(treedef.flatten_up_to(state.error_feedback)), plans)
 
     def synchronize(local, errors, inner_state):
-      pseudo = [
-        p.astype(jnp.float32) - q.astype(jnp.float32)
-        for p, q in zip(leaves, carried.pick(treedef.flatten_up_to(local)))
-      ]
-      all_errors = treedef.flatten_up_to(errors)
-      old_errors = carried.pick(all_errors)
-      selected = compress(pseudo, old_errors, layout, plans)
-      finite = exchange.all_finite([*pseudo, *(sent for *_, sent, _ in selected)])
-      # A worker that is not finite keeps its buffer of before the round.
-      errors = carried.merge(
-        [jnp.where(finite, e, old) for (*_, e), old in zip(selected, old_errors)], all_errors
-      )
-      if axis_name is None:
-        # One worker and no collective: the mean of one message is its own
-        # selection as the receivers would decode it, so skip the bytes (and,
-        # for params sharded under jax.jit, any gathering of the selection).
-        received = [
-          (idx[None], _invalid_unless(finite, sent)[None]) for idx, _, _, sent, _ in selected
-        ]
-      else:
-        # An invalid message is marked by NaN where a valid one is finite: in
-        # every codebook entry, or without quantization in every value.
-        codes = [c if bits is not None else _invalid_unless(finite, c) for _, c, *_ in selected]
-        books = [b if b is None else _invalid_unless(finite, b) for _, _, b, *_ in selected]
-        # The message is one byte vector: a selection sharded with its param is
-        # gathered onto every device first, never the param.
-        message = _encode(
-          [codec.unsharded(i).reshape(t.rows, t.k) for (i, *_), t in zip(selected, layout.tensors)],
-          [codec.unsharded(c).reshape(t.rows, t.k) for c, t in zip(codes, layout.tensors)],
-          books,
-          layout,
-        )
-        gathered = exchange.all_gather_messages(message, axis_name)
-        assert gathered.shape == (num_workers, layout.num_bytes)
-        received = _decode(gathered, layout)
-      # Each worker's validity, read from its message alike on every worker.
-      valid_W = _all_finite_per_worker([val for _, val in received])
-      received = [(idx, _per_worker(valid_W, val, 0.0)) for idx, val in received]
-      if clip:
-        received = [
-          (idx, val * _per_worker(clip_factors(_norm_per_worker(val), valid_W), val))
-          for idx, val in received
-        ]
-      contributors = jnp.sum(valid_W.astype(jnp.int32))
-      outer = []
-      for (idx, val), plan, x in zip(received, plans, leaves):
-        zeros = dct.to_blocks(jnp.zeros_like(x, dtype=jnp.float32), plan)
-        # A round with no valid message sums to zero and moves nothing.
-        mean = _sum_in_worker_order(zeros, idx, val) / jnp.maximum(contributors, 1)
-        step = dct.inverse_blocks(mean, plan) if use_dct else mean
-        step = dct.from_blocks(step, plan, like=x)
-        outer.append((-outer_learning_rate * step).astype(x.dtype))
-      outer = treedef.unflatten(carried.with_empty(outer, all_leaves, jnp.zeros_like))
-      restart = exchange.worker_local(optax.apply_updates(params, outer), axis_name)
-      # Its own inner state may hold the NaN, so a failed worker starts afresh.
-      # Leaves shared by every worker (a step count) took in no gradient.
-      inner_state = jax.tree.map(
-        lambda s, f: s if exchange.is_shared(s, axis_name) else jnp.where(finite, s, f),
-        inner_state,
-        inner.init(restart),
-      )
-      return outer, restart, treedef.unflatten(errors), inner_state, contributors
+      return _synchronize(cfg, rnd, params, local, errors, inner_state)
 
     def keep_going(local, errors, inner_state):
       return jax.tree.map(jnp.zeros_like, params), local, errors, inner_state, everyone
@@ -610,7 +752,7 @@ def sparseloco(
     # a shared buffer, as dj.worker_state_specs does first, fails).
     errors = exchange.worker_local(state.error_feedback, axis_name)
     outer_updates, local, errors, inner_state, contributors = jax.lax.cond(
-      count % sync_every == 0, synchronize, keep_going, local, errors, inner_state
+      count % cfg.sync_every == 0, synchronize, keep_going, local, errors, inner_state
     )
     return outer_updates, SparseLocoState(count, local, inner_state, errors, contributors)
 

@@ -1,9 +1,21 @@
 """DeMo and DisTrO as optax transformations.
 
-:func:`scale_by_demo` is the whole communication step: decoupled momentum,
-chunked DCT, top-k, error feedback, one all-gather of the compressed message,
-and the decoded aggregate ``Q``. :func:`demo` follows it with ``sign`` as the
-reference does; :func:`distro` follows it with any optax transformation.
+:func:`scale_by_demo` is the whole communication step, a pipeline of named
+stages (docs/library.md, "The pipeline"):
+
+1. **compress** (:mod:`distro_jax.compress`): fold the gradient into the
+   decoupled momentum in the chunked DCT basis, select the message (top-k or
+   drawn positions, :mod:`distro_jax.message`), and feed back what it sends;
+2. **exchange** (:mod:`distro_jax.delivery`): all-gather the messages, this
+   step's or, with ``delayed_apply``, the step before's;
+3. **decode** (:mod:`distro_jax.decode`): average each coefficient over the
+   workers that chose it and take the inverse DCT, giving ``Q`` in each
+   param's shape, the same on every worker.
+
+The fourth stage, **normalize**, is the transformation chained after it:
+:func:`demo` takes ``sign(Q)`` as the reference does (or a unit-RMS or
+orthogonalized step, :mod:`distro_jax.unit_rms`); :func:`distro` takes any
+optax transformation.
 """
 
 import functools
@@ -15,7 +27,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from distro_jax import codec, cpu_kernels, dct, exchange, unit_rms, wire
+from distro_jax import (
+  codec,
+  compress,
+  dct,
+  decode,
+  delivery,
+  dense_step,
+  exchange,
+  message,
+  unit_rms,
+  wire,
+)
 from distro_jax.hyperparams import (
   StaticFloat,
   StaticInt,
@@ -119,302 +142,183 @@ def _check_momentum(updates: Any, momenta: list[Any], plans: list[dct.ChunkPlan]
       )
 
 
-def _feed_back_pending(
-  momentum_blocks: list[jax.Array],
-  pending: jax.Array | None,
-  layout: codec.WireLayout,
-  positions: list[jax.Array] | None = None,
-) -> list[jax.Array]:
-  """Error feedback of the message in flight: what it sends leaves the momentum.
+class _Options(NamedTuple):
+  """:func:`scale_by_demo`'s options, checked. Static."""
 
-  With ``delayed_apply`` the state keeps the momentum as it was before the
-  message was cut from it, and this step removes the sent coefficients, read
-  back from the worker's own pending message (whose drawn ``positions`` are
-  passed when the layout draws them). A message marked invalid (the first
-  step, a worker that failed) sent nothing, so nothing is removed.
-  """
-  if pending is None or pending.shape != (layout.num_bytes,):
-    return momentum_blocks  # update_fn refuses this state with a clear message
-  tensors, valid = codec.decode_message(pending, layout, positions)
-  out = []
-  for m, (idx, _) in zip(momentum_blocks, tensors):
-    idx = idx.reshape(*m.shape[:-3], m.shape[-2], idx.shape[-1])
-    # Zero where the message was valid, else write back what is there.
-    values = jnp.where(valid, 0.0, codec.gather_blocks(m, idx))
-    out.append(codec.scatter_blocks(m, idx, values))
-  return out
+  topk: int
+  chunk: int
+  decay: float
+  quantize_1bit: bool
+  basis: dct.Basis
+  axis_name: Hashable | None
+  delayed_apply: bool
+  random_positions: bool
+  frequency_bias: float
 
-
-def _check_gathered(gathered: Any, num_workers: int, num_bytes: int) -> None:
-  want = (num_workers, num_bytes)
-  if np.shape(gathered) != want or jnp.asarray(gathered).dtype != jnp.uint8:
-    raise ValueError(
-      f"gathered has shape {np.shape(gathered)} and dtype {jnp.asarray(gathered).dtype}, but "
-      f"this exchange's messages in flight are uint8{list(want)} ({num_workers} workers x "
-      f"{num_bytes} bytes). Pass what dj.gather_pending(opt_state, axis_name) returns for "
-      "this very opt_state, or leave gathered out and the update all-gathers them itself."
+  def layout(self, params: Any) -> codec.WireLayout:
+    """The message's bytes for ``params`` (arrays or ``jax.ShapeDtypeStruct``)."""
+    return wire.wire_layout(
+      params,
+      compression_topk=self.topk,
+      compression_chunk=self.chunk,
+      quantize_1bit=self.quantize_1bit,
+      random_positions=self.random_positions,
     )
 
 
-def _position_drawer(
-  count: jax.Array,
-  grads: list[jax.Array],
-  site_axes: list[Hashable],
-  blocks: list[jax.Array],
-  ks: list[int],
-  frequency_bias: float,
-) -> Callable[[jax.Array | int], list[jax.Array]]:
-  """Worker index -> that worker's drawn positions for every tensor, this step.
-
-  A tensor sharded within a site (FSDP) is a message per shard, so the
-  device's place along the axes that shard it enters the key; a tensor kept
-  whole on a site's devices gets the same positions on each of them.
-  """
-  shards = []
-  for g in grads:
-    axes = tuple(a for a in site_axes if exchange.varies_over(g, a))
-    shards.append(jax.lax.axis_index(axes) if axes else None)
-
-  def draw(worker: jax.Array | int) -> list[jax.Array]:
-    return [
-      codec.draw_positions(codec.position_key(count, i, worker, shard), b.shape, k, frequency_bias)
-      for i, (shard, b, k) in enumerate(zip(shards, blocks, ks))
-    ]
-
-  return draw
-
-
-def _replace_rarely(pred: jax.Array, tree: Any, replacement: Callable[[], Any]) -> Any:
-  """``replacement()`` where ``pred`` holds, else ``tree``, with no pass over ``tree``.
-
-  A ``jnp.where`` or a ``lax.cond`` reads and writes every byte of ``tree``
-  even when ``pred`` is false, which for param-sized buffers costs as much as
-  the step's arithmetic. A while loop whose body runs only when ``pred`` holds
-  hands the buffers through untouched otherwise, and ``pred`` (a worker that
-  failed) is rare.
-  """
-  # Traced only for its types (unused, so compiled away): inside shard_map the
-  # loop carry must be typed as varying over the axes either side varies over.
-  probe = replacement()
-  pred_axes = exchange.varying_axes(pred)
-
-  def axes(x: Any, r: Any) -> tuple[Hashable, ...]:
-    union = exchange.varying_axes(x) | exchange.varying_axes(r) | pred_axes
-    return tuple(sorted(union, key=str))
-
-  targets = jax.tree.map(axes, tree, probe)
-
-  def typed(x: Any, want: tuple[Hashable, ...], dtype: Any) -> jax.Array:
-    return exchange.as_varying(jnp.asarray(x, dtype), want)
-
-  tree = jax.tree.map(lambda x, want: typed(x, want, x.dtype), tree, targets)
-  dtypes = jax.tree.map(lambda x: x.dtype, tree)
-
-  def body(carry):
-    new = jax.tree.map(typed, replacement(), targets, dtypes)
-    return jnp.zeros_like(carry[0]), new
-
-  _, out = jax.lax.while_loop(lambda c: c[0], body, (pred, tree))
-  return out
-
-
-def _compress(
-  grads: list[jax.Array],
-  momentum_blocks: list[jax.Array],
-  plans: list[dct.ChunkPlan],
-  layout: codec.WireLayout,
-  lr: Any,
-  *,
-  decay: float,
-  use_dct: bool,
-  drawn: Callable[[], list[jax.Array]] | None,
-) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], list[jax.Array]]:
-  """One worker's side of the step, in each tensor's block view.
-
-  Returns the momentum with this gradient folded in, the positions and values
-  selected from it (the top-k, or the positions ``drawn()`` gives), and the
-  momentum with them zeroed (error feedback).
-  """
-  n = len(grads)
-  blocks: list[jax.Array] = []
-  sel_idx: list[jax.Array | None] = [None] * n
-  sel_val: list[jax.Array | None] = [None] * n
-  for i, (g, m, plan, t) in enumerate(zip(grads, momentum_blocks, plans, layout.tensors)):
-    g = dct.to_blocks(g, plan)
-    if use_dct and drawn is None and cpu_kernels.serves(plan, g, m, k=t.k):
-      # Transform, momentum and top-k in one pass (distro_jax.cpu_kernels).
-      b, sel_idx[i], sel_val[i] = cpu_kernels.compress(g, m, decay, lr, t.k)
-      blocks.append(b)
-      continue
-    coeffs = dct.forward_blocks(g, plan) if use_dct else g.astype(jnp.float32)
-    blocks.append(decay * m + lr * coeffs)
-  if drawn is not None:
-    sel_idx = drawn()
-    sel_val = [codec.gather_blocks(b, idx) for b, idx in zip(blocks, sel_idx)]
-  else:
-    rest = [i for i in range(n) if sel_idx[i] is None]
-    ks = [layout.tensors[i].k for i in rest]
-    selections = codec.select_topk_many([blocks[i] for i in rest], ks)
-    for i, (idx, val) in zip(rest, selections):
-      sel_idx[i], sel_val[i] = idx, val
-  kept = [codec.zero_selected_blocks(m, idx) for m, idx in zip(blocks, sel_idx)]
-  return blocks, sel_idx, sel_val, kept
-
-
-def _own_selection(
-  sel_idx: list[jax.Array],
-  sel_val: list[jax.Array],
-  kept: list[jax.Array],
-  layout: codec.WireLayout,
-  send: jax.Array,
+def _options(
+  learning_rate: Any,
+  compression_decay: Any,
+  compression_topk: Any,
+  compression_chunk: Any,
   quantize_1bit: bool,
-) -> list[jax.Array]:
-  """A lone worker's aggregate: its selection as the wire would carry it.
-
-  The mean of one value is that value, so the bytes are skipped.
-  """
-  dense = []
-  for idx, val, m, t in zip(sel_idx, sel_val, kept, layout.tensors):
-    if quantize_1bit:
-      val = jnp.where(val >= 0, 1.0, -1.0)
-    else:
-      val = val.astype(t.value_dtype).astype(jnp.float32)
-    val = jnp.where(send, val, 0.0)
-    dense.append(codec.scatter_blocks(jnp.zeros_like(m), idx, val))
-  return dense
-
-
-def _check_pending(pending: jax.Array | None, message: jax.Array) -> None:
-  if pending is None:
-    raise ValueError(
-      "delayed_apply=True needs the state of a delayed_apply=True transformation "
-      "(DemoState.pending holding the previous message); build the state with the "
-      "same arguments, e.g. tx.init(params) or dj.init_worker_state(tx, params, mesh)."
-    )
-  if pending.shape != message.shape:
-    raise ValueError(
-      f"DemoState.pending holds {pending.size} bytes, but this update's message is "
-      f"{message.size}: the params' shapes or dtypes, or the compression options, differ "
-      "from those the state was built with (with params=None the gradients' dtypes set "
-      "the values' width; pass params to tx.update). Update with the params and options "
-      "of tx.init(params), or build the state again for these."
-    )
-
-
-def _exchange(
-  message: jax.Array,
-  gathered: jax.Array | None,
-  layout: codec.WireLayout,
-  plans: list[dct.ChunkPlan],
-  kept: list[jax.Array],
-  sel_idx: list[jax.Array],
-  *,
+  use_dct: bool,
   axis_name: Hashable | None,
-  num_workers: int,
-  draw_sent: Callable[[jax.Array], list[jax.Array]] | None,
-  use_dct: bool,
-) -> tuple[list[jax.Array], list[bool], jax.Array]:
-  """All-gathers ``message`` (unless ``gathered`` holds it) and averages what arrived.
-
-  Returns each tensor's aggregate in its block view, whether each is already
-  through the inverse DCT (the CPU kernels do both at once), and the count of
-  valid messages. With no ``axis_name`` the one message is its own aggregate,
-  scattered into zeros shaped like ``kept`` at indices shaped like ``sel_idx``.
-  """
-  if gathered is None:
-    gathered = exchange.all_gather_messages(message, axis_name)
-  else:
-    _check_gathered(gathered, num_workers, layout.num_bytes)
-  assert gathered.shape == (num_workers, layout.num_bytes)
-  positions = None
-  if draw_sent is not None:
-    # Each sender's positions, drawn again here: the all-gather orders the
-    # messages by the senders' indices on axis_name.
-    positions = jax.vmap(draw_sent)(jnp.arange(num_workers))
-  tensors, valid_W = codec.decode_message(gathered, layout, positions)
-  native = [False] * len(plans)
-  if axis_name is None:
-    # One message and no collective (delayed_apply with one worker): its mean
-    # is itself. (With an axis bound, even of size 1, the all-gather types the
-    # aggregate as identical on every worker; keep that path.)
-    dense = [
-      codec.scatter_blocks(
-        jnp.zeros_like(m),
-        i[0].reshape(s.shape),
-        jnp.where(valid_W[0], v[0], 0.0).reshape(s.shape),
+  delayed_apply: bool,
+  random_positions: bool,
+  frequency_bias: float | None,
+) -> _Options:
+  """:func:`scale_by_demo`'s arguments checked, each refused with the fix when wrong."""
+  check_learning_rate("learning_rate", learning_rate)
+  decay = unwrap_static(compression_decay)
+  topk = static_positive_int("compression_topk", compression_topk, example=32)
+  chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
+  check_decay(
+    "compression_decay",
+    decay,
+    one_allowed=False,
+    hint="Use 0 for the stateless mode, or e.g. 0.999 (the reference default).",
+  )
+  bias = 0.0
+  if frequency_bias is not None:
+    bias = static_nonnegative_float("frequency_bias", frequency_bias, example=1.0)
+    if not random_positions:
+      raise ValueError(
+        f"frequency_bias={frequency_bias} shapes the draw of random_positions=True; pass "
+        "random_positions=True, or leave frequency_bias=None."
       )
-      for (i, v), m, s in zip(tensors, kept, sel_idx)
-    ]
-  else:
-    native = [use_dct and cpu_kernels.serves(p, m) for p, m in zip(plans, kept)]
-    rest = [i for i, is_native in enumerate(native) if not is_native]
-    aggregates = codec.aggregate_blocks(
-      [tensors[i] for i in rest], [plans[i].block_shape for i in rest], valid_W
-    )
-    dense = [None] * len(plans)
-    for i, (mean, _) in zip(rest, aggregates):
-      dense[i] = mean
-    for i, plan in enumerate(plans):
-      if native[i]:
-        # Mean and inverse DCT in one pass (distro_jax.cpu_kernels), the
-        # workers folded in in the order aggregate_blocks takes.
-        idx, val = tensors[i]
-        dense[i] = cpu_kernels.decode(idx, val, valid_W, plan.block_shape)
-  return dense, native, jnp.sum(valid_W, dtype=jnp.int32)
+  return _Options(
+    topk=topk,
+    chunk=chunk,
+    decay=decay,
+    quantize_1bit=bool(quantize_1bit),
+    basis=dct.basis(use_dct),
+    axis_name=axis_name,
+    delayed_apply=bool(delayed_apply),
+    random_positions=bool(random_positions),
+    frequency_bias=bias,
+  )
 
 
-def _directions(
-  dense: list[jax.Array],
-  decoded: list[bool],
-  plans: list[dct.ChunkPlan],
-  wire_dtypes: list[jax.ShapeDtypeStruct],
-  grads: list[jax.Array],
-  site_axes: list[Hashable],
-  use_dct: bool,
-) -> list[jax.Array]:
-  """The aggregates decoded: each tensor's ``Q`` in its param's shape and dtype."""
-  directions = []
-  for d, done, plan, x, g in zip(dense, decoded, plans, wire_dtypes, grads):
-    q = dct.inverse_blocks(d, plan) if use_dct and not done else d
-    direction = dct.from_blocks(q, plan, like=g).astype(x.dtype)
-    whole = tuple(a for a in site_axes if not exchange.varies_over(g, a))
-    if whole:
-      # A param kept whole on every device of a site is decoded identically
-      # on each, but from a message typed as differing; a max over equal
-      # values (on the site's fast links) restores the type, not the value.
-      direction = jax.lax.pmax(direction, whole)
-    directions.append(direction)
-  return directions
+def _init(params: Any, opts: _Options) -> DemoState:
+  """A worker's first state: zero momentum and, with ``delayed_apply``, no message."""
+  dct.refuse_non_float(params, "DeMo", "DCT, top-k by magnitude and sign step")
+  zero = jnp.zeros([], jnp.int32)
+  pending = None
+  if opts.delayed_apply:
+    # All zeros marks the message invalid, so the first step applies nothing.
+    pending = jnp.zeros((opts.layout(params).num_bytes,), jnp.uint8)
+  momentum = jax.tree.map(dct.in_place_zeros, params)
+  return DemoState(count=zero, momentum=momentum, contributors=zero, pending=pending)
 
 
-def _plain_next_momentum(
-  kept: list[jax.Array],
-  blocks: list[jax.Array],
-  momenta: list[jax.Array],
-  plans: list[dct.ChunkPlan],
-  finite: jax.Array,
-  send: jax.Array,
-  contributors: jax.Array,
-  contribute: jax.Array | None,
-) -> list[jax.Array]:
-  """The momentum after a plain (not delayed) exchange, in each param's shape.
+def _without_empty(update: Callable[..., Any], updates, state, params, **extra_args):
+  """``update`` on the tensors with entries; a zero-size tensor gets an empty update.
 
-  A worker that failed restarts from zero; a step in which every worker
-  failed changes nothing, so each keeps the momentum it came with. The old
-  momentum must outlive this step's, so this select is a pass over it, the
-  one the plain exchange pays for that guarantee.
+  A zero-size tensor has nothing to send: the message and the exchange leave
+  it out, and its update is as empty as it is.
   """
-  received = contributors > 0
-  kept = [dct.from_blocks(k, p, p.state_shape, like=m) for k, p, m in zip(kept, plans, momenta)]
-  # In the momentum's own shape, so XLA writes the result over it in place.
-  kept = [jnp.where(finite, k, jnp.where(received, 0.0, m)) for k, m in zip(kept, momenta)]
-  if contribute is not None:
-    # What a held-back message would have sent stays in the momentum.
-    unsent = [
-      dct.from_blocks(b, p, p.state_shape, like=m) for b, p, m in zip(blocks, plans, momenta)
-    ]
-    kept = [jnp.where(send | ~finite, k, w) for k, w in zip(kept, unsent)]
-  return kept
+  _check_trees(updates, params)
+  grads, treedef = jax.tree.flatten(updates)
+  carried = wire.CarriedLeaves(grads)
+  if carried.all:
+    return update(updates, state, params, **extra_args)
+  momenta = treedef.flatten_up_to(state.momentum)
+  p_leaves = grads if params is None else treedef.flatten_up_to(params)
+  sub_params = None if params is None else carried.pick(p_leaves)
+  sub_state = state._replace(momentum=carried.pick(momenta))
+  q, sub_state = update(carried.pick(grads), sub_state, sub_params, **extra_args)
+  empty = lambda gp: jnp.zeros(np.shape(gp[0]), gp[1].dtype)
+  q = carried.with_empty(q, list(zip(grads, p_leaves)), empty)
+  momenta = carried.merge(sub_state.momentum, momenta)
+  return treedef.unflatten(q), sub_state._replace(momentum=treedef.unflatten(momenta))
+
+
+class _Tensors(NamedTuple):
+  """What one update knows of its tensors before it computes anything.
+
+  Attributes:
+    lr: this step's learning rate.
+    shapes: per tensor, the update's shape and dtype (the param's, or without
+      params the gradient's), which set the values' width on the wire.
+    plans: per tensor, its :class:`~distro_jax.dct.ChunkPlan`.
+    momenta: the state's momenta, in their params' shapes.
+    momentum_blocks: the same in their block views, where everything
+      param-sized stays: both DCT stages, top-k's first stage and the
+      scatters read the data in place there.
+    site_axes: mesh axes besides the workers' that the gradients vary over:
+      a worker's gradients sharded over its site's devices (FSDP).
+  """
+
+  lr: Any
+  shapes: list[jax.ShapeDtypeStruct]
+  plans: list[dct.ChunkPlan]
+  momenta: list[jax.Array]
+  momentum_blocks: list[jax.Array]
+  site_axes: list[Hashable]
+
+
+def _tensors(updates, state, params, learning_rate, opts: _Options) -> _Tensors:
+  """This update's :class:`_Tensors`, the state's momenta checked against the params."""
+  grads, treedef = jax.tree.flatten(updates)
+  dtypes_from = jax.tree.leaves(params) if params is not None else grads
+  shapes = [jax.ShapeDtypeStruct(np.shape(g), x.dtype) for g, x in zip(grads, dtypes_from)]
+  plans = wire.plan_tree(shapes, opts.chunk)
+  momenta = treedef.flatten_up_to(state.momentum)
+  _check_momentum(updates, momenta, plans)
+  varying = frozenset().union(*(exchange.varying_axes(g) for g in grads))
+  return _Tensors(
+    lr=learning_rate(state.count) if callable(learning_rate) else learning_rate,
+    shapes=shapes,
+    plans=plans,
+    momenta=momenta,
+    momentum_blocks=[dct.to_blocks(m, plan) for m, plan in zip(momenta, plans)],
+    site_axes=sorted(varying - {opts.axis_name}, key=str),
+  )
+
+
+def _message_format(count, grads, tensors: _Tensors, opts: _Options) -> message.MessageFormat:
+  """This step's message format: its bytes, its positions (top-k or drawn) and its basis."""
+  layout = opts.layout(tensors.shapes)
+  ks = tuple(t.k for t in layout.tensors)
+  if opts.random_positions:
+    block_shapes = [plan.block_shape for plan in tensors.plans]
+    positions = message.drawn(
+      count, opts.axis_name, grads, tensors.site_axes, block_shapes, ks, opts.frequency_bias
+    )
+  else:
+    positions = message.TopK(ks)
+  return message.MessageFormat(layout, positions, opts.basis)
+
+
+def _verdict(
+  selection: message.Selection, site_axes: list[Hashable], contribute: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+  """``(finite, send)``: whether this worker's values are finite, and whether it sends.
+
+  A non-finite gradient anywhere in a chunk spreads over all its
+  coefficients, so checking what was selected catches it. Such a worker sends
+  a message marked invalid and restarts from zero momentum. A worker that
+  holds its message back (``contribute=False``, a cold start) sends it marked
+  invalid, like a failed one, but keeps its momentum whole.
+  """
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in selection.values]))
+  if site_axes:
+    # The shards of one worker agree on the flag, so a worker is left out
+    # whole and the count of contributors is the same on every device.
+    finite = jax.lax.pmin(finite.astype(jnp.int32), tuple(site_axes)) > 0
+  send = finite if contribute is None else jnp.logical_and(finite, contribute)
+  return finite, send
 
 
 def scale_by_demo(
@@ -505,181 +409,55 @@ def scale_by_demo(
     >>> q["w"].shape
     (4, 8)
   """
-  check_learning_rate("learning_rate", learning_rate)
-  compression_decay = unwrap_static(compression_decay)
-  topk = static_positive_int("compression_topk", compression_topk, example=32)
-  chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
-  check_decay(
-    "compression_decay",
+  opts = _options(
+    learning_rate,
     compression_decay,
-    one_allowed=False,
-    hint="Use 0 for the stateless mode, or e.g. 0.999 (the reference default).",
+    compression_topk,
+    compression_chunk,
+    quantize_1bit,
+    use_dct,
+    axis_name,
+    delayed_apply,
+    random_positions,
+    frequency_bias,
   )
-  quantize_1bit = bool(quantize_1bit)
-  delayed_apply = bool(delayed_apply)
-  random_positions = bool(random_positions)
-  bias = 0.0
-  if frequency_bias is not None:
-    bias = static_nonnegative_float("frequency_bias", frequency_bias, example=1.0)
-    if not random_positions:
-      raise ValueError(
-        f"frequency_bias={frequency_bias} shapes the draw of random_positions=True; pass "
-        "random_positions=True, or leave frequency_bias=None."
-      )
-  to_chunks, from_chunks = (dct.encode, dct.decode) if use_dct else (dct.to_chunks, dct.from_chunks)
+
+  decay = opts.decay
 
   def init_fn(params):
-    dct.refuse_non_float(params, "DeMo", "DCT, top-k by magnitude and sign step")
-    momentum = jax.tree.map(dct.in_place_zeros, params)
-    zero = jnp.zeros([], jnp.int32)
-    pending = None
-    if delayed_apply:
-      layout = wire.wire_layout(
-        params,
-        compression_topk=topk,
-        compression_chunk=chunk,
-        quantize_1bit=quantize_1bit,
-        random_positions=random_positions,
-      )
-      pending = jnp.zeros((layout.num_bytes,), jnp.uint8)
-    return DemoState(count=zero, momentum=momentum, contributors=zero, pending=pending)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    _check_trees(updates, params)
-    grads, treedef = jax.tree.flatten(updates)
-    carried = wire.CarriedLeaves(grads)
-    if carried.all:
-      return update_carried(updates, state, params, **extra_args)
-    # A zero-size tensor has nothing to send: the message and the exchange
-    # leave it out, and its update is as empty as it is.
-    momenta = treedef.flatten_up_to(state.momentum)
-    p_leaves = grads if params is None else treedef.flatten_up_to(params)
-    sub_params = None if params is None else carried.pick(p_leaves)
-    sub_state = state._replace(momentum=carried.pick(momenta))
-    q, sub_state = update_carried(carried.pick(grads), sub_state, sub_params, **extra_args)
-    empty = lambda gp: jnp.zeros(np.shape(gp[0]), gp[1].dtype)
-    q = carried.with_empty(q, list(zip(grads, p_leaves)), empty)
-    momenta = carried.merge(sub_state.momentum, momenta)
-    return treedef.unflatten(q), sub_state._replace(momentum=treedef.unflatten(momenta))
+    return _init(params, opts)
 
   def update_carried(updates, state, params, *, contribute=None, gathered=None, **extra_args):
     del extra_args  # Other transformations' arguments, passed along by optax.chain.
-    if not delayed_apply:
-      gathered = None  # Meant for a delayed_apply exchange in the same chain.
     num_workers = exchange.bound_axis_size(axis_name)
     grads, treedef = jax.tree.flatten(updates)
     if not grads:
       # Nothing to compress (an empty tree, or optax.masked selecting nothing):
       # no message, and no worker failed.
-      return updates, state._replace(
-        count=optax.safe_increment(state.count),
-        contributors=jnp.full([], num_workers, jnp.int32),
-      )
-    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    momenta = treedef.flatten_up_to(state.momentum)
-    dtypes_from = jax.tree.leaves(params) if params is not None else grads
-    wire_dtypes = [jax.ShapeDtypeStruct(np.shape(g), x.dtype) for g, x in zip(grads, dtypes_from)]
-    layout = wire.wire_layout(
-      wire_dtypes,
-      compression_topk=topk,
-      compression_chunk=chunk,
-      quantize_1bit=quantize_1bit,
-      random_positions=random_positions,
+      everyone = jnp.full([], num_workers, jnp.int32)
+      return updates, state._replace(count=optax.safe_increment(state.count), contributors=everyone)
+    tensors = _tensors(updates, state, params, learning_rate, opts)
+    fmt = _message_format(state.count, grads, tensors, opts)
+    schedule = delivery.schedule(axis_name, num_workers, opts.delayed_apply)
+    # The pipeline: compress, exchange, decode; the chain's next
+    # transformation (sign, unit RMS, Adam, ...) normalizes what it returns.
+    momentum_blocks = schedule.feed_back(tensors.momentum_blocks, state, fmt)
+    compressed = compress.compress(grads, momentum_blocks, tensors.plans, fmt, tensors.lr, decay)
+    finite, send = _verdict(compressed.selection, tensors.site_axes, contribute)
+    received, pending = schedule.exchange(fmt, compressed.selection, send, state, gathered)
+    q_blocks = decode.aggregate(received, compressed.kept, tensors.plans, fmt.basis, axis_name)
+    directions = decode.to_params(q_blocks, tensors.plans, tensors.shapes, grads, tensors.site_axes)
+    contributors = decode.contributors(received, tensors.site_axes)
+    momenta = schedule.next_momentum(
+      compressed, tensors.momenta, tensors.plans, finite, send, contributors, contribute
     )
-    plans = wire.plan_tree(wire_dtypes, chunk)
-    _check_momentum(updates, momenta, plans)
-
-    # Everything param-sized stays in each tensor's block view, where both DCT
-    # stages, top-k's first stage and the scatters read the data in place.
-    momentum_blocks = [dct.to_blocks(m, plan) for m, plan in zip(momenta, plans)]
-    # Gradients that also vary over axes other than axis_name are sharded
-    # within a worker (FSDP over a site's devices).
-    site_axes = sorted(
-      frozenset().union(*(exchange.varying_axes(g) for g in grads)) - {axis_name}, key=str
-    )
-    if random_positions:
-      own = 0 if axis_name is None else jax.lax.axis_index(axis_name)
-      ks = [t.k for t in layout.tensors]
-      draw = _position_drawer(state.count, grads, site_axes, momentum_blocks, ks, bias)
-      # The message in flight was drawn at the step that made it: with
-      # delayed_apply every update replaces it and counts one, so at count-1.
-      draw_sent = draw
-      if delayed_apply:
-        made_at = jnp.maximum(state.count - 1, 0)
-        draw_sent = _position_drawer(made_at, grads, site_axes, momentum_blocks, ks, bias)
-    if delayed_apply:
-      own_sent = draw_sent(own) if random_positions else None
-      momentum_blocks = _feed_back_pending(momentum_blocks, state.pending, layout, own_sent)
-    blocks, sel_idx, sel_val, kept = _compress(
-      grads,
-      momentum_blocks,
-      plans,
-      layout,
-      lr,
-      decay=compression_decay,
-      use_dct=use_dct,
-      drawn=(lambda: draw(own)) if random_positions else None,
-    )
-
-    # A non-finite gradient anywhere in a chunk spreads over all its
-    # coefficients, so checking what was selected catches it. Such a worker
-    # sends a message marked invalid and restarts from zero momentum.
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in sel_val]))
-    # The shards of one worker agree on the flag, so a worker is left out
-    # whole and the count of contributors is the same on every device.
-    if site_axes:
-      finite = jax.lax.pmin(finite.astype(jnp.int32), tuple(site_axes)) > 0
-    # A worker that holds its message back (contribute=False, a cold start)
-    # sends it marked invalid, like a failed one, but keeps its momentum whole.
-    send = finite if contribute is None else jnp.logical_and(finite, contribute)
-
-    if axis_name is None and not delayed_apply:
-      dense = _own_selection(sel_idx, sel_val, kept, layout, send, quantize_1bit)
-      decoded = [False] * len(dense)
-      contributors, pending = send.astype(jnp.int32), None
-    else:
-      message = codec.encode_message(sel_idx, sel_val, layout, valid=send)
-      pending = None
-      if delayed_apply:
-        _check_pending(state.pending, message)
-        message, pending = state.pending, message
-      dense, decoded, contributors = _exchange(
-        message,
-        gathered,
-        layout,
-        plans,
-        kept,
-        sel_idx,
-        axis_name=axis_name,
-        num_workers=num_workers,
-        draw_sent=draw_sent if random_positions else None,
-        use_dct=use_dct,
-      )
-    directions = _directions(dense, decoded, plans, wire_dtypes, grads, site_axes, use_dct)
-
-    if site_axes:
-      # Equal on every device of a site already; this only types it so.
-      contributors = jax.lax.pmax(contributors, tuple(site_axes))
-    if delayed_apply:
-      # The momentum is kept before error feedback (the next step removes what
-      # this message sends), so the lookahead reads Psyche's guess from the
-      # state. The message in flight is not this step's, so a worker that
-      # failed restarts from zero whatever the others sent.
-      reset = lambda: jax.tree.map(jnp.zeros_like, blocks)
-      kept = _replace_rarely(jnp.logical_not(finite), blocks, reset)
-    else:
-      kept = _plain_next_momentum(
-        kept, blocks, momenta, plans, finite, send, contributors, contribute
-      )
-    new_state = DemoState(
-      count=optax.safe_increment(state.count),
-      momentum=treedef.unflatten(
-        [dct.from_blocks(k, p, p.state_shape, like=m) for k, p, m in zip(kept, plans, momenta)]
-      ),
-      contributors=contributors,
-      pending=pending,
-    )
+    count = optax.safe_increment(state.count)
+    new_state = DemoState(count, treedef.unflatten(momenta), contributors, pending)
     return treedef.unflatten(directions), new_state
+
+  def update_fn(updates, state, params=None, **extra_args):
+    dense_step.warn_if_dense(jax.tree.leaves(updates), axis_name)
+    return _without_empty(update_carried, updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -719,6 +497,14 @@ def _skip_when_nothing_received(
     return new_updates, (demo_new, *hold(new_state[1:], state[1:]))
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
+def _normalization(normalize: Any, axis_name: Hashable | None) -> optax.GradientTransformation:
+  """The normalize stage: how ``Q`` becomes a step (``sign``, or :mod:`distro_jax.unit_rms`'s)."""
+  unit_rms.check_normalize(normalize)
+  if normalize == "sign":
+    return optax.scale_by_sign()
+  return unit_rms.scale_by_normalize(normalize, axis_name)
 
 
 def demo(
@@ -799,14 +585,9 @@ def demo(
     >>> updates, state = tx.update({"w": jnp.ones((64, 64))}, state, params)
     >>> params = optax.apply_updates(params, updates)
   """
-  unit_rms.check_normalize(normalize)
-  if normalize == "sign":
-    step = optax.scale_by_sign()
-  else:
-    step = unit_rms.scale_by_normalize(normalize, axis_name)
   return distro(
     optax.chain(
-      step,
+      _normalization(normalize, axis_name),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate),
     ),

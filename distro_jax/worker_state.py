@@ -18,7 +18,7 @@ shards, and a leaf that differs over several axes is laid out the same way,
 its axis 0 split over all of them in mesh order: ``P(("replica", "fsdp"))``.
 """
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -27,6 +27,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from distro_jax import dense_step
 from distro_jax.exchange import as_varying, varies_over
 
 __all__ = ["abstract_worker_state", "init_worker_state", "worker_state_specs"]
@@ -78,6 +79,107 @@ def _default_param_specs(params: Any) -> Any:
   return jax.tree.map(lambda _: P(), params)
 
 
+def _multi_steps(tx: Any) -> optax.MultiSteps | None:
+  """The ``optax.MultiSteps`` that ``tx`` is, or whose ``gradient_transformation()`` it is."""
+  if isinstance(tx, optax.MultiSteps):
+    return tx
+  owner = getattr(getattr(tx, "update", None), "__self__", None)
+  return owner if isinstance(owner, optax.MultiSteps) else None
+
+
+Marks = list[tuple[Hashable, ...]]
+
+
+def _update_tracer(
+  tx: Any,
+  abstract_params: Any,
+  mesh: Mesh,
+  axis_name: Hashable,
+  param_specs: Any,
+  candidates: tuple[Hashable, ...],
+) -> tuple[Any, Callable[[Marks], Marks]]:
+  """``tx``'s state shape, and a function of the state leaves' varying axes, traced once.
+
+  The function traces one update with per-worker gradients and the state
+  leaves typed as varying over the axes given, and returns the axes over
+  which each new state leaf varies.
+  """
+  state_shape = jax.eval_shape(tx.init, _local_params(abstract_params, mesh, param_specs))
+  leaves, treedef = jax.tree.flatten(state_shape)
+
+  def trace(marks: Marks) -> Marks:
+    seen: Marks = []
+
+    def body(p, state_leaves):
+      state_leaves = [as_varying(x, mark) for x, mark in zip(state_leaves, marks)]
+      grads = jax.tree.map(lambda x: as_varying(x, (axis_name,)), p)
+      _, new_state = tx.update(grads, treedef.unflatten(state_leaves), p)
+      seen.extend(
+        tuple(a for a in candidates if varies_over(x, a)) for x in jax.tree.leaves(new_state)
+      )
+      return jnp.zeros(())
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P()), out_specs=P())
+    with dense_step.quiet():
+      jax.eval_shape(fn, abstract_params, leaves)
+    return seen
+
+  return state_shape, trace
+
+
+def _multi_steps_start(
+  tx: Any,
+  state_shape: Any,
+  abstract_params: Any,
+  mesh: Mesh,
+  axis_name: Hashable,
+  param_specs: Any,
+  candidates: tuple[Hashable, ...],
+) -> Marks | None:
+  """Where the least fixpoint of ``optax.MultiSteps``' state can start; ``None`` for other ``tx``.
+
+  Its update is a ``lax.cond`` whose branches must agree on every output's
+  varying axes, so the search cannot start from "all shared": with a
+  per-worker leaf passed in as shared, the cond does not trace at all, and
+  the search from the other side traces one full update per leaf and axis
+  (tens of seconds for a small model). It can start from what is known to
+  vary anyway: the accumulated gradients, as the gradients do, and what one
+  update of the inner optimizer makes vary from an all-shared state. That is
+  below the least fixpoint, so the search from there ends at it, usually
+  after one trace.
+  """
+  multi = _multi_steps(tx)
+  if (
+    multi is None
+    or not isinstance(state_shape, optax.MultiStepsState)
+    or jax.tree.leaves(state_shape.skip_state)
+  ):
+    return None
+  inner_shape, inner_trace = _update_tracer(
+    multi.inner_opt, abstract_params, mesh, axis_name, param_specs, candidates
+  )
+  try:
+    inner = inner_trace([()] * len(jax.tree.leaves(inner_shape)))
+  except TypeError:
+    return None
+  grad_like = jax.tree.map(
+    lambda s: _leaf_spec(tuple(a for a in candidates if a == axis_name or a in _spec_axes(s))),
+    param_specs,
+    is_leaf=_is_spec,
+  )
+  start = optax.MultiStepsState(
+    mini_step=P(),
+    gradient_step=P(),
+    inner_opt_state=jax.tree.structure(inner_shape).unflatten([_leaf_spec(m) for m in inner]),
+    acc_grads=grad_like,
+    skip_state=state_shape.skip_state,
+  )
+  flat, treedef = jax.tree.flatten(start, is_leaf=_is_spec)
+  if treedef != jax.tree.structure(state_shape):
+    return None
+  return [_spec_axes(s) for s in flat]
+
+
 def worker_state_specs(
   tx: optax.GradientTransformation,
   params: Any,
@@ -115,38 +217,25 @@ def worker_state_specs(
   if param_specs is None:
     param_specs = _default_param_specs(params)
   abstract_params = _abstract(params, mesh, param_specs)
-  state_shape = jax.eval_shape(tx.init, _local_params(abstract_params, mesh, param_specs))
-  leaves, treedef = jax.tree.flatten(state_shape)
   candidates = tuple(
     a
     for a in mesh.axis_names
     if a == axis_name
     or any(a in _spec_axes(s) for s in jax.tree.leaves(param_specs, is_leaf=_is_spec))
   )
-
-  def trace(marks: list[tuple[Hashable, ...]]) -> list[tuple[Hashable, ...]]:
-    """Which axes each state leaf comes out of one update varying over, given the inputs'."""
-    seen: list[tuple[Hashable, ...]] = []
-
-    def body(p, state_leaves):
-      state_leaves = [as_varying(x, mark) for x, mark in zip(state_leaves, marks)]
-      grads = jax.tree.map(lambda x: as_varying(x, (axis_name,)), p)
-      _, new_state = tx.update(grads, treedef.unflatten(state_leaves), p)
-      seen.extend(
-        tuple(a for a in candidates if varies_over(x, a)) for x in jax.tree.leaves(new_state)
-      )
-      return jnp.zeros(())
-
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P()), out_specs=P())
-    jax.eval_shape(fn, abstract_params, leaves)
-    return seen
+  state_shape, trace = _update_tracer(tx, abstract_params, mesh, axis_name, param_specs, candidates)
+  leaves, treedef = jax.tree.flatten(state_shape)
 
   def union(a: tuple[Hashable, ...], b: tuple[Hashable, ...]) -> tuple[Hashable, ...]:
     return tuple(x for x in candidates if x in a or x in b)
 
+  start = _multi_steps_start(
+    tx, state_shape, abstract_params, mesh, axis_name, param_specs, candidates
+  )
   try:
-    # Least fixpoint: start with every leaf shared, mark what the update makes varying.
-    varying: list[tuple[Hashable, ...]] = [()] * len(leaves)
+    # Least fixpoint: start with every leaf shared (or, for MultiSteps, with what
+    # must vary anyway), mark what the update makes varying.
+    varying: Marks = start or [()] * len(leaves)
     while (now := [union(a, b) for a, b in zip(varying, trace(varying))]) != varying:
       varying = now
   except TypeError:

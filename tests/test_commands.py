@@ -22,6 +22,7 @@ COMMANDS = [
   "experiments.methods",
   "experiments.presets",
   "experiments.english_corpus",
+  "experiments.fetch_corpus",
   "experiments.gpu_bench",
 ]
 # A flag name only a command defines; seeing it after the imports means one did at import.
@@ -40,6 +41,7 @@ def test_importing_every_command_defines_no_flag():
     "grid",
     "num_processes",
     "horizons",
+    "from_dir",
   }
   code = _PROBE.replace("{NAMES}", repr(sorted(ours)))
   out = subprocess.run(
@@ -65,6 +67,7 @@ _HELP = {
   "experiments.bench_update": "--",
   "experiments.memory_report": "--fsdp",
   "experiments.index_cost": "--topks",
+  "experiments.fetch_corpus": "--from_dir",
 }
 
 

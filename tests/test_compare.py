@@ -11,7 +11,7 @@ import pytest
 from tiny_runs import TINY, read_metrics
 
 import distro_jax as dj
-from experiments.run import checks, methods, model, presets, trainer
+from experiments.run import checks, data, methods, model, presets, trainer
 from experiments.study import compare, time_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,6 +34,12 @@ REQUIRED_KEYS = {
   "ratio_vs_bf16_grad",
   "ratio_vs_ring_allreduce",
   "optimizer_time_fraction",
+  "train_epochs",
+  "rereads_data",
+  "dense",
+  "val_gap_vs_adamw",
+  "best_dense",
+  "gap_to_best_dense",
 }
 
 
@@ -53,6 +59,16 @@ def test_results_table_and_json(comparison):
   assert [r["method"] for r in saved] == list(METHODS)
   assert all(set(r) >= REQUIRED_KEYS for r in saved)
   assert all(0 <= r["optimizer_time_fraction"] < 1 for r in saved)
+  # AdamW is the one dense method here, so the best: both gaps are to it.
+  adamw = next(r for r in saved if r["method"] == "adamw")
+  windows = data.window_count(data.load_splits(None, 256).train, TINY["seq_len"])
+  for r in saved:
+    assert r["best_dense"] == "adamw" and r["dense"] == (r["method"] == "adamw")
+    assert r["gap_to_best_dense"] == r["val_gap_vs_adamw"]
+    assert r["gap_to_best_dense"] == pytest.approx(
+      r["final_val_loss"] / adamw["final_val_loss"] - 1
+    )
+    assert r["train_epochs"] == 9 * TINY["batch_size"] / windows and not r["rereads_data"]
   table = (out / "results.md").read_text().splitlines()
   header = next(i for i, line in enumerate(table) if line.startswith("| method |"))
   body = table[header + 2 : header + 2 + len(METHODS)]

@@ -494,3 +494,91 @@ def test_eval_batches_fall_back_to_overlapping_windows():
   np.testing.assert_array_equal(batch["targets"], batch["inputs"] + 1)
   with pytest.raises(data.DataError, match="validation split holds only 30"):
     data.make_eval_batches(tokens, seq_len=30, batch_size=2, max_batches=1)
+
+
+def test_eval_batches_spread_over_the_split_take_its_ends_and_no_window_twice():
+  tokens = np.arange(1000) % 256
+  batches = data.make_eval_batches(tokens, seq_len=9, batch_size=4, max_batches=3, spread=True)
+  starts = np.concatenate([b["inputs"][:, 0] for b in batches])
+  # 100 windows, 12 taken: the first, the last, evenly between, each once.
+  assert len(set(starts.tolist())) == 12
+  np.testing.assert_array_equal(batches[0]["inputs"][0], tokens[0:9])
+  np.testing.assert_array_equal(batches[-1]["targets"][-1], tokens[991:1000])
+  # With every window taken, the spread is the plain order.
+  plain = data.make_eval_batches(tokens, seq_len=9, batch_size=4, max_batches=None)
+  spread = data.make_eval_batches(tokens, seq_len=9, batch_size=4, max_batches=None, spread=True)
+  assert all(_same(a, b) for a, b in zip(plain, spread))
+
+
+# --- a corpus directory (experiments.fetch_corpus) ------------------------------
+
+
+def _corpus(tmp_path):
+  from experiments.corpus import build
+  from experiments.corpus.nltk_sources import Document
+
+  docs = {
+    kind: [Document(f"{kind}/{i}", f"{kind} {i} ".encode() * 40) for i in range(8)]
+    for kind in ("news", "film")
+  }
+  archives = {k: {"name": k, "sha256": "0" * 64} for k in docs}
+  out = tmp_path / "corpus"
+  return str(out), build.write_corpus(str(out), docs, archives, val_fraction=0.2)
+
+
+def test_a_corpus_directory_gives_its_own_split_by_document(tmp_path):
+  path, manifest = _corpus(tmp_path)
+  splits = data.load_splits(path, 256)
+  assert splits.by_document
+  assert splits.train.tobytes() == (tmp_path / "corpus" / "train.txt").read_bytes()
+  assert splits.val.tobytes() == (tmp_path / "corpus" / "val.txt").read_bytes()
+  assert b"news" in splits.val.tobytes() and b"film" in splits.val.tobytes()
+  assert data.check_file(path) == (
+    data.CORPUS_DIR,
+    manifest["train"]["bytes"] + manifest["val"]["bytes"],
+  )
+  assert data.identity(path) == {"corpus_digest": manifest["digest"]}
+  with pytest.raises(data.DataError, match="corpus directory, split by document"):
+    data.load_tokens(path, 256)
+  with pytest.raises(data.DataError, match="vocab_size >= 256"):
+    data.load_splits(path, 128)
+
+
+def test_files_and_the_embedded_corpus_split_as_before():
+  splits = data.load_splits(None, 256)
+  train, val = data.split_tokens(data.load_tokens(None, 256))
+  assert not splits.by_document
+  np.testing.assert_array_equal(splits.train, train)
+  np.testing.assert_array_equal(splits.val, val)
+
+
+def test_a_corpus_edited_or_unfinished_is_refused(tmp_path):
+  path, _ = _corpus(tmp_path)
+  train = tmp_path / "corpus" / "train.txt"
+  text = train.read_bytes()
+  train.write_bytes(text[:-1] + b"?")  # same size, other bytes
+  with pytest.raises(data.DataError, match=r"train.txt has SHA-256 [0-9a-f]{64}, not the"):
+    data.load_splits(path, 256)
+  (tmp_path / "corpus" / "corpus.json").unlink()
+  with pytest.raises(data.DataError, match="no corpus.json, so it is unfinished"):
+    data.check_file(path)
+
+
+# --- how much of its data a run reads --------------------------------------------
+
+
+def test_train_epochs_count_the_windows_the_sampler_draws():
+  # 10 windows of 10 tokens (and a remainder of 3 that is never read).
+  tokens = np.arange(103, dtype=np.uint16)
+  windows = data.window_count(tokens, seq_len=9)
+  assert windows == 10
+  it = data.make_train_iterator(tokens, seq_len=9, global_batch_size=2, num_workers=2)
+  drawn = []
+  for steps in range(1, 8):
+    drawn += _rows(next(it))
+    reading = data.Reading.of(steps, 2, windows)
+    assert reading.train_epochs == steps / 5
+    # Exactly when some window came twice does the reading say the data was reread.
+    assert reading.rereads_data == (len(set(drawn)) < len(drawn)), steps
+  assert "at most once" in data.Reading.of(5, 2, windows).describe(5)
+  assert data.Reading.of(6, 2, windows).describe(6).startswith("warning:")

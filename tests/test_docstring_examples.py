@@ -8,14 +8,21 @@ import pytest
 # The modules whose public functions carry examples.
 MODULES = [
   "distro_jax.bitpack",
+  "distro_jax.compress",
   "distro_jax.cpu_kernels",
   "distro_jax.dct",
+  "distro_jax.decode",
+  "distro_jax.delivery",
+  "distro_jax.dense_step",
   "distro_jax.diloco",
   "distro_jax.elastic",
   "distro_jax.exchange",
   "distro_jax.fsdp",
+  # Its examples compile DeMo steps and a resize: about 15 s here.
+  pytest.param("distro_jax.gspmd", marks=pytest.mark.slow),
   "distro_jax.hlo_bytes",
   "distro_jax.lookahead",
+  "distro_jax.message",
   "distro_jax.overlap",
   "distro_jax.sparseloco",
   "distro_jax.transforms",

@@ -1,8 +1,10 @@
 """The frontier command: grids from the registry, the best point, cached runs, the figures."""
 
 import dataclasses
+import json
 import os
 
+import numpy as np
 import pytest
 from tiny_runs import TINY
 
@@ -52,11 +54,76 @@ def test_best_point_averages_over_seeds_not_the_luckiest():
   assert best.settings["learning_rate"] == 3e-3
   assert best.seed_losses == (1.4, 1.6) and best.val_loss == pytest.approx(1.5)
   table = frontier.markdown(pts)
-  assert "| 300 | demo | 1.5000 (mean of 2 seeds: 1.4000, 1.6000) |" in table
+  assert "| 300 | demo | 1.5000 ± 0.1414 | 2 (1.4000, 1.6000) |" in table
   assert '{"learning_rate": 0.003} |' in table  # the seed is averaged over, not a setting
   # A seed that diverged makes its setting's mean inf, whatever the other seeds did.
   pts = [_seeded(1e-3, 0, 1.0), _seeded(1e-3, 1, float("nan")), _seeded(3e-3, 0, 1.9)]
   assert frontier.best_points(pts)[("demo", 300)].settings["learning_rate"] == 3e-3
+
+
+def test_settings_tuned_at_one_seed_are_chosen_there_and_reported_over_all():
+  # --seeds: only the best setting at the tuning seed (0) ran again, at 1 and 2.
+  pts = [
+    _seeded(1e-3, 0, 1.40),
+    _seeded(3e-3, 0, 1.35),
+    _seeded(3e-3, 1, 1.6),
+    _seeded(3e-3, 2, 1.6),
+  ]
+  best = frontier.best_points(pts)[("demo", 300)]
+  # Chosen on seed 0, where both ran (1.35 against 1.40), though its mean is worse.
+  assert best.settings["learning_rate"] == 3e-3 and best.seeds == (0, 1, 2)
+  assert best.val_loss == pytest.approx(4.55 / 3)
+  assert best.val_loss_std == pytest.approx(np.std([1.35, 1.6, 1.6], ddof=1))
+
+
+def _at(method, val, seeds=(0,)):
+  vals = val if isinstance(val, tuple) else (val,)
+  summary = dataclasses.replace(
+    _SUMMARY, payload_bytes_per_step=100.0, ratio_vs_bf16_grad=10.0, train_epochs=0.5
+  )
+  return [
+    frontier.Point(
+      method,
+      300,
+      {"seed": s},
+      f"{method}-{s}",
+      dataclasses.replace(summary, final_val_loss=v, rereads_data=False),
+    )
+    for s, v in zip(seeds, vals)
+  ]
+
+
+def test_results_give_each_method_its_gap_to_adamw_and_to_the_best_dense_method():
+  pts = [
+    *_at("adamw", (1.50, 1.52), seeds=(0, 1)),
+    *_at("muon", (1.40, 1.44), seeds=(0, 1)),
+    *_at("demo-k8-1bit", (1.47, 1.48), seeds=(0, 1)),
+    *_at("diloco", 2.0),
+  ]
+  rows = {r["method"]: r for r in frontier.results(pts)}
+  assert [r["method"] for r in frontier.results(pts)][:2] == ["adamw", "muon"]  # dense first
+  demo = rows["demo-k8-1bit"]
+  assert demo["dense"] is False and rows["muon"]["dense"] is True
+  assert demo["best_dense"] == "muon"
+  assert demo["val_gap_vs_adamw"] == pytest.approx(1.475 / 1.51 - 1)
+  assert demo["gap_to_best_dense"] == pytest.approx(1.475 / 1.42 - 1)
+  # The spread of the gap, seed by seed: 1.47/1.40 and 1.48/1.44.
+  assert demo["gap_to_best_dense_std"] == pytest.approx(np.std([1.47 / 1.4, 1.48 / 1.44], ddof=1))
+  assert demo["seeds"] == [0, 1] and demo["seed_losses"] == [1.47, 1.48]
+  assert rows["muon"]["gap_to_best_dense"] == 0.0 and rows["muon"]["gap_to_best_dense_std"] is None
+  assert rows["adamw"]["gap_to_best_dense"] == pytest.approx(1.51 / 1.42 - 1)
+  # One seed: no spread to give.
+  assert rows["diloco"]["val_loss_std"] is None and rows["diloco"]["gap_to_best_dense_std"] is None
+  assert demo["train_epochs"] == 0.5 and demo["rereads_data"] is False
+  table = frontier.markdown(pts)
+  row = "| 300 | demo-k8-1bit | 1.4750 ± 0.0071 | 2 (1.4700, 1.4800) | -2.3% | +3.9% ± 1.6 (muon) |"
+  assert row + " 0.50 |" in table
+  assert "| 300 | muon (dense) |" in table
+
+
+def test_no_dense_method_no_gap():
+  rows = frontier.results(_at("demo", 1.5))
+  assert rows[0]["best_dense"] is None and rows[0]["gap_to_best_dense"] is None
 
 
 def test_a_cached_run_with_other_settings_is_refused_before_anything_trains(tmp_path):
@@ -112,7 +179,18 @@ def test_frontier_trains_reads_back_and_draws(tmp_path):
   assert [p.val_loss for p in again] == [p.val_loss for p in points]
   assert all(os.path.getmtime(os.path.join(d, "summary.json")) == t for d, t in mtimes.items())
   # Another call, another horizon: reading the directory back gives both calls' runs.
-  more = frontier.run_frontier(base, ["adamw"], [6], str(tmp_path), grid={"learning_rate": (3e-3,)})
+  more = frontier.run_frontier(
+    base, ["adamw"], [6], str(tmp_path), grid={"learning_rate": (3e-3, 1e-2)}, seeds=2
+  )
+  # The best rate, and it again at seed 1; the result is the mean of the two.
+  assert len(more) == 3 and more[-1].settings["seed"] == 1
+  (row,) = json.loads((tmp_path / "results.json").read_text())
+  assert row["seeds"] == [0, 1] and row["settings"] == {
+    "learning_rate": more[-1].settings["learning_rate"]
+  }
+  assert row["val_loss"] == pytest.approx(sum(row["seed_losses"]) / 2)
+  assert row["best_dense"] == "adamw" and row["gap_to_best_dense"] == 0.0
+  assert 0 < row["train_epochs"] < 1 and row["rereads_data"] is False
   (tmp_path / "steps6" / "adamw" / "learning_rate-0.5").mkdir()  # unfinished: no summary
   (tmp_path / "stepsX").mkdir()
   read = frontier.read_runs(str(tmp_path))
@@ -123,3 +201,14 @@ def test_frontier_trains_reads_back_and_draws(tmp_path):
   assert described(read) == described(points + more)
   k8 = frontier.best_points(points)[("demo-k8-1bit", 8)]
   assert k8.summary.config["compression_topk"] == 8 and k8.summary.config["quantize_1bit"]
+
+
+def test_a_horizon_that_would_reread_its_data_is_named_before_anything_trains(capsys):
+  # The embedded corpus holds 8,837 windows of 129 bytes; 32 a step.
+  frontier._warn_if_rereading(TrainConfig(preset="small"), [100, 300])
+  err = capsys.readouterr().err.splitlines()
+  assert err == [
+    "[frontier] warning: each run of 300 steps reads its training split 1.09 times, so its "
+    "validation loss also measures memorization; fewer steps, or more data (python -m "
+    "experiments.fetch_corpus), reads it once"
+  ]

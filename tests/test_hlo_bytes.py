@@ -63,3 +63,34 @@ def test_pmean_of_many_leaves_counts_them_all():
     jax.shard_map(lambda t: jax.lax.pmean(t, "data"), mesh=mesh, in_specs=P(), out_specs=P())
   )
   assert dj.collective_bytes(fn, tree).by_kind["all-reduce"] == 12 * 8 * 16 * 4
+
+
+def test_mesh_replica_groups_are_read_by_the_axes_they_name():
+  # For GSPMD-partitioned collectives XLA may print replica_groups=mesh[...] {axes}
+  # in place of a list of groups: the sum over an axis sharded over "fsdp" stays on it.
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "fsdp"))
+  x = jax.device_put(jnp.ones((4, 16, 8)), NamedSharding(mesh, P("data", "fsdp")))
+  hlo = jax.jit(lambda x: jnp.sum(x, axis=1)).lower(x).compile().as_text()
+  assert "replica_groups=mesh[" in hlo
+  by_axes = dj.collective_bytes_by_axes(hlo, mesh)
+  assert list(by_axes) == [("fsdp",)] and by_axes[("fsdp",)].by_kind["all-reduce"] == 8 * 4
+
+
+def test_mesh_replica_groups_with_transposed_device_ids():
+  import jax
+  import numpy as np
+
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "fsdp"))
+  line = (
+    "  %ar = f32[8]{{0}} all-reduce(%p0), channel_id=1, replica_groups=mesh['axis_0'=2,"
+    "'axis_1'=1,'axis_2'=4], device_ids=([4,2]T(1,0)) {{{}}}, to_apply=%add"
+  )
+  for over, crossed in (("'axis_0'", ("fsdp",)), ("'axis_2'", ("data",))):
+    hlo = f"ENTRY %main () -> f32[] {{\n  %p0 = f32[8]{{0}} parameter(0)\n{line.format(over)}\n}}"
+    assert list(dj.collective_bytes_by_axes(hlo, mesh)) == [crossed], over

@@ -110,6 +110,7 @@ def test_the_library_never_imports_the_experiments():
     ("experiments.run", "experiments.study"),
     ("experiments.run", "experiments.netlab"),
     ("experiments.run", "experiments.bench"),
+    ("experiments.run", "experiments.cluster"),
     ("experiments.corpus", "experiments.run"),
   ],
 )

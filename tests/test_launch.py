@@ -74,6 +74,8 @@ def test_setup_devices_initializes_jax_distributed_from_the_environment(monkeypa
       "num_processes": 4,
       "process_id": 2,
       "cluster_detection_method": "slurm",
+      # JAX's own heartbeat stays behind the peer watchdog's 60 s (experiments.run.peers).
+      "heartbeat_timeout_seconds": 180,
     }
   ]
   assert settings["jax_num_cpu_devices"] == 2

@@ -4,11 +4,13 @@ import ast
 import dataclasses
 import pathlib
 import re
+import zlib
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import tiny_runs
 
@@ -270,3 +272,108 @@ def test_the_scan_finds_a_comparison():
     assert len(_string_comparisons(tmp)) == 2
   finally:
     tmp.unlink()
+
+
+# --- muon: the dense Muon baseline ----------------------------------------------
+
+
+def _by_path(tree):
+  is_leaf = lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
+  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+  return {jax.tree_util.keystr(p): v for p, v in leaves}
+
+
+def test_muon_takes_the_hidden_matrices_and_leaves_the_rest_to_adamw():
+  params = model.abstract_params(presets.get_preset("tiny"))
+  dims = _by_path(methods.muon_dimensions(params))
+  on_adamw = sorted(p for p, d in dims.items() if d is None)
+  assert on_adamw == [
+    "['blocks'][0]['attn_norm']['scale'].value",
+    "['blocks'][0]['mlp_norm']['scale'].value",
+    "['blocks'][1]['attn_norm']['scale'].value",
+    "['blocks'][1]['mlp_norm']['scale'].value",
+    "['embedding'].value",
+    "['final_norm']['scale'].value",
+    "['lm_head'].value",
+  ]
+  assert dims["['blocks'][0]['mlp']['w_down'].value"] == (0, 1)
+  scanned = model.abstract_params(presets.get_preset("tiny", scan_layers=True))
+  stacked = _by_path(methods.muon_dimensions(scanned))
+  # A stack's layer axis is a batch axis; its norm scales, (layers, 1, d), stay vectors.
+  assert stacked["['blocks']['attn']['wq'].value"] == (1, 2)
+  assert stacked["['blocks']['attn_norm']['scale'].value"] is None
+
+
+def _layer_grad(name, layer, shape):
+  """A gradient for one layer's param ``name``, the same whichever layout holds it."""
+  rng = np.random.default_rng([zlib.crc32(name.encode()), layer + 1])
+  return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+
+def _grads(params, scan_layers):
+  def grad(path, x):
+    keys = [getattr(p, "key", getattr(p, "idx", None)) for p in path]
+    if keys[0] != "blocks":
+      return _layer_grad(str(keys), -1, x.shape)
+    if scan_layers:  # one stack: each layer's gradient, stacked
+      name = str(keys[1:])
+      return jnp.stack([_layer_grad(name, i, x.shape[1:]) for i in range(x.shape[0])])
+    return _layer_grad(str(keys[2:]), keys[1], x.shape)
+
+  return jax.tree_util.tree_map_with_path(grad, params)
+
+
+def _muon_updates(scan_layers, steps=3):
+  cfg = checks.resolve(
+    TrainConfig(optimizer="muon", preset="tiny", steps=10, warmup_steps=0, scan_layers=scan_layers)
+  )
+  config = presets.get_preset("tiny", scan_layers=scan_layers)
+  params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), model.abstract_params(config))
+  grads = _grads(params, scan_layers)
+  tx = methods.get("muon").build(cfg, methods.Axes(None, None))
+  state, update = tx.init(params), jax.jit(tx.update)
+  for _ in range(steps):
+    updates, state = update(grads, state, params)
+  return cfg, updates
+
+
+def test_muon_steps_a_hidden_matrix_orthogonally_and_a_scanned_stack_layer_by_layer():
+  cfg, plain = _muon_updates(False)
+  _, scanned = _muon_updates(True)
+  gate = np.asarray(plain["blocks"][0]["mlp"]["w_gate"][...])  # 64 x 192
+  # Orthogonalized, then scaled to an RMS of 0.2 per unit rate: singular values
+  # in Newton-Schulz's band around 0.2 * sqrt(192) times the rate.
+  s = np.linalg.svd(gate / (cfg.learning_rate * 0.2 * np.sqrt(192)), compute_uv=False)
+  assert s.min() > 0.5 and s.max() < 1.3
+  # The norm scales step with AdamW: about the rate per entry, not orthogonalized.
+  scale = np.abs(np.asarray(plain["blocks"][0]["attn_norm"]["scale"][...]))
+  assert np.median(scale) == pytest.approx(cfg.learning_rate, rel=0.2)
+  # The stacked layout steps each layer as the separate layout does.
+  for i in range(2):
+    for part, name in (("attn", "wq"), ("mlp", "w_down"), ("attn_norm", "scale")):
+      a = np.asarray(plain["blocks"][i][part][name][...]).reshape(-1)
+      b = np.asarray(scanned["blocks"][part][name][...][i]).reshape(-1)
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7, err_msg=f"{part}.{name} layer {i}")
+  np.testing.assert_allclose(
+    np.asarray(plain["embedding"][...]), np.asarray(scanned["embedding"][...]), rtol=1e-5
+  )
+
+
+def test_muon_is_a_dense_baseline_and_refuses_fsdp():
+  dense = [n for n in methods.names() if methods.get(n).dense]
+  assert dense == ["adamw", "muon"]
+  with pytest.raises(ConfigError, match="--fsdp"):
+    checks.validate(TrainConfig(optimizer="muon", preset="tiny", workers=8, fsdp=2))
+
+
+@pytest.mark.slow
+def test_muon_trains_through_the_driver_with_identical_replicas(tmp_path):
+  summary = tiny_runs.run_tiny(
+    tmp_path, optimizer="muon", workers=8, batch_size=16, steps=4, log_every=1, check_replicas=True
+  )
+  # The whole fp32 gradient, all-reduced: what the HLO moves across the replicas.
+  params = model.abstract_params(presets.get_preset("tiny"))
+  assert summary.payload_bytes_per_step == dj.wire_bytes(params).grad
+  assert summary.measured_by_kind["all-reduce"] >= summary.payload_bytes_per_step
+  losses = [r.loss for r in tiny_runs.read_metrics(tmp_path)]
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]

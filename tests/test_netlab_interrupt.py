@@ -36,6 +36,7 @@ def test_figures_count_steps_redone_and_wall_time_lost():
     attempts=[results.Attempt(4, 99.0, first), results.Attempt(3, 110.0, second)],
     final=final,
     events=[ResizeEvent(5, 120.0, 4, 3, 4, 3, [3], [], "fold", 0)],
+    survivors_exit={"exit_codes": [76, 76, 76], "seconds": 21.0, "lines": []},
   )
   reference = results.RunResult("demo", True, [_rec(s, 100.0 + s, 0.8, 0.7) for s in range(1, 11)],
                                None, started_at=99.0)  # fmt: skip
@@ -49,7 +50,8 @@ def test_figures_count_steps_redone_and_wall_time_lost():
   assert (f["final_loss_interrupted"], f["final_loss_uninterrupted"]) == (0.9, 0.8)
   assert f["final_val_loss_uninterrupted"] == 0.7
   rows = report._interruption_rows({"demo": {"interrupted": f}})
-  assert "| demo | 4 -> 3 | 7 | 5 | 2 | 29.0 s | 41.0 s | 11.0 s | 30.0 s |" in "\n".join(rows)
+  row = "| demo | 4 -> 3 | 7 | exit 76 after 21.0 s | 5 | 2 | 29.0 s | 41.0 s | 11.0 s | 30.0 s |"
+  assert row in "\n".join(rows)
   assert report._interruption_rows({"demo": {}}) == []
 
 
@@ -96,6 +98,8 @@ def test_four_processes_one_killed_finish_on_three_and_report_the_cost(tmp_path)
   figures = json.loads((tmp_path / "netlab.json").read_text())["demo"]["interrupted"]
   assert figures["processes"] == [4, 3] and figures["steps"] == 12
   assert figures["kill_step"] >= 7 and figures["resumed_from_step"] == 4
+  # The survivors found the killed peer silent and stopped on their own.
+  assert figures["survivors_exit_codes"] == [76, 76, 76]
   assert figures["steps_redone"] == figures["kill_step"] - 4
   assert figures["wall_s_lost"] is not None and figures["seconds_to_regain_kill_step"] > 0
   assert figures["final_loss_interrupted"] < 6 and figures["final_loss_uninterrupted"] < 6

@@ -229,3 +229,28 @@ def test_resume_drops_a_torn_metrics_line(tmp_path):
   writer.close()
   assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
   assert [r.step for r in tiny_runs.read_metrics(tmp_path)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_corpus_directory_trains_on_its_split_and_says_how_much_it_read(tmp_path, caplog):
+  from experiments.corpus import build
+  from experiments.corpus.nltk_sources import Document
+
+  docs = {
+    k: [Document(f"{k}/{i}", f"{k} text {i}. ".encode() * 30) for i in range(6)] for k in "ab"
+  }
+  corpus = str(tmp_path / "corpus")
+  build.write_corpus(corpus, docs, {k: {"name": k} for k in docs}, val_fraction=0.2)
+  windows = (tmp_path / "corpus" / "train.txt").stat().st_size // 33
+  summary = trainer.run(
+    trainer.TrainConfig(
+      steps=12, data_path=corpus, out_dir=str(tmp_path / "run"), **{**TINY, "eval_every": 0}
+    )
+  )
+  # 12 steps of 8 windows of 33 bytes, against a split of fewer windows than that.
+  assert summary.train_windows == windows < 96
+  assert summary.train_epochs == 96 / windows and summary.rereads_data
+  assert "warning: data: 12 steps read the training split" in caplog.text
+  saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+  assert saved["train_epochs"] == summary.train_epochs and saved["rereads_data"] is True
+  assert np.isfinite(summary.final_val_loss)

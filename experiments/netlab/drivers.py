@@ -1,7 +1,9 @@
-"""The lab's driver processes: waiting on them, telling a failure, stopping them.
+"""The lab's driver processes: waiting on them, telling a failure from a restart, stopping them.
 
 Shared by the plain runs (:mod:`experiments.netlab.lab`) and the interrupted
-ones (:mod:`experiments.netlab.interrupt`).
+ones (:mod:`experiments.netlab.interrupt`). A driver that stops with status
+75 (preempted) or 76 (a peer lost) asks to be restarted, as it would ask a
+scheduler; any other nonzero status is a failure.
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from experiments.netlab.links import NetlabError
+from experiments.run.interruption import PEER_LOST, PREEMPTED
 
-__all__ = ["failure", "raised", "stop", "tail", "wait"]
+__all__ = ["RESTARTABLE", "failure", "last_line", "raised", "stop", "tail", "wait"]
+
+# What a scheduler restarts: a run preempted, or one that lost a peer
+# (experiments.run.interruption). Anything else nonzero is a failure.
+RESTARTABLE = (PREEMPTED, PEER_LOST)
 
 
 def stop(procs: Sequence[subprocess.Popen]) -> None:
@@ -52,24 +59,71 @@ def failure(name: str, i: int, proc: subprocess.Popen, log: str) -> NetlabError:
   return NetlabError(f"{name}: process {i} failed{status}; the end of {log}:\n{tail(log)}")
 
 
-def wait(name: str, procs: Sequence[subprocess.Popen], logs: Sequence[str], limit_s: float) -> bool:
-  """Waits for every driver to finish; returns whether the time limit stopped them.
+def wait(
+  name: str,
+  procs: Sequence[subprocess.Popen],
+  logs: Sequence[str],
+  limit_s: float,
+  *,
+  tick: Callable[[], None] | None = None,
+  grace_s: float = 90.0,
+) -> str:
+  """Waits for every driver to finish.
+
+  A driver that stops with a nonzero status without a traceback (a
+  :data:`RESTARTABLE` status, or killed or aborted: JAX aborts a process
+  whose link to the coordination service broke) starts a grace period of
+  ``grace_s``: the others get that long to stop on their own, as they do
+  when they hear the same notice or find the same peer gone. Whatever still
+  runs then (a stopped or hung peer) is killed, so nothing is left behind.
+  The run was interrupted, and is to be restarted, if any driver stopped
+  with a restartable status; otherwise it failed. A traceback or an
+  ``error:`` line in a driver's log is a failure at once.
+
+  Args:
+    name: the run, for messages.
+    procs: its drivers.
+    logs: their logs.
+    limit_s: stop them after this long (0: no limit).
+    tick: called every poll (the lab's blackout).
+    grace_s: how long the others get after the first nonzero exit; more
+      than the drivers' ``--peer_timeout_s``.
+
+  Returns:
+    ``"done"``, ``"limit"`` (stopped at ``limit_s``) or ``"interrupted"``.
 
   Raises:
     NetlabError: a driver failed.
   """
   start = time.monotonic()
+  first_exit = None
   while any(p.poll() is None for p in procs):
-    # A driver that raised can hang at exit in JAX's shutdown barrier, waiting
-    # for peers that wait for it; its traceback is the failure.
+    if tick is not None:
+      tick()
+    if first_exit is None and any(p.returncode not in (None, 0) for p in procs):
+      first_exit = time.monotonic()
+    restartable = any(p.returncode in RESTARTABLE for p in procs)
     for i, p in enumerate(procs):
-      if p.returncode not in (None, 0) or raised(logs[i]):
+      # A driver that raised can hang at exit in JAX's shutdown barrier, waiting
+      # for peers that wait for it; its traceback is the failure.
+      if not restartable and raised(logs[i]):
         raise failure(name, i, p, logs[i])
+    if first_exit is not None and time.monotonic() - first_exit > grace_s:
+      stop(procs)
+      break
     if limit_s and time.monotonic() - start > limit_s:
       print(f"netlab: {name}: stopped at --run_time_limit_s={limit_s:g}", flush=True)
-      return True
+      return "limit"
     time.sleep(0.2)
+  if any(p.returncode in RESTARTABLE for p in procs):
+    return "interrupted"
   for i, p in enumerate(procs):
     if p.returncode:
       raise failure(name, i, p, logs[i])
-  return False
+  return "done"
+
+
+def last_line(log_path: str) -> str:
+  """A driver's last line: its one-line account when it stopped early on purpose."""
+  lines = tail(log_path, 4000).strip().splitlines()
+  return lines[-1] if lines else ""

@@ -1,14 +1,15 @@
 """A training process killed mid-run, and the run continued without it (``--kill_step``).
 
-What a preempted machine does to a run: the lab SIGKILLs one driver once
-process 0 has logged ``--kill_step``. The others cannot go on (an SPMD job's
+What a lost machine does to a run: the lab SIGKILLs one driver once process
+0 has logged ``--kill_step``. The others cannot go on (an SPMD job's
 processes are fixed at start, and a collective now waits for a peer that is
-gone), so the lab stops them, as a scheduler would, and restarts the
-survivors in their own namespaces from the last checkpoint with one process
-(and one worker) fewer: ``--resume --num_processes=N-1 --workers=N-1``, an
-elastic resume (``experiments.run.elastic``). With ``--rejoin_step`` the survivors
-stop at that step (a checkpoint) and all N continue from it, the lost process
-back.
+gone): each finds the peer silent and stops on its own, with status 76 and a
+line naming it (:mod:`experiments.run.peers`). The lab, as a scheduler would
+on that status, restarts the survivors in their own namespaces from the last
+checkpoint with one process (and one worker) fewer: ``--resume
+--num_processes=N-1 --workers=N-1``, an elastic resume
+(``experiments.run.elastic``). With ``--rejoin_step`` the survivors stop at
+that step (a checkpoint) and all N continue from it, the lost process back.
 
 :func:`experiments.netlab.report.interruption_figures` says what it cost
 against the same method's uninterrupted run on the same links: the steps
@@ -100,6 +101,30 @@ def _kill_at(
     time.sleep(0.1)
 
 
+def _survivors_stop(
+  procs: Sequence[subprocess.Popen], logs: Sequence[str], victim: int, killed_at: float
+) -> dict[str, Any]:
+  """Waits for the survivors of a kill to stop on their own, as they do when a peer is lost.
+
+  Each finds the killed peer silent (``--peer_timeout_s``) and exits with
+  status 76 and one line; the lab then restarts the run as a scheduler
+  would. Whatever still runs after the timeout and a margin is stopped.
+
+  Returns:
+    ``exit_codes`` of the survivors (None: the lab had to stop it), the
+    seconds from the kill until the last of them stopped, and their last lines.
+  """
+  survivors = [p for i, p in enumerate(procs) if i != victim]
+  deadline = time.monotonic() + 120
+  while any(p.poll() is None for p in survivors) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  return {
+    "exit_codes": [p.poll() for p in survivors],
+    "seconds": time.time() - killed_at,
+    "lines": [drivers.last_line(log) for i, log in enumerate(logs) if i != victim],
+  }
+
+
 def run_interrupted(
   lab: links.Lab,
   cfg: Any,
@@ -137,7 +162,7 @@ def run_interrupted(
   if cfg.rejoin_step:
     plan[1][1].append(f"--stop_at_step={cfg.rejoin_step}")
     plan.append((list(range(n)), ["--resume"], "attempt3"))
-  attempts, killed_at, kill_step = [], 0.0, 0
+  attempts, killed_at, kill_step, survivors_exit = [], 0.0, 0, {}
   for number, (namespaces, extra, tag) in enumerate(plan):
     started = time.time()
     procs, logs = _launch(
@@ -147,6 +172,7 @@ def run_interrupted(
     try:
       if number == 0:
         killed_at = _kill_at(name, procs, logs, run_dir, cfg)
+        survivors_exit = _survivors_stop(procs, logs, victim, killed_at)
       else:
         drivers.wait(name, procs, logs, cfg.run_time_limit_s)
     finally:
@@ -164,5 +190,12 @@ def run_interrupted(
   summary = records.Summary.load(summary_path) if os.path.exists(summary_path) else None
   final = RunResult(name, True, _logged(run_dir), summary, started_at=attempts[0].started)
   return InterruptedRun(
-    method, victim, kill_step, killed_at, attempts, final, records.read_events(run_dir)
+    method,
+    victim,
+    kill_step,
+    killed_at,
+    attempts,
+    final,
+    records.read_events(run_dir),
+    survivors_exit=survivors_exit,
   )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -22,7 +23,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from experiments.netlab import drivers, links, report
+from experiments.netlab import drivers, faults, links, report
+from experiments.netlab.impair import Impairment
 from experiments.netlab.links import NetlabError
 from experiments.netlab.results import RunResult
 from experiments.run import config, methods, presets, records
@@ -93,6 +95,36 @@ class LabConfig:
     "After --kill_step, the survivors stop at this step and all processes continue from "
     "it, the killed one back (0: it never returns).",
   )
+  delay_ms: str = _field(
+    "0",
+    "Shaped runs: one-way delay each link adds, in both directions, one for all or one per "
+    "process; a packet between two processes crosses both their links, so 25 gives a "
+    "100 ms round trip. Added in user space (experiments/netlab/impair.py).",
+  )
+  jitter_ms: str = _field(
+    "0",
+    "Shaped runs: each link's delay varies uniformly by up to this much either way, one for "
+    "all or one per process; packets between two processes keep their order.",
+  )
+  loss_pct: str = _field(
+    "0",
+    "Shaped runs: percent of packets each link drops, one for all or one per process; a "
+    "packet crosses two links, so 0.5 loses about 1% end to end.",
+  )
+  blackout_s: float = _field(
+    0.0,
+    "Shaped runs: once process 0 has logged --blackout_step, take one process's link down "
+    "(ip link set down) for this many seconds, then up again (0: never).",
+  )
+  blackout_process: int = _field(-1, "Whose link --blackout_s takes down (-1: the last).")
+  blackout_step: int = _field(
+    0, "The step after which the blackout starts (0: the middle of the run)."
+  )
+  max_restarts: int = _field(
+    3,
+    "A run whose drivers stop with status 75 (preempted) or 76 (a peer lost) is restarted "
+    "with --resume on all processes, as a scheduler would, at most this many times.",
+  )
 
 
 _PORT = 12355  # each namespace is fresh, so a fixed port cannot clash
@@ -121,7 +153,8 @@ def _reserved() -> dict[str, str]:
   use_instead = {name: f"use netlab's own --{name}." for name in _SHARED_WITH_DRIVER}
   use_instead["optimizer"] = "use --methods."
   wiring = "netlab runs one process per namespace with one device each; use --processes."
-  for name in ("workers", "replicas", "fsdp", *(f.name for f in dataclasses.fields(LaunchConfig))):
+  launch = [f.name for f in dataclasses.fields(LaunchConfig) if f.name != "peer_timeout_s"]
+  for name in ("workers", "replicas", "fsdp", *launch):
     use_instead[name] = wiring
   use_instead["resume"] = "every run starts afresh in its own directory."
   return use_instead
@@ -238,15 +271,22 @@ def _flag_name(arg: str, fields: set[str]) -> str:
   return name
 
 
-def driver_flags(passthrough: Sequence[str], processes: int, *, kill: bool = False) -> list[str]:
+def driver_flags(
+  passthrough: Sequence[str], processes: int, *, kill: bool = False, blackout: bool = False
+) -> list[str]:
   """The driver flags for every process: the lab's defaults, then the passed-through ones.
 
   Args:
     passthrough: the command-line arguments netlab does not define.
     processes: N; the default batch is one sequence per process.
     kill: a process will be killed (``--kill_step``): the default batch is
-      ``N (N - 1)`` so that the survivors divide it too, and checkpoints are
-      written every 10 steps unless ``--checkpoint_every`` says otherwise.
+      ``N (N - 1)`` so that the survivors divide it too, checkpoints are
+      written every 10 steps unless ``--checkpoint_every`` says otherwise, and
+      a peer counts as lost after 20 s (``--peer_timeout_s``), so that the
+      survivors stop soon after the kill.
+    blackout: a link will go dark (``--blackout_s``): checkpoints every 10
+      steps unless ``--checkpoint_every`` says otherwise, in case the run must
+      be restarted.
 
   Returns:
     The flags, defaults first, so that a passed flag wins.
@@ -265,15 +305,17 @@ def driver_flags(passthrough: Sequence[str], processes: int, *, kill: bool = Fal
       raise NetlabError(f"--{name} is set by netlab for each run; {reserved[name]}")
     names.add(name)
   defaults = {**_DRIVER_DEFAULTS, "batch_size": processes}
+  if kill or blackout:
+    defaults.update(checkpoint_every=10)
   if kill:
-    defaults.update(batch_size=processes * (processes - 1), checkpoint_every=10)
+    defaults.update(batch_size=processes * (processes - 1), peer_timeout_s=20)
   return [_flag(k, v) for k, v in defaults.items() if k not in names] + list(passthrough)
 
 
 def _check(
   cfg: LabConfig, passthrough: Sequence[str]
-) -> tuple[list[float], dict[str, list[str]], list[str]]:
-  """Reads and checks ``cfg`` before anything is built: rates, methods, driver flags.
+) -> tuple[list[float], dict[str, list[str]], list[str], list[Impairment] | None]:
+  """Reads and checks ``cfg`` before anything is built: rates, impairments, methods, driver flags.
 
   Raises:
     NetlabError: naming the flag and the fix.
@@ -290,10 +332,22 @@ def _check(
     raise NetlabError(
       f"--steps={cfg.steps} leaves nothing to measure after --skip_steps={cfg.skip_steps}."
     )
-  flags = driver_flags(passthrough, cfg.processes, kill=bool(cfg.kill_step))
+  links = faults.impairments(cfg.delay_ms, cfg.jitter_ms, cfg.loss_pct, cfg.processes)
+  faults.check_blackout(
+    cfg.blackout_process, _blackout_step(cfg), cfg.blackout_s, cfg.processes, cfg.steps
+  )
+  if cfg.max_restarts < 0:
+    raise NetlabError(f"--max_restarts={cfg.max_restarts} must be 0 or more.")
+  flags = driver_flags(
+    passthrough, cfg.processes, kill=bool(cfg.kill_step), blackout=bool(cfg.blackout_s)
+  )
   if cfg.kill_step:
     _check_kill(cfg, flags)
-  return rates, runs, flags
+  return rates, runs, flags, links
+
+
+def _blackout_step(cfg: LabConfig) -> int:
+  return cfg.blackout_step or cfg.steps // 2
 
 
 def _last_value(flags: Sequence[str], name: str) -> str | None:
@@ -336,52 +390,104 @@ def run_once(
   port: int,
   flags: Sequence[str],
   env: Mapping[str, str],
+  blackout: faults.Blackout | None = None,
 ) -> RunResult:
-  """One training run: a driver process per namespace, waited on or stopped at the limit.
+  """One training run: a driver per namespace, waited on, and restarted as a scheduler would.
+
+  When the drivers stop with status 75 (preempted) or 76 (a peer lost), the
+  lab stops whatever of them still runs, waits for a dark link to come back,
+  and starts all of them again with ``--resume`` (from step 0 if no
+  checkpoint was saved yet), at most ``cfg.max_restarts`` times, each on
+  the next coordinator port.
 
   Args:
     lab: the built lab, shaped or not.
-    cfg: the lab's settings (preset, steps, out_dir, run_time_limit_s).
+    cfg: the lab's settings (preset, steps, out_dir, run_time_limit_s, max_restarts).
     method: the method as named in ``--methods``; it names the run's directory.
     shaped: whether ``lab`` is shaped now (names the run).
-    port: the coordinator's port in namespace 0.
+    port: the first coordinator port in namespace 0; a restart takes the next.
     flags: driver flags for every process, the method's last so they win.
     env: the drivers' environment.
+    blackout: a link to take down during the run, if any.
 
   Returns:
-    The run's records and summary.
+    The run's records and summary, and one entry per attempt.
 
   Raises:
-    NetlabError: a process failed (its log's tail is in the message).
+    NetlabError: a process failed (its log's tail is in the message), or the
+      run was still interrupted after ``cfg.max_restarts`` restarts.
   """
   name = f"{method}-{'shaped' if shaped else 'unshaped'}"
   run_dir = os.path.join(cfg.out_dir, "runs", name)
   shutil.rmtree(run_dir, ignore_errors=True)
   os.makedirs(run_dir)
   n = lab.num_processes
-  procs, logs = [], []
   started = time.time()
-  try:
-    for i in range(n):
-      logs.append(os.path.join(run_dir, f"process{i}.log"))
-      argv = [
-        sys.executable, "-m", "experiments.train",
-        f"--preset={cfg.preset}", f"--steps={cfg.steps}", f"--out_dir={run_dir}",
-        f"--workers={n}", f"--num_processes={n}", f"--process_id={i}",
-        f"--coordinator_address={lab.address(0)}:{port}", *flags,
-      ]  # fmt: skip
-      with open(logs[i], "w") as log:
-        procs.append(lab.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env=env))
-    print(f"netlab: {name}: {n} processes started (logs in {run_dir})", flush=True)
-    stopped = drivers.wait(name, procs, logs, cfg.run_time_limit_s)
-  finally:
-    drivers.stop(procs)
+  attempts: list[dict[str, Any]] = []
+  outcome = "interrupted"
+  tick = (lambda: blackout.tick(run_dir)) if blackout else None
+  while outcome == "interrupted":
+    if len(attempts) > cfg.max_restarts:
+      raise NetlabError(
+        f"{name}: still interrupted after --max_restarts={cfg.max_restarts} restarts; the "
+        f"drivers' last lines: {attempts[-1]['lines']}"
+      )
+    if blackout is not None:
+      blackout.wait_over()
+    k = len(attempts)
+    resume = ["--resume"] if k and _has_checkpoint(run_dir) else []
+    procs, logs = [], []
+    attempt_started = time.time()
+    try:
+      for i in range(n):
+        logs.append(os.path.join(run_dir, f"{f'restart{k}.' if k else ''}process{i}.log"))
+        argv = [
+          sys.executable, "-m", "experiments.train",
+          f"--preset={cfg.preset}", f"--steps={cfg.steps}", f"--out_dir={run_dir}",
+          f"--workers={n}", f"--num_processes={n}", f"--process_id={i}",
+          f"--coordinator_address={lab.address(0)}:{port + k}", *flags, *resume,
+        ]  # fmt: skip
+        with open(logs[i], "w") as log:
+          procs.append(lab.popen(i, argv, stdout=log, stderr=subprocess.STDOUT, env=env))
+      what = f", restart {k}{' with --resume' if resume else ''}" if k else ""
+      print(f"netlab: {name}: {n} processes started{what} (logs in {run_dir})", flush=True)
+      grace = float(_last_value(flags, "peer_timeout_s") or 60) + 30
+      outcome = drivers.wait(name, procs, logs, cfg.run_time_limit_s, tick=tick, grace_s=grace)
+    finally:
+      drivers.stop(procs)
+    attempts.append(
+      {
+        "started": attempt_started,
+        "ended": time.time(),
+        "resumed": bool(resume),
+        "exit_codes": [p.returncode for p in procs],
+        "lines": [drivers.last_line(log) for log in logs] if outcome == "interrupted" else [],
+      }
+    )
+    if outcome == "interrupted":
+      print(f"netlab: {name}: interrupted ({attempts[-1]['lines'][0]})", flush=True)
+  if blackout is not None:
+    blackout.end()
   # A run stopped at the limit may leave a torn last line and no summary.
   metrics = os.path.join(run_dir, "metrics.jsonl")
   steps = records.read_metrics(run_dir) if os.path.exists(metrics) else []
   summary_path = os.path.join(run_dir, "summary.json")
   summary = records.Summary.load(summary_path) if os.path.exists(summary_path) else None
-  return RunResult(method, shaped, steps, summary, stopped_at_limit=stopped, started_at=started)
+  return RunResult(
+    method,
+    shaped,
+    steps,
+    summary,
+    stopped_at_limit=outcome == "limit",
+    started_at=started,
+    attempts=attempts,
+    run_dir=run_dir,
+  )
+
+
+def _has_checkpoint(run_dir: str) -> bool:
+  ckpt = os.path.join(run_dir, "checkpoints")
+  return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
 
 
 def _raise_exit(signum: int, frame: Any) -> None:
@@ -419,8 +525,9 @@ def _run_all(
   rates: Sequence[float],
   runs: Mapping[str, Sequence[str]],
   flags: Sequence[str],
+  impairments: Sequence[Impairment] | None,
 ) -> tuple[list[RunResult], list[dict[str, Any]], list[Any]]:
-  """In a built lab: the sampler, every method unshaped, then shaped, then interrupted."""
+  """In a built lab: the sampler, every method unshaped, then shaped (and impaired), then killed."""
   env = _driver_env()
   counters_path = os.path.join(cfg.out_dir, "link_counters.jsonl")
   ifaces = [lab.hub_interface(i) for i in range(lab.num_processes)]
@@ -429,13 +536,33 @@ def _run_all(
     lab.popen_hub(sampler, stdout=out, env=env)
   results = []
   port = _PORT
+  forwarder_stats = os.path.join(cfg.out_dir, "impairment_counts.json")
   for shaped in (False, True):
     if shaped:
       lab.shape(rates, cfg.latency_ms)
+      if impairments:
+        lab.impair(impairments, stats_path=forwarder_stats, env=env)
     for method, own in runs.items():
       flags_ = [*flags, *own]
-      results.append(run_once(lab, cfg, method, shaped, port=port, flags=flags_, env=env))
-      port += 1
+      blackout = None
+      if shaped and cfg.blackout_s:
+        victim = cfg.blackout_process % lab.num_processes
+        blackout = faults.Blackout(lab, victim, _blackout_step(cfg), cfg.blackout_s)
+      before = _counts(forwarder_stats)
+      result = run_once(
+        lab, cfg, method, shaped, port=port, flags=flags_, env=env, blackout=blackout
+      )
+      if blackout is not None:
+        result = dataclasses.replace(result, blackout=blackout.summary())
+      if shaped and impairments:
+        time.sleep(2.5)  # the forwarder writes its counts every 2 s
+        after = _counts(forwarder_stats)
+        counts = {
+          a: {k: v - before.get(a, {}).get(k, 0) for k, v in c.items()} for a, c in after.items()
+        }
+        result = dataclasses.replace(result, impairment_counts=counts)
+      results.append(result)
+      port += cfg.max_restarts + 1
   interrupted = []
   if cfg.kill_step:
     from experiments.netlab import interrupt
@@ -447,6 +574,15 @@ def _run_all(
   return results, records.read_jsonl(counters_path), interrupted
 
 
+def _counts(path: str) -> dict[str, dict[str, int]]:
+  """The impairment forwarder's packet and drop counts per link so far (empty before it wrote)."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
+
+
 def settings_line(cfg: LabConfig, rates: Sequence[float], flags: Sequence[str]) -> str:
   """One line saying what was run, for the report's head."""
   rate_text = (
@@ -454,9 +590,16 @@ def settings_line(cfg: LabConfig, rates: Sequence[float], flags: Sequence[str]) 
     if len(set(rates)) == 1
     else f"links of {', '.join(f'{r:g}' for r in rates)} Mbit/s"
   )
+  impaired = faults.impairments(cfg.delay_ms, cfg.jitter_ms, cfg.loss_pct, cfg.processes)
+  extra = f", {faults.describe(impaired)}" if impaired else ""
+  if cfg.blackout_s:
+    extra += (
+      f", the link of process {cfg.blackout_process % cfg.processes} dark for "
+      f"{cfg.blackout_s:g} s after step {_blackout_step(cfg)}"
+    )
   return (
-    f"{cfg.processes} processes over {rate_text}: preset {cfg.preset}, {cfg.steps} steps, "
-    f"tbf latency {cfg.latency_ms:g} ms; driver flags: {' '.join(flags)}"
+    f"{cfg.processes} processes over {rate_text}{extra}: preset {cfg.preset}, {cfg.steps} "
+    f"steps, tbf latency {cfg.latency_ms:g} ms; driver flags: {' '.join(flags)}"
   )
 
 
@@ -479,7 +622,7 @@ def run(cfg: LabConfig, passthrough: Sequence[str] = ()) -> report.Report:
     NetlabError: a setting, the machine or a driver failed; the message says
       which and what to do.
   """
-  rates, runs, flags = _check(cfg, passthrough)
+  rates, runs, flags, impairments = _check(cfg, passthrough)
   links.check_prerequisites()
   os.makedirs(cfg.out_dir, exist_ok=True)
   links.sweep_stale()
@@ -488,7 +631,7 @@ def run(cfg: LabConfig, passthrough: Sequence[str] = ()) -> report.Report:
   with _signals((signal.default_int_handler, _raise_exit, _raise_exit)):
     lab.create()
     try:
-      results, samples, interrupted = _run_all(lab, cfg, rates, runs, flags)
+      results, samples, interrupted = _run_all(lab, cfg, rates, runs, flags, impairments)
     finally:
       with _signals([signal.SIG_IGN] * len(_SIGNALS)):
         lab.teardown()

@@ -13,6 +13,12 @@ deleting the namespaces removes every interface. Shaping is ``tc qdisc tbf``
 on both ends of a process's veth: ``eth0`` egress is its upload, ``v<i>``
 egress its download, so each process's link runs at its rate both ways.
 
+With impairments (:meth:`Lab.impair`) the hub routes instead of bridging:
+what arrives on ``v<i>`` goes to a TUN device, where
+:mod:`experiments.netlab.impair` delays or drops it, and what it writes back
+goes out of its destination's ``v<j>``. :meth:`Lab.set_link` takes a link
+down and up (a blackout).
+
 Every name carries the tag ``nl<launcher pid>``. A guardian process, started
 with the lab, tears it down if the launcher dies without doing so (SIGKILL),
 and :func:`sweep_stale` removes labs whose launcher is gone.
@@ -33,8 +39,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from experiments.netlab.impair import Impairment
 
 __all__ = [
   "ROOT",
@@ -50,6 +58,12 @@ __all__ = [
 _CLONE_NEWUTS = 0x04000000
 _PR_SET_PDEATHSIG = 1
 _SUBNET = "10.77.0"
+_HUB_ADDRESS = "10.77.255.254"
+_TUN = "tun0"
+# Policy routing of a routed (impaired) lab: what arrives from a process's
+# link goes to the TUN device, what the forwarder writes back goes to its
+# destination's link.
+_TO_FORWARDER, _FROM_FORWARDER = 101, 100
 _TAG_RE = re.compile(r"^nl(\d+)-")
 # The directory that holds ``experiments``: every process the lab starts runs
 # there, so ``python -m experiments...`` imports this copy of the code.
@@ -226,6 +240,7 @@ class Lab:
     if not 1 <= self.num_processes <= 250:
       raise NetlabError(f"--processes must be in [1, 250], got {self.num_processes}.")
     self._guardian: subprocess.Popen | None = None
+    self._routed = False
 
   @property
   def hub(self) -> str:
@@ -260,6 +275,11 @@ class Lab:
     )
     try:
       _run("ip", "netns", "add", self.hub)
+      # An address of the hub's own, so that its local routing table exists: a
+      # routed lab (impair) resolves neighbours through it, and without it the
+      # kernel takes every neighbour for a broadcast address.
+      _run("ip", "-n", self.hub, "addr", "add", f"{_HUB_ADDRESS}/32", "dev", "lo")
+      _run("ip", "-n", self.hub, "link", "set", "lo", "up")
       _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
       _run("ip", "-n", self.hub, "link", "set", "br0", "up")
       for i in range(self.num_processes):
@@ -303,6 +323,90 @@ class Lab:
     for i, rate in enumerate(rates_mbit):
       self._tbf(self.namespace(i), "eth0", rate, latency_ms)  # upload
       self._tbf(self.hub, self.hub_interface(i), rate, latency_ms)  # download
+
+  def impair(
+    self,
+    impairments: Sequence[Impairment],
+    *,
+    seed: int = 0,
+    stats_path: str | None = None,
+    env: Mapping[str, str] | None = None,
+  ) -> None:
+    """Adds delay, jitter and loss to each process's link, through a user-space forwarder.
+
+    The hub stops bridging and routes instead: every packet from a process's
+    link goes into a TUN device, where :mod:`experiments.netlab.impair`
+    delays or drops it as both links it crosses say, and back out to its
+    destination's link (proxy ARP answers for the peers on each link). The
+    rate shaping of :meth:`shape` stays as it is.
+
+    Args:
+      impairments: one per process.
+      seed: seeds the forwarder's draws of jitter and loss.
+      stats_path: where the forwarder writes its packet and drop counts.
+      env: the forwarder's environment.
+
+    Raises:
+      NetlabError: a command failed, or the forwarder did not attach.
+    """
+    if len(impairments) != self.num_processes:
+      raise NetlabError(f"{len(impairments)} impairments for {self.num_processes} processes.")
+    hub = self.hub
+    sysctl = ["net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0"]
+    sysctl += ["net.ipv4.conf.default.rp_filter=0"]
+    for i in range(self.num_processes):
+      dev = self.hub_interface(i)
+      sysctl += [f"net.ipv4.conf.{dev}.proxy_arp=1", f"net.ipv4.conf.{dev}.rp_filter=0"]
+    _run("ip", "netns", "exec", hub, "sysctl", "-q", "-w", *sysctl)
+    _run("ip", "-n", hub, "tuntap", "add", "dev", _TUN, "mode", "tun")
+    _run("ip", "netns", "exec", hub, "sysctl", "-q", "-w", f"net.ipv4.conf.{_TUN}.rp_filter=0")
+    _run("ip", "-n", hub, "link", "set", _TUN, "up")
+    _run("ip", "-n", hub, "route", "add", "default", "dev", _TUN, "table", str(_TO_FORWARDER))
+    _run("ip", "-n", hub, "rule", "add", "iif", _TUN, "lookup", str(_FROM_FORWARDER),
+         "priority", str(_FROM_FORWARDER))  # fmt: skip
+    for i in range(self.num_processes):
+      dev = self.hub_interface(i)
+      _run("ip", "-n", hub, "link", "set", dev, "nomaster")
+      self._route_to(i)
+      _run("ip", "-n", hub, "rule", "add", "iif", dev, "lookup", str(_TO_FORWARDER),
+           "priority", str(_TO_FORWARDER))  # fmt: skip
+      # The peers' addresses now answer with the hub's side of the link.
+      _run("ip", "-n", self.namespace(i), "neigh", "flush", "all")
+    self._routed = True
+    links = [
+      f"{self.address(i)}={imp.delay_ms:g},{imp.jitter_ms:g},{imp.loss_pct:g}"
+      for i, imp in enumerate(impairments)
+    ]
+    argv = [sys.executable, "-m", "experiments.netlab.impair", f"--tun={_TUN}", f"--seed={seed}"]
+    argv += [f"--stats={os.path.abspath(stats_path)}"] if stats_path else []
+    forwarder = self.popen_hub([*argv, *links], env=env)
+    deadline = time.monotonic() + 60
+    while "LOWER_UP" not in _run("ip", "-n", hub, "link", "show", _TUN):
+      if forwarder.poll() is not None or time.monotonic() > deadline:
+        raise NetlabError(
+          f"the impairment forwarder did not attach to {_TUN} (exit status "
+          f"{forwarder.poll()}); is /dev/net/tun available (`modprobe tun`)?"
+        )
+      time.sleep(0.05)
+
+  def _route_to(self, i: int) -> None:
+    """The routed lab's way to process ``i``: out of its link (gone whenever the link went down)."""
+    _run("ip", "-n", self.hub, "route", "replace", f"{self.address(i)}/32",
+         "dev", self.hub_interface(i), "table", str(_FROM_FORWARDER))  # fmt: skip
+
+  def set_link(self, i: int, up: bool) -> None:
+    """Takes process ``i``'s link down (dark: nothing passes, either way) or back up.
+
+    The hub's end of the veth goes down, so the process's end loses its
+    carrier too; its qdiscs, and in a routed lab its route, come back with it.
+
+    Args:
+      i: the process.
+      up: up or down.
+    """
+    _run("ip", "-n", self.hub, "link", "set", self.hub_interface(i), "up" if up else "down")
+    if up and self._routed:
+      self._route_to(i)
 
   def popen(self, i: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     """Starts ``argv`` in process ``i``'s namespace, in a session of its own.

@@ -18,12 +18,13 @@ from typing import Any
 
 from experiments.netlab import counters
 from experiments.netlab.results import InterruptedRun, RunResult
-from experiments.run import methods
+from experiments.run import integrity, methods
 from experiments.run.records import StepRecord, Summary
 from experiments.run.reporting import human_bytes
 
 __all__ = [
   "Report",
+  "fault_figures",
   "interruption_figures",
   "link_bytes_per_step",
   "markdown",
@@ -286,6 +287,12 @@ def summarize(
     )
   for run in interrupted:
     report[run.method]["interrupted"] = interruption_figures(run, by.get((run.method, True)))
+  for name in names:
+    shaped, unshaped = by.get((name, True)), by.get((name, False))
+    if shaped is not None and (
+      shaped.blackout or shaped.impairment_counts or len(shaped.attempts) > 1
+    ):
+      report[name]["faults"] = fault_figures(shaped, unshaped)
   return report
 
 
@@ -365,6 +372,7 @@ def markdown(report: Report, settings: str) -> str:
   for name, e in report.items():
     lines += _link_rows(name, e)
 
+  lines += _fault_rows(report)
   lines += _interruption_rows(report)
   return "\n".join(lines) + "\n"
 
@@ -464,10 +472,106 @@ def interruption_figures(run: InterruptedRun, reference: RunResult | None) -> di
     "final_loss_uninterrupted": ref_records[-1].loss if ref_records else None,
     "final_val_loss_interrupted": _final_val(run.final.records),
     "final_val_loss_uninterrupted": _final_val(ref_records),
+    "survivors_exit_codes": run.survivors_exit.get("exit_codes"),
+    "survivors_stopped_after_s": run.survivors_exit.get("seconds"),
   }
   a, b = out["wall_s_interrupted"], out["wall_s_uninterrupted"]
   out["wall_s_lost"] = a - b if a is not None and b is not None else None
   return out
+
+
+def _checkpoints_intact(run_dir: str | None) -> bool | None:
+  """Whether every checkpoint of the run matches its digest (None: it saved none)."""
+  ckpt = os.path.join(run_dir or "", "checkpoints")
+  steps = [n for n in os.listdir(ckpt) if n.isdigit()] if os.path.isdir(ckpt) else []
+  if not steps:
+    return None
+  return all(integrity.verify(os.path.join(ckpt, n)) is None for n in steps)
+
+
+def fault_figures(shaped: RunResult, unshaped: RunResult | None) -> dict[str, Any]:
+  """What the shaped links' faults did to a run: drops, the blackout's stall, restarts, losses.
+
+  Args:
+    shaped: the run on the faulty links.
+    unshaped: the same method on clean links, whose losses it must match
+      (the links change the timing, never the arithmetic, and a resume is
+      bit-identical).
+
+  Returns:
+    ``measured_loss_pct_by_link`` (what the forwarder dropped), ``blackout``
+    (which link, when) with ``back_past_step_after_s`` (from the link going
+    dark until the run finished a step past the one process 0 had logged
+    then: the stall, or after a restart the detection, the restart and the
+    steps redone too), ``attempts`` and ``restarts`` (the
+    drivers' exit statuses and last lines), ``completed`` (every step from 1
+    to the last logged once), ``losses_match_unshaped`` and
+    ``checkpoints_intact`` (every checkpoint matches its digest).
+  """
+  out: dict[str, Any] = {}
+  counts = shaped.impairment_counts or {}
+  out["measured_loss_pct_by_link"] = {
+    a: 100 * c["dropped"] / c["packets"] if c.get("packets") else None for a, c in counts.items()
+  }
+  records = shaped.records
+  if shaped.blackout:
+    start, step = shaped.blackout.get("dark_from"), shaped.blackout.get("after_step")
+    past = next((r for r in records if step is not None and r.step > step), None)
+    out["blackout"] = {
+      **shaped.blackout,
+      # The stall, or with a restart the whole way back: detection, restart, steps redone.
+      "back_past_step_after_s": past.wall_time - start if past and start else None,
+    }
+  out["attempts"] = len(shaped.attempts)
+  out["restarts"] = [
+    {"exit_codes": a["exit_codes"], "line": next((x for x in a["lines"] if x), "")}
+    for a in shaped.attempts[:-1]
+  ]
+  steps = [r.step for r in records]
+  out["completed"] = bool(steps) and steps == list(range(1, steps[-1] + 1))
+  out["last_step"] = steps[-1] if steps else 0
+  if unshaped is not None and unshaped.records:
+    clean = {r.step: r.loss for r in unshaped.records}
+    common = [r for r in records if r.step in clean]
+    out["losses_match_unshaped"] = bool(common) and all(r.loss == clean[r.step] for r in common)
+  out["checkpoints_intact"] = _checkpoints_intact(shaped.run_dir)
+  return out
+
+
+def _fault_rows(report: Mapping[str, Mapping[str, Any]]) -> list[str]:
+  """The report's section on the shaped links' faults (empty when there were none)."""
+  rows = [(name, e) for name, e in report.items() if e.get("faults")]
+  if not rows:
+    return []
+  lines = [
+    "",
+    "## Faults on the shaped links",
+    "",
+    "| method | median step, faulty links | clean links | ratio | packets dropped "
+    "| blackout: back past its step after | restarts | steps done | losses match clean "
+    "| checkpoints intact |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+  ]
+  for name, e in rows:
+    f = e["faults"]
+    drops = [x for x in f["measured_loss_pct_by_link"].values() if x is not None]
+    drop_text = f"{min(drops):.2f} to {max(drops):.2f}% per link" if drops else "n/a"
+    longest = (f.get("blackout") or {}).get("back_past_step_after_s")
+    restarts = ", ".join(f"exit {sorted(set(r['exit_codes']))}" for r in f["restarts"]) or "none"
+    lines.append(
+      f"| {name} | {_num(e['median_step_s_shaped'], '.3f')} s "
+      f"| {_num(e['median_step_s_unshaped'], '.3f')} s | {_num(e['shaped_over_unshaped'], '.2f')}x "
+      f"| {drop_text} | {_num(longest, '.1f')} s | {restarts} | {f['last_step']} "
+      f"| {_yes(f.get('losses_match_unshaped'))} | {_yes(f['checkpoints_intact'])} |"
+    )
+  for name, e in rows:
+    for r in e["faults"]["restarts"]:
+      lines.append(f"- {name}: restarted after: `{r['line']}`")
+  return lines
+
+
+def _yes(x: bool | None) -> str:
+  return "n/a" if x is None else ("yes" if x else "**no**")
 
 
 def _num(x: float | None, spec: str) -> str:
@@ -483,14 +587,22 @@ def _interruption_rows(report: Mapping[str, Mapping[str, Any]]) -> list[str]:
     "",
     "## A process killed mid-run",
     "",
-    "| method | processes | killed after step | resumed from | steps redone "
-    "| back at that step after | wall time | uninterrupted | lost "
+    "| method | processes | killed after step | survivors stopped | resumed from "
+    "| steps redone | back at that step after | wall time | uninterrupted | lost "
     "| final loss | uninterrupted | final val loss | uninterrupted |",
-    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+    "| ---: |",
   ]
   for name, f in rows:
+    codes = f.get("survivors_exit_codes") or []
+    stopped = (
+      f"exit {'/'.join(map(str, sorted(set(codes), key=str)))} after "
+      f"{_num(f.get('survivors_stopped_after_s'), '.1f')} s"
+      if codes
+      else "n/a"
+    )
     lines.append(
-      f"| {name} | {' -> '.join(map(str, f['processes']))} | {f['kill_step']} "
+      f"| {name} | {' -> '.join(map(str, f['processes']))} | {f['kill_step']} | {stopped} "
       f"| {f['resumed_from_step']} | {f['steps_redone']} "
       f"| {_num(f['seconds_to_regain_kill_step'], '.1f')} s "
       f"| {_num(f['wall_s_interrupted'], '.1f')} s | {_num(f['wall_s_uninterrupted'], '.1f')} s "

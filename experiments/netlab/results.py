@@ -26,6 +26,14 @@ class RunResult:
     summary: the run's ``summary.json``, or None if it was stopped before writing it.
     stopped_at_limit: the run hit ``--run_time_limit_s`` and was stopped.
     started_at: ``time.time()`` when the lab launched its drivers.
+    attempts: one entry per launch of the drivers: ``started``, ``ended``,
+      ``resumed``, ``exit_codes``, and the drivers' last ``lines`` when they
+      stopped early (preempted, a peer lost) and the lab restarted them.
+    blackout: the link taken down during the run, and when
+      (:meth:`experiments.netlab.faults.Blackout.summary`), if any.
+    run_dir: where the run's files are.
+    impairment_counts: per link (process address), the packets that the
+      delay-and-loss forwarder saw cross it during the run and those it dropped.
   """
 
   method: str
@@ -34,6 +42,10 @@ class RunResult:
   summary: Summary | None
   stopped_at_limit: bool = False
   started_at: float | None = None
+  attempts: list[dict] = dataclasses.field(default_factory=list)
+  blackout: dict | None = None
+  run_dir: str | None = None
+  impairment_counts: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +76,9 @@ class InterruptedRun:
     final: the run's records as ``metrics.jsonl`` holds them at the end (the
       steps redone replaced), and its summary.
     events: the elastic resumes the driver logged.
+    survivors_exit: how the survivors of the kill stopped: their
+      ``exit_codes`` (76: they named the lost peer; None: the lab stopped
+      them), the ``seconds`` from the kill, and their last ``lines``.
   """
 
   method: str
@@ -73,3 +88,4 @@ class InterruptedRun:
   attempts: list[Attempt]
   final: RunResult
   events: list[records.ResizeEvent]
+  survivors_exit: dict = dataclasses.field(default_factory=dict)

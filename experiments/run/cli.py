@@ -4,8 +4,10 @@ Each command builds its absl flags from a config dataclass's fields
 (:func:`define_flags`, called inside the command's ``main``, so importing a
 command defines nothing) and reads them back (:func:`config_from_flags`).
 A command catches only the :data:`USER_ERRORS`, prints one ``error:`` line
-naming the flag or file and the fix, and exits with status 2. Anything else
-is a bug in the program and keeps its traceback.
+naming the flag or file and the fix, and exits with status 2. A run stopped
+early on purpose (a preemption notice: :mod:`experiments.run.interruption`)
+prints its own line and exits with its own status. Anything else is a bug in
+the program and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from absl import flags, logging
 from experiments.run.checkpointing import CheckpointError
 from experiments.run.config import ConfigError, TrainConfig, flag_kind
 from experiments.run.data import DataError
+from experiments.run.interruption import RunInterruptedError
 from experiments.run.rundir import OutDirError
 
 __all__ = [
@@ -51,9 +54,16 @@ USER_ERRORS = (
 
 
 def report_user_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-  """Calls ``fn``; a :data:`USER_ERRORS` exception becomes one ``error:`` line and exit 2."""
+  """Calls ``fn``; a :data:`USER_ERRORS` exception becomes one ``error:`` line and exit 2.
+
+  A run stopped early on purpose (``RunInterruptedError``, e.g. preempted)
+  becomes its own line and its own exit status (75 for a preemption).
+  """
   try:
     return fn(*args, **kwargs)
+  except RunInterruptedError as e:
+    print(e, file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
   except USER_ERRORS as e:
     logging.debug("failed", exc_info=True)
     print(f"error: {e}", file=sys.stderr)

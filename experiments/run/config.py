@@ -63,7 +63,9 @@ class TrainConfig:
     "so it is refused.",
   )
   data_path: str | None = _field(
-    None, "Text file (bytes), .npy or uint16 .bin tokens; default: embedded corpus."
+    None,
+    "Text file (bytes), .npy or uint16 .bin tokens, or a corpus directory "
+    "(python -m experiments.fetch_corpus) with its split by document; default: embedded corpus.",
   )
   steps: int = _field(1000, "Training steps.")
   workers: int = _field(8, "Data-parallel workers in total (simulated CPU devices on CPU).")

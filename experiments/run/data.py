@@ -43,6 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from experiments.corpus import corpus_dir
 from experiments.corpus.generated import default_corpus
 
 # Tokens examined per step when scanning a memory-mapped file for bad ids, so a
@@ -139,11 +140,18 @@ def _sniff(data_path: str, suffix: str, head: bytes) -> None:
     )
 
 
+# What :func:`check_file` calls a corpus directory in place of a file's extension.
+CORPUS_DIR = "corpus directory"
+
+
 def check_file(data_path: str) -> tuple[str, int]:
   """``(suffix, size)`` of a data file that exists, is a file, is readable, and is supported.
 
   Reads only the file's first 64 KiB, so a command can refuse a wrong file
   before it writes or compiles anything; :func:`load_tokens` calls it too.
+  A corpus directory (``experiments.fetch_corpus``) gives
+  ``(CORPUS_DIR, train and val bytes)`` once its manifest and its files'
+  sizes agree; their digests are checked when it is loaded.
 
   Raises:
     DataError: naming the file and the fix.
@@ -151,12 +159,15 @@ def check_file(data_path: str) -> tuple[str, int]:
   if not os.path.exists(data_path):
     raise DataError(
       f"data file {data_path!r} does not exist; pass --data_path=... to an existing "
-      ".txt/.npy/.bin file, or omit it for the embedded corpus"
+      ".txt/.npy/.bin file or corpus directory, or omit it for the embedded corpus"
     )
+  if os.path.isdir(data_path):
+    manifest = _manifest(data_path, verify=False)
+    return CORPUS_DIR, manifest["train"]["bytes"] + manifest["val"]["bytes"]
   if not os.path.isfile(data_path):
     raise DataError(
       f"data file {data_path!r} is not a regular file; pass --data_path=... to a "
-      ".txt/.npy/.bin file, not a directory"
+      ".txt/.npy/.bin file or a corpus directory"
     )
   suffix = os.path.splitext(data_path)[1].lower()
   if suffix not in (*TEXT_SUFFIXES, ".npy", ".bin"):
@@ -222,6 +233,10 @@ def load_tokens(data_path: str | None, vocab_size: int) -> np.ndarray:
   else:
     source = f"data file {data_path!r}"
     suffix, size = check_file(data_path)
+    if suffix == CORPUS_DIR:
+      raise DataError(
+        f"{data_path!r} is a corpus directory, split by document; read it with load_splits"
+      )
     if suffix == ".npy":
       tokens = _read_npy(data_path)
     elif suffix == ".bin":
@@ -251,10 +266,15 @@ def identity(data_path: str | None) -> dict[str, Any] | None:
   same size goes unseen.
 
   Returns:
-    ``{"bytes": size, "ends_sha256": hex}``, or ``None`` for the embedded corpus.
+    ``{"bytes": size, "ends_sha256": hex}``; for a corpus directory
+    ``{"corpus_digest": hex}``, its manifest's digest of both files (which
+    loading checks); ``None`` for the embedded corpus.
   """
   if data_path is None:
     return None
+  if os.path.isdir(data_path):
+    manifest = _manifest(data_path, verify=False)
+    return {"corpus_digest": manifest["digest"]}
   size = os.path.getsize(data_path)
   digest = hashlib.sha256()
   with open(data_path, "rb") as f:
@@ -282,6 +302,127 @@ def split_tokens(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.nda
   n = tokens.shape[0]
   n_val = math.ceil(n * val_fraction)
   return tokens[: n - n_val], tokens[n - n_val :]
+
+
+def _manifest(path: str, *, verify: bool) -> dict[str, Any]:
+  try:
+    return corpus_dir.read_manifest(path, verify=verify)
+  except corpus_dir.CorpusError as e:
+    raise DataError(str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+  """A run's training and validation tokens.
+
+  Attributes:
+    train: the training tokens (1-D).
+    val: the validation tokens (1-D).
+    by_document: the split is a corpus directory's, by document; its
+      validation text is ordered by source, so evaluation takes windows
+      spread over all of it (:func:`make_eval_batches` ``spread``), not its
+      first ones.
+  """
+
+  train: np.ndarray
+  val: np.ndarray
+  by_document: bool = False
+
+
+def load_splits(data_path: str | None, vocab_size: int, val_fraction: float = 0.05) -> Splits:
+  """The training and validation tokens of ``--data_path``.
+
+  A corpus directory (``python -m experiments.fetch_corpus``) gives its own
+  ``train.txt`` and ``val.txt``, split by document, once their SHA-256 match
+  its manifest; a file or the embedded corpus is :func:`load_tokens` cut by
+  :func:`split_tokens`.
+
+  Args:
+    data_path: ``None``, a file :func:`load_tokens` reads, or a corpus directory.
+    vocab_size: The model's vocabulary size; every id must be below it.
+    val_fraction: For a file, the share held out (a corpus has its own).
+
+  Raises:
+    DataError: as :func:`load_tokens`; for a corpus directory, one without a
+      manifest or whose files do not match it.
+  """
+  if data_path is None or not os.path.isdir(data_path):
+    return Splits(*split_tokens(load_tokens(data_path, vocab_size), val_fraction))
+  if vocab_size < 256:
+    raise DataError(
+      f"{data_path!r} is text, read as bytes (ids up to 255); use a preset with "
+      f"vocab_size >= 256, not {vocab_size}"
+    )
+  _manifest(data_path, verify=True)
+  train, val = (
+    np.memmap(os.path.join(data_path, name), dtype=np.uint8, mode="r")
+    for name in (corpus_dir.TRAIN, corpus_dir.VAL)
+  )
+  return Splits(train, val, by_document=True)
+
+
+def window_count(tokens: np.ndarray, seq_len: int) -> int:
+  """Training windows of ``seq_len + 1`` tokens that :class:`TokenWindows` cuts from ``tokens``."""
+  return tokens.shape[0] // (seq_len + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+  """How much of its training split a run has read.
+
+  The sampler (:func:`make_train_iterator`) cuts the split into
+  non-overlapping windows of ``seq_len + 1`` tokens (a remainder shorter
+  than one is never read) and draws them in a new shuffled order each epoch,
+  ``global_batch_size`` per step. Within an epoch no token is read twice;
+  ``steps * global_batch_size`` draws read every window ``train_epochs``
+  times, so a run reads some token twice exactly when ``train_epochs > 1``.
+
+  Attributes:
+    train_epochs: windows drawn over windows in the split: the fraction of
+      the training split read (2.0: every window twice).
+    train_windows: windows in the training split.
+    rereads_data: some window, so some byte, was read more than once.
+  """
+
+  train_epochs: float
+  train_windows: int
+  rereads_data: bool
+
+  @classmethod
+  def of(cls, steps: int, global_batch_size: int, train_windows: int) -> Reading:
+    if train_windows < 1:
+      raise DataError(
+        "the training split holds no window of --seq_len + 1 tokens; use a smaller "
+        "--seq_len, or more data"
+      )
+    drawn = steps * global_batch_size
+    return cls(drawn / train_windows, train_windows, drawn > train_windows)
+
+  def describe(self, steps: int) -> str:
+    """One line for the run's log; a warning where data is read twice."""
+    line = (
+      f"data: {steps} steps read the training split {self.train_epochs:.3f} times "
+      f"(train_epochs; {self.train_windows:,} windows)"
+    )
+    if not self.rereads_data:
+      return line + ", each window at most once"
+    return (
+      f"warning: {line}, so some windows {math.ceil(self.train_epochs)} times: its "
+      "validation loss also measures memorization; fewer --steps, or more data, reads "
+      "each once"
+    )
+
+
+def planned_reading(
+  data_path: str | None, vocab_size: int, *, seq_len: int, steps: int, global_batch_size: int
+) -> Reading:
+  """How much of ``data_path``'s training split a run of ``steps`` steps will read.
+
+  For commands that plan many runs (``compare``, ``frontier``), so a run that
+  would read its data twice is known before any trains.
+  """
+  splits = load_splits(data_path, vocab_size)
+  return Reading.of(steps, global_batch_size, window_count(splits.train, seq_len))
 
 
 class TokenWindows:
@@ -407,11 +548,17 @@ def make_train_iterator(
 
 
 def make_eval_batches(
-  tokens: np.ndarray, *, seq_len: int, batch_size: int, max_batches: int | None
+  tokens: np.ndarray,
+  *,
+  seq_len: int,
+  batch_size: int,
+  max_batches: int | None,
+  spread: bool = False,
 ) -> list[dict[str, np.ndarray]]:
   """Deterministic validation batches, in order, each a full global batch.
 
-  Uses non-overlapping windows from the start of ``tokens``. If the split is
+  Uses non-overlapping windows from the start of ``tokens``, or with
+  ``spread`` windows evenly spaced over all of them. If the split is
   too short for even one batch of separate windows, it falls back to
   ``batch_size`` evenly spaced, overlapping windows, so a small validation
   split still gives a (noisier) held-out loss instead of none.
@@ -421,6 +568,10 @@ def make_eval_batches(
     seq_len: Tokens per row.
     batch_size: Rows per batch (the global batch size).
     max_batches: Upper bound on the number of batches; ``None`` for all.
+    spread: When ``max_batches`` leaves windows out, take the windows
+      evenly spaced over the split instead of its first ones (a corpus
+      whose validation text is ordered by source is then measured on every
+      source).
 
   Returns:
     A list of ``{"inputs": int32[batch_size, seq_len], "targets": ...}``.
@@ -444,9 +595,14 @@ def make_eval_batches(
     starts = np.linspace(0, n - width, batch_size).round().astype(np.int64)
     num_batches = 1
   else:
+    available = n // width
     if max_batches is not None:
       num_batches = min(num_batches, max_batches)
-    starts = np.arange(num_batches * batch_size, dtype=np.int64) * width
+    windows = np.arange(num_batches * batch_size, dtype=np.int64)
+    if spread:
+      # Distinct, since there are at least as many windows as are taken.
+      windows = np.linspace(0, available - 1, num_batches * batch_size).round().astype(np.int64)
+    starts = windows * width
   rows = np.stack([np.asarray(tokens[s : s + width], dtype=np.int32) for s in starts])
   rows = rows.reshape(num_batches, batch_size, width)
   return [_inputs_and_targets(r) for r in rows]

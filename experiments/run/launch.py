@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 
+from experiments.run import peers
 from experiments.run.config import ConfigError
 
 __all__ = [
@@ -51,6 +52,8 @@ class LaunchConfig:
     cluster: where unset values come from: ``auto`` (SLURM or Open MPI when
       their variables say several processes run), ``none`` (never), or
       ``slurm`` / ``ompi`` to insist on one.
+    peer_timeout_s: in a multi-process run, the silence after which a peer
+      counts as lost (:mod:`experiments.run.peers`); 0 leaves it to JAX.
   """
 
   num_processes: int | None = dataclasses.field(
@@ -75,6 +78,15 @@ class LaunchConfig:
     metadata={
       "help": "Where unset process flags come from: auto (SLURM or Open MPI, when they started "
       "several processes), none (never: one process unless flags say otherwise), slurm or ompi."
+    },
+  )
+  peer_timeout_s: float = dataclasses.field(
+    default=60.0,
+    metadata={
+      "help": "Multi-process runs: a peer that sends no heartbeat for this many seconds (hung, "
+      "stopped, cut off) counts as lost; the others stop with exit status 76 and one line "
+      "naming it, the last checkpoint and the command that resumes (docs/failure_modes.md). "
+      "0 leaves it to JAX's own heartbeat, which aborts every process after about 100 s."
     },
   )
 
@@ -163,6 +175,11 @@ def setup_devices(launch: LaunchConfig, devices: int) -> None:
       ``JAX_PLATFORMS`` asks for is not on this machine.
   """
   launch, scheduler = resolve_launch(launch)
+  if not (launch.peer_timeout_s == 0 or launch.peer_timeout_s >= 1):
+    raise ConfigError(
+      f"--peer_timeout_s={launch.peer_timeout_s:g} must be 1 or more (seconds), or 0 to leave "
+      "lost peers to JAX's own heartbeat; e.g. --peer_timeout_s=60."
+    )
   nproc = launch.num_processes
   if devices % nproc:
     raise ConfigError(f"{devices} devices do not divide by --num_processes={nproc}.")
@@ -178,7 +195,9 @@ def setup_devices(launch: LaunchConfig, devices: int) -> None:
       # JAX fills what is still unset (the coordinator, one GPU per process)
       # from the same scheduler; with --cluster=none it looks at none.
       cluster_detection_method=scheduler or ("deactivate" if launch.cluster == "none" else None),
+      heartbeat_timeout_seconds=peers.jax_heartbeat_timeout_s(launch.peer_timeout_s),
     )
+    peers.start(launch.peer_timeout_s)
   _check_platform()
 
 

@@ -47,6 +47,7 @@ __all__ = [
   "Payload",
   "Recipe",
   "compression_groups",
+  "muon_dimensions",
   "get",
   "grammar",
   "largest_chunk",
@@ -60,12 +61,13 @@ ALL_GATHER = "all-gather"
 ALL_REDUCE = "all-reduce"
 # The method every other is measured against: AdamW with a gradient all-reduce.
 BASELINE = "adamw"
-# What compare and frontier run with no --methods: the families, Psyche's
-# message, and the best point measured past 1,000x fewer bytes than a bf16
-# gradient at 1,000 steps (docs/results.md: drawn positions, each hidden
-# matrix's step orthogonalized).
+# What compare and frontier run with no --methods: the dense baselines, the
+# families, Psyche's message, and the best point measured past 1,000x fewer
+# bytes than a bf16 gradient at 1,000 steps (docs/results.md: drawn
+# positions, each hidden matrix's step orthogonalized).
 DEFAULT_COMPARISON = (
   "adamw",
+  "muon",
   "demo",
   "demo-k8-1bit",
   "demo-k2-1bit",
@@ -182,6 +184,9 @@ class Method:
       step (DeMo's sign, or unit RMS per tensor).
     supports_compression_groups: ``--compression_groups`` gives groups of
       params messages of their own sizes.
+    dense: a dense baseline: every step all-reduces the whole gradient, and
+      every worker steps with it (AdamW, Muon). ``compare`` and ``frontier``
+      measure every method's gap to the best of these.
   """
 
   name: str
@@ -208,6 +213,7 @@ class Method:
   supports_cold_start: bool = False
   supports_normalize: bool = False
   supports_compression_groups: bool = False
+  dense: bool = False
 
   def recipe_for(self, preset: str, steps: int) -> Recipe:
     """The defaults for this method on ``preset``, for a run of ``steps`` steps."""
@@ -585,14 +591,60 @@ def _clipped_adamw(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation
   return optax.chain(_clip(cfg, axes), optax.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay))
 
 
-# AdamW clips the all-reduced gradient, as data-parallel AdamW does.
-def _build_adamw(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
-  adamw = _clipped_adamw(cfg, axes)
+def _all_reduced(cfg: TrainConfig, axes: Axes, tx: optax.GradientTransformation):
+  """``tx`` stepping with the mean gradient over the workers: a dense baseline."""
   if cfg.skip_nonfinite:
     # What optax users reach for: skip a step whose gradient is not finite. It
     # wraps the part after the all-reduce, so every worker makes the same call.
-    adamw = optax.apply_if_finite(adamw, max_consecutive_errors=1000)
-  return optax.chain(dj.pmean_gradients(axes.replica), adamw)
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=1000)
+  return optax.chain(dj.pmean_gradients(axes.replica), tx)
+
+
+# AdamW clips the all-reduced gradient, as data-parallel AdamW does.
+def _build_adamw(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
+  return _all_reduced(cfg, axes, _clipped_adamw(cfg, axes))
+
+
+# Muon's update of a hidden matrix has an RMS of 0.2 times the rate (Liu et
+# al., 2025), about AdamW's, so the AdamW part and the Muon part share one
+# learning rate, and one grid tunes both.
+MUON_CONSISTENT_RMS = 0.2
+
+
+def muon_dimensions(params: Any) -> Any:
+  """Which params Muon orthogonalizes, as ``muon_weight_dimension_numbers`` of optax's Muon.
+
+  A hidden matrix, a param of the blocks whose last two axes are both longer
+  than one, is orthogonalized over those two axes (input, output); leading
+  axes, the layers of a ``--scan_layers`` stack, are batch axes, so each
+  layer is orthogonalized on its own. Everything else (``None``) steps with
+  AdamW: the embedding and the output head, which Muon's authors leave to
+  AdamW, and the norm scales, which are vectors (a stack's scales are
+  ``(n_layers, 1, d_model)``).
+  """
+
+  def dims(path: Any, x: Any) -> optax.contrib.MuonDimensionNumbers | None:
+    key = jax.tree_util.keystr(path)
+    hidden = _STACKED.search(key) and not _NOT_ORTHOGONALIZED.search(key)
+    if not hidden or x.ndim < 2 or min(x.shape[-2:]) < 2:
+      return None
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=x.ndim - 2, output_axis=x.ndim - 1)
+
+  return jax.tree_util.tree_map_with_path(dims, params)
+
+
+# Muon clips the all-reduced gradient as AdamW does, then optax's Muon steps:
+# Nesterov momentum 0.95 orthogonalized by five Newton-Schulz steps on the
+# hidden matrices, AdamW (optax's, Nesterov too) on the rest.
+def _build_muon(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
+  muon = optax.contrib.muon(
+    lr_schedule(cfg),
+    weight_decay=cfg.weight_decay,
+    adam_weight_decay=cfg.weight_decay,
+    muon_weight_dimension_numbers=muon_dimensions,
+    consistent_rms=MUON_CONSISTENT_RMS,
+  )
+  return _all_reduced(cfg, axes, optax.chain(_clip(cfg, axes), muon))
 
 
 # Each DiLoCo worker clips and steps its own gradient between synchronizations;
@@ -781,6 +833,12 @@ _DEMO_RECIPE = Recipe(learning_rate=3e-3, warmup_steps=30, compression_decay=0.9
 _DEFAULT_RECIPE = Recipe(learning_rate=3e-3, warmup_steps=30)
 
 
+# Muon at its consistent RMS (MUON_CONSISTENT_RMS) takes rates like AdamW's;
+# PLACEHOLDER.
+_MUON_RECIPE = Recipe(learning_rate=3e-3, warmup_steps=30)
+_MUON_RATES = (1.5e-3, 3e-3, 6e-3)
+
+
 def _from_1000_steps(recipe: Recipe, learning_rate: float) -> dict[str, tuple[int, Recipe]]:
   """``recipe`` at ``learning_rate`` for runs of 1,000 steps or more on ``small``.
 
@@ -845,6 +903,7 @@ register(
     # 1.7898 at 7.5e-4; 1.8388, 1.8034, 1.8244 at 3.75e-4, 1.5e-3, 3e-3.
     long_recipes=_from_1000_steps(_DEFAULT_RECIPE, 7.5e-4),
     supports_skip_nonfinite=True,
+    dense=True,
   )
 )
 register(
@@ -890,6 +949,23 @@ register(
     tuning={"learning_rate": (1.5e-3, 3e-3), "sparseloco_outer_lr": (0.7, 1.0)},
     excludes_nonfinite=True,
     check=_check_sparseloco,
+  )
+)
+
+register(
+  Method(
+    name="muon",
+    description="Muon (optax.contrib.muon) with a gradient all-reduce every step; "
+    "embedding, head and norms on AdamW",
+    build=_build_muon,
+    message_bytes=lambda cfg, params: _gradient_bytes(params),
+    collective=ALL_REDUCE,
+    recipe=_MUON_RECIPE,
+    preset_recipes={"report-1.2b": _REPORT_RECIPE},
+    supports_fsdp=False,
+    supports_skip_nonfinite=True,
+    tuning={"learning_rate": _MUON_RATES},
+    dense=True,
   )
 )
 

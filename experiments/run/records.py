@@ -172,6 +172,12 @@ class Summary:
       gradient-only step.
     optimizer_time_fraction: with ``--time_optimizer``, the optimizer's share
       of a step, ``1 - gradient_seconds / step_seconds``.
+    train_epochs: how much of the training split the run read: windows drawn
+      over windows in the split (2.0: every window twice;
+      ``experiments.run.data.Reading``). ``None`` in a summary written before
+      it was recorded.
+    train_windows: windows of ``seq_len + 1`` tokens in the training split.
+    rereads_data: the run read some window, so some byte, more than once.
   """
 
   optimizer: str
@@ -198,6 +204,9 @@ class Summary:
   step_seconds: float | None = None
   gradient_seconds: float | None = None
   optimizer_time_fraction: float | None = None
+  train_epochs: float | None = None
+  train_windows: int | None = None
+  rereads_data: bool | None = None
 
   def to_json(self) -> dict[str, Any]:
     """The file's object; the timing fields appear only when measured."""

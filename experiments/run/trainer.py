@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -31,8 +32,11 @@ from experiments.run import (
   checks,
   config,
   elastic,
+  interruption,
   measure,
   methods,
+  peers,
+  preemption,
   presets,
   reporting,
   rundir,
@@ -232,7 +236,7 @@ def _checkpoint_dir(cfg: TrainConfig) -> str:
 
 def _open_checkpoints(
   given: TrainConfig, data_identity: Any
-) -> tuple[TrainConfig, Checkpointer | None, ResumePoint | None]:
+) -> tuple[TrainConfig, Checkpointer, ResumePoint | None]:
   """The resolved config, and the checkpoints it saves to or resumes from.
 
   A resume reads the newest intact checkpoint's metadata first: it must be of
@@ -257,10 +261,9 @@ def _open_checkpoints(
   cfg = checks.resolve(given, saved=point.meta.get("runtime") if point else None)
   if point is not None:
     _check_resume_span(cfg, point.step)
-  elif cfg.checkpoint_every:
-    checkpointer = Checkpointer(ckpt_dir, fingerprint=fingerprint, **procs)
   else:
-    return cfg, None, None
+    # Also at --checkpoint_every=0: a preemption notice saves where the run is.
+    checkpointer = Checkpointer(ckpt_dir, fingerprint=fingerprint, **procs)
   checkpointer.configure(
     save_every=cfg.checkpoint_every,
     keep=cfg.keep_checkpoints,
@@ -312,10 +315,10 @@ def _check_resume_span(cfg: TrainConfig, step: int) -> None:
 class _Batches:
   """The run's data: the training iterator, the validation batches, and their placement."""
 
-  def __init__(self, cfg: TrainConfig, program: Program, tokens: np.ndarray):
-    train_tokens, val_tokens = data_lib.split_tokens(tokens)
+  def __init__(self, cfg: TrainConfig, program: Program, splits: data_lib.Splits):
+    self.train_windows = data_lib.window_count(splits.train, cfg.seq_len)
     self.train = data_lib.make_train_iterator(
-      train_tokens,
+      splits.train,
       seq_len=cfg.seq_len,
       global_batch_size=cfg.batch_size,
       num_workers=cfg.workers,
@@ -324,7 +327,11 @@ class _Batches:
       seed=cfg.seed,
     )
     self.eval = data_lib.make_eval_batches(
-      val_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_batches=cfg.eval_batches
+      splits.val,
+      seq_len=cfg.seq_len,
+      batch_size=cfg.batch_size,
+      max_batches=cfg.eval_batches,
+      spread=splits.by_document,
     )
     self.sharding = program.sharding(program.rows)
     self.abstract = jax.ShapeDtypeStruct(
@@ -421,7 +428,7 @@ def _describe(program: Program, payload: methods.Payload, hlo: measure.HloBytes)
 def _start(
   program: Program,
   batches: _Batches,
-  checkpointer: Checkpointer | None,
+  checkpointer: Checkpointer,
   point: ResumePoint | None,
 ):
   """``(start_step, params, opt_state, resize)``: restored from the checkpoint, or fresh.
@@ -455,23 +462,28 @@ def run(cfg: TrainConfig) -> Summary:
   if cfg.data_path is not None:
     data_lib.check_file(cfg.data_path)  # its ids are scanned once the directory is ours
   main = jax.process_index() == 0
-  with rundir.claim(cfg.out_dir, main=main, multiprocess=jax.process_count() > 1):
+  # SIGTERM from here on is a preemption notice (experiments.run.preemption).
+  with (
+    rundir.claim(cfg.out_dir, main=main, multiprocess=jax.process_count() > 1),
+    preemption.Notice() as notice,
+  ):
     try:
-      return _run_claimed(cfg)
+      return _run_claimed(cfg, notice)
     except OSError as e:
       if err := rundir.filesystem_error(e, e.filename or f"to --out_dir={cfg.out_dir}"):
         raise err from None
       raise
 
 
-def _run_claimed(cfg: TrainConfig) -> Summary:
-  """:func:`run` once the output directory is this run's."""
-  tokens = data_lib.load_tokens(cfg.data_path, presets.get_preset(cfg.preset).vocab_size)
+def _run_claimed(cfg: TrainConfig, notice: preemption.Notice) -> Summary:
+  """:func:`run` once the output directory is this run's, with SIGTERM heard by ``notice``."""
+  argv = interruption.train_argv(cfg)
+  splits = data_lib.load_splits(cfg.data_path, presets.get_preset(cfg.preset).vocab_size)
   cfg, checkpointer, point = _open_checkpoints(cfg, data_lib.identity(cfg.data_path))
   program = build(cfg)
-  if checkpointer and checkpointer.save_every:
+  if checkpointer.save_every:
     _check_space(cfg.out_dir, program)
-  batches = _Batches(cfg, program, tokens)
+  batches = _Batches(cfg, program, splits)
   start_step, params, opt_state, resize = _start(program, batches, checkpointer, point)
   if resize and (cold := resize.cold_until(cfg.cold_start_steps)):
     program = build(cfg, cold_until=cold)
@@ -491,6 +503,7 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
   payload = program.method.payload(cfg, local)
   log = _Log(cfg, program.method, payload, start_step)
   log.progress.message(_describe(program, payload, hlo))
+  _say_how_much_it_reads(cfg, batches, log)
   if resize and resize.changed:
     log.writer.write_event(resize.event(cfg))
     log.progress.message(resize.describe(cfg))
@@ -500,18 +513,20 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
       f"device sends their chunks too):\n{program.fsdp_plan.describe_whole()}"
     )
   last_step = cfg.stop_at_step or cfg.steps
+  peers.watch_run(cfg, argv, checkpointer.directory)
   try:
     for step in range(start_step + 1, last_step + 1):
       step_arr = jax.device_put(np.int32(step), program.sharding())
       params, opt_state, metrics = compiled(params, opt_state, step_arr, *batches.next_train())
       log.stepped(step, metrics)
+      preempted = notice.reached(step - start_step)
       if cfg.check_replicas and (step % cfg.log_every == 0 or step == cfg.steps):
         _check_replicas(program, params, step)
       # --eval_every=0: only after the last step.
       due = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
       if batches.eval and due:
         log.flush(batches.evaluate(program.eval_step, params))
-      if checkpointer and checkpointer.should_save(step, last_step):
+      if checkpointer.should_save(step, last_step) or preempted:
         log.flush()
         # The loss was taken before this step's update, so it cannot vouch
         # for the params about to be saved.
@@ -522,18 +537,34 @@ def _run_claimed(cfg: TrainConfig) -> Summary:
             f"disk is good. {_nonfinite_advice(program.method)}"
           )
         checkpointer.save(step, {"params": params, "opt_state": opt_state}, batches.train)
+      if preempted:
+        raise preemption.stop(cfg, step, argv)
     log.flush()
+  except Exception as e:
+    peers.collective_failed(e)  # a peer that went away ends the process here, in one line
+    raise
   finally:
     log.close()
-    if checkpointer:
-      checkpointer.close()
+    checkpointer.close()
   summary = _summarize(program, log.writer.records, start_step, params, payload, hlo)
+  read = data_lib.Reading.of(summary.steps, cfg.batch_size, batches.train_windows)
+  summary = dataclasses.replace(summary, **dataclasses.asdict(read))
   if cfg.time_optimizer and summary.steps > start_step:
     summary = dataclasses.replace(
       summary, **_time(program, compiled, params, opt_state, batches, summary.steps)
     )
   _write_outputs(cfg, summary, log)
   return summary
+
+
+def _say_how_much_it_reads(cfg: TrainConfig, batches: _Batches, log: _Log) -> None:
+  """The share of its training split the run will read; a warning where it rereads some."""
+  steps = cfg.stop_at_step or cfg.steps
+  reading = data_lib.Reading.of(steps, cfg.batch_size, batches.train_windows)
+  if reading.rereads_data and jax.process_index() == 0:
+    logging.warning(reading.describe(steps))  # also without --progress
+  else:
+    log.progress.message(reading.describe(steps))
 
 
 def _nonfinite_advice(method: Any) -> str:

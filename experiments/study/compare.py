@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -31,11 +32,11 @@ from typing import Any
 
 from absl import app, flags
 
-from experiments.run import checks, cli, methods, rundir
+from experiments.run import checks, cli, data, methods, presets, rundir
 from experiments.run.config import ConfigError, TrainConfig
 from experiments.run.launch import LaunchConfig, setup_devices
 from experiments.run.records import Summary, read_metrics
-from experiments.study import time_model
+from experiments.study import gaps, time_model
 
 __all__ = ["DEFAULT_METHODS", "method_overrides", "run_comparison", "markdown_table"]
 
@@ -76,6 +77,9 @@ def _row(method: str, summary: Summary, seconds: float) -> dict[str, Any]:
     "learning_rate": summary.config["learning_rate"],
     "overlapped_share": methods.overlapped_share(TrainConfig(**summary.config)),
     "run_seconds": seconds,
+    "dense": methods.get(summary.optimizer).dense,
+    "train_epochs": summary.train_epochs,
+    "rereads_data": summary.rereads_data,
   }
 
 
@@ -122,8 +126,22 @@ def run_comparison(
       checks.validate(cfg)
     except ConfigError as e:
       raise ConfigError(f"--methods {method}: {e}") from None
+  _warn_if_rereading(base)
   with rundir.claim(out_dir):
     return _run_all(configs, base, out_dir)
+
+
+def _warn_if_rereading(base: TrainConfig) -> None:
+  """One line before anything trains when every run would read its data more than once."""
+  reading = data.planned_reading(
+    base.data_path,
+    presets.get_preset(base.preset).vocab_size,
+    seq_len=base.seq_len,
+    steps=base.stop_at_step or base.steps,
+    global_batch_size=base.batch_size,
+  )
+  if line := gaps.reading_warning(f"each run of {base.steps} steps", reading.train_epochs):
+    print(f"[compare] {line}", file=sys.stderr, flush=True)
 
 
 def _run_all(configs: dict[str, TrainConfig], base: TrainConfig, out_dir: str) -> list:
@@ -137,17 +155,32 @@ def _run_all(configs: dict[str, TrainConfig], base: TrainConfig, out_dir: str) -
     rows.append(_row(method, summary, time.perf_counter() - t0))
     print(
       f"[compare] {method}: val loss {rows[-1]['final_val_loss']:.4f}, "
-      f"{rows[-1]['payload_bytes_per_step']:,.0f} B/step, {rows[-1]['run_seconds']:.0f} s",
+      f"{rows[-1]['payload_bytes_per_step']:,.0f} B/step, {rows[-1]['run_seconds']:.0f} s, "
+      f"{_fmt_epochs(summary.train_epochs)} epochs",
       file=sys.stderr,
       flush=True,
     )
-  baseline = next((r for r in rows if r["method"] == methods.BASELINE), None)
+  found = gaps.gaps({r["method"]: _loss(r["final_val_loss"]) for r in rows})
   for r in rows:
-    r["val_gap_vs_adamw"] = (
-      r["final_val_loss"] / baseline["final_val_loss"] - 1 if baseline else None
-    )
+    r.update(found[r["method"]])
   _write(rows, configs, base, out_dir)
   return rows
+
+
+def _loss(value: float | None) -> float:
+  return math.inf if value is None else value
+
+
+def _fmt_gap(gap: float | None, name: str | None = None) -> str:
+  if gap is None:
+    return ""
+  return f"{100 * gap:+.1f}%" + (f" ({name})" if name else "")
+
+
+def _fmt_epochs(epochs: float | None) -> str:
+  if epochs is None:
+    return ""
+  return f"{epochs:.2f}" + (" (rereads)" if epochs > 1 else "")
 
 
 def _fmt_ratio(x: float) -> str:
@@ -157,15 +190,17 @@ def _fmt_ratio(x: float) -> str:
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
   """The comparison as a markdown table."""
   lines = [
-    "| method | train loss | val loss | val vs adamw | payload B/step (computed) "
-    "| B/step in HLO collectives (measured) | vs bf16 grad | vs ring all-reduce "
-    "| optimizer share of step |",
-    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    "| method | train loss | val loss | val vs adamw | vs best dense | epochs "
+    "| payload B/step (computed) | B/step in HLO collectives (measured) | vs bf16 grad "
+    "| vs ring all-reduce | optimizer share of step |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
   for r in rows:
-    gap = "" if r["val_gap_vs_adamw"] is None else f"{100 * r['val_gap_vs_adamw']:+.1f}%"
     lines.append(
-      f"| {r['method']} | {r['final_train_loss']:.4f} | {r['final_val_loss']:.4f} | {gap} "
+      f"| {r['method']} | {r['final_train_loss']:.4f} | {r['final_val_loss']:.4f} "
+      f"| {_fmt_gap(r['val_gap_vs_adamw'])} "
+      f"| {_fmt_gap(r.get('gap_to_best_dense'), r.get('best_dense'))} "
+      f"| {_fmt_epochs(r.get('train_epochs'))} "
       f"| {r['payload_bytes_per_step']:,.0f} | {r['measured_bytes_per_step']:,.0f} "
       f"| {_fmt_ratio(r['ratio_vs_bf16_grad'])} | {_fmt_ratio(r['ratio_vs_ring_allreduce'])} "
       f"| {100 * r['optimizer_time_fraction']:.0f}% |"
@@ -258,6 +293,12 @@ def _write(rows, configs, base, out_dir) -> None:
       "# DisTrO comparison",
       setup,
       markdown_table(rows),
+      "Gaps: validation loss over AdamW's, and over the best dense method's (a "
+      "gradient all-reduce every step: "
+      + ", ".join(n for n in methods.names() if methods.get(n).dense)
+      + "), minus one. Epochs: how much of the training split each run read (windows "
+      "drawn over windows in the split); above 1 it read some data twice, and its "
+      "validation loss also measures memorization.",
       "Payload: what one worker puts into the collective per step (DeMo's message, "
       "AdamW's gradient, DiLoCo's fp32 pseudo-gradient divided by H). Measured: the "
       "optimizer's collective operand bytes in the compiled train step (DiLoCo's divided "

@@ -1,31 +1,39 @@
 r"""Loss against bytes, over several horizons: the frontier each method reaches.
 
-  python -m experiments.frontier --data_path=english.txt --horizons=300,1000 \
-      --methods=adamw,demo,demo-k8-1bit,demo-k2-1bit,diloco
+  python -m experiments.frontier --data_path=nltk_corpus --horizons=1000,5000 \
+      --methods=adamw,muon,demo-k8-1bit,demo-k1-c8-1bit-rand-fb1-orth --seeds=3
 
 For every horizon (a number of steps) and every method (a registry name, so
 one family at several budgets of bytes per step is several methods), each
 point of the method's tuning grid (``Method.tuning`` in the registry, or
 ``--grid`` for all) is one full run of the driver; the point with the lowest
-final validation loss is that method's result at that horizon. A ``--grid``
-over ``seed`` (``"learning_rate=1e-3,3e-3;seed=0,1"``) scores each setting by
-its mean over the seeds. A run whose ``summary.json`` already exists is read
-instead of trained, so the command picks up where it stopped; one trained
-with other settings than this call's (another seed, corpus or worker count
-in the same ``--out_dir``) is refused before anything trains. Each call
-draws its own runs; ``--draw_only`` trains nothing and draws every finished
-run under ``OUT_DIR`` as one frontier (only the ``--methods`` and
-``--horizons`` given, if any), so calls made separately (one per horizon, a
-method added later) combine.
+final validation loss is that method's result at that horizon. With
+``--seeds=N`` that best setting then runs again at the next N-1 seeds, and
+the result is the mean over the N, with its spread; a ``--grid`` over
+``seed`` (``"learning_rate=1e-3,3e-3;seed=0,1"``) instead scores every
+setting by its mean over the seeds. A run whose ``summary.json`` already
+exists is read instead of trained, so the command picks up where it
+stopped; one trained with other settings than this call's (another seed,
+corpus or worker count in the same ``--out_dir``) is refused before
+anything trains. Each call draws its own runs; ``--draw_only`` trains
+nothing and draws every finished run under ``OUT_DIR`` as one frontier
+(only the ``--methods`` and ``--horizons`` given, if any), so calls made
+separately (one per horizon, one per family's grid, a method added later)
+combine. A horizon whose runs would read their training data more than
+once is warned about before anything trains.
 
-It writes to ``OUT_DIR``: ``frontier.json`` (every run, its settings and
-results, and the best point per method and horizon), ``frontier.md``, and
-three figures:
+It writes to ``OUT_DIR``: ``results.json`` (the best point of every method
+at every horizon: its loss's mean and spread over seeds, its gap to AdamW
+and to the best dense method, the epochs it read; :func:`results`),
+``frontier.json`` (every run, and the same best points), ``frontier.md``,
+and three figures:
 
 * ``frontier_bytes.png``: final validation loss against payload bytes per
-  step (log scale), one panel per horizon, AdamW as a horizontal line;
-* ``frontier_gap.png``: each method's gap to AdamW's validation loss against
-  the horizon;
+  step (log scale), the compressed methods' points of each horizon joined
+  by the curve of those no other beats, the dense methods as horizontal
+  lines in the horizon's colour;
+* ``frontier_gap.png``: each method's gap to the best dense method of its
+  horizon against the horizon (error bars: the gap's spread over seeds);
 * ``frontier_time.png``: validation loss against the wall-clock time the time
   model gives on a ``--link_mbit`` link (measured compute per step plus the
   transfer of what the ring moves up each link), for the longest horizon.
@@ -52,9 +60,9 @@ from experiments.run import checks, cli, config, methods
 from experiments.run.config import ConfigError, TrainConfig
 from experiments.run.launch import LaunchConfig, setup_devices
 from experiments.run.records import StepRecord, Summary, read_metrics
-from experiments.study import time_model
+from experiments.study import gaps, time_model
 
-__all__ = ["DEFAULT_METHODS", "Point", "best_points", "grid_points", "run_frontier"]
+__all__ = ["DEFAULT_METHODS", "Point", "best_points", "grid_points", "results", "run_frontier"]
 
 DEFAULT_METHODS = methods.DEFAULT_COMPARISON
 
@@ -69,8 +77,9 @@ class Point:
     settings: the tuned fields and their values.
     out_dir: where the run lives.
     summary: the run's summary.
-    seed_losses: for a best point tuned over ``seed`` (:func:`best_points`),
+    seed_losses: for a best point run at several seeds (:func:`best_points`),
       the final validation loss at each seed, in seed order; else empty.
+    seeds: those seeds, in the same order.
   """
 
   method: str
@@ -79,6 +88,7 @@ class Point:
   out_dir: str
   summary: Summary
   seed_losses: tuple[float, ...] = ()
+  seeds: tuple[Any, ...] = ()
 
   @property
   def tuned(self) -> dict[str, Any]:
@@ -92,6 +102,20 @@ class Point:
       return sum(self.seed_losses) / len(self.seed_losses)
     v = self.summary.final_val_loss
     return v if v is not None and math.isfinite(v) else math.inf
+
+  @property
+  def val_loss_std(self) -> float | None:
+    """The sample standard deviation of the loss over the seeds (``None`` under two)."""
+    if len(self.seed_losses) < 2 or not math.isfinite(self.val_loss):
+      return None
+    return float(np.std(self.seed_losses, ddof=1))
+
+  @property
+  def by_seed(self) -> dict[Any, float]:
+    """Each seed's final validation loss (the one run's, for a point of one seed)."""
+    if self.seed_losses:
+      return dict(zip(self.seeds, self.seed_losses))
+    return {_seed(self): self.val_loss}
 
 
 def grid_points(method: methods.Method, grid: Mapping[str, Sequence[Any]] | None) -> list[dict]:
@@ -136,6 +160,7 @@ def run_frontier(
   *,
   grid: Mapping[str, Sequence[Any]] | None = None,
   link_mbit: float = 10.0,
+  seeds: int = 1,
 ) -> list[Point]:
   """Trains (or reads back) every run of the frontier, then writes its tables and figures.
 
@@ -148,6 +173,9 @@ def run_frontier(
     grid: fields to tune and their values, for every method; default: each
       method's ``tuning``.
     link_mbit: the link of the time figure, in Mbit/s both ways.
+    seeds: the seeds each method's best setting at each horizon runs at:
+      the grid is tuned at ``base.seed``, and the best setting runs again at
+      the next ``seeds - 1`` seeds; the tables report the mean and spread.
 
   Returns:
     Every run as a :class:`Point`.
@@ -161,25 +189,71 @@ def run_frontier(
 
   if not method_names or not horizons or min(horizons) < 1:
     raise ConfigError("--methods and --horizons need at least one entry, horizons positive.")
+  if seeds < 1:
+    raise ConfigError(f"--seeds={seeds}: give 1 or more, e.g. --seeds=3.")
+  if seeds > 1 and grid is not None and "seed" in grid:
+    raise ConfigError(
+      "--seeds runs each best setting again at more seeds, and a --grid over seed runs every "
+      "setting at each seed: use one of the two."
+    )
   plan = _plan(base, method_names, horizons, grid, out_dir)
+  if seeds > 1:
+    checks.validate(dataclasses.replace(base, seed=base.seed + seeds - 1))
   done = {}
   for *_, cfg in plan:  # every cached run checked before any trains
-    summary_path = os.path.join(cfg.out_dir, "summary.json")
-    if os.path.exists(summary_path):
-      done[cfg.out_dir] = Summary.load(summary_path)
-      _check_cached(done[cfg.out_dir], cfg)
+    if summary := _cached(cfg):
+      done[cfg.out_dir] = summary
+  _warn_if_rereading(base, horizons)
   points = []
-  for name, horizon, settings, cfg in plan:
-    summary = done.get(cfg.out_dir)
-    cached = summary is not None
-    if not cached:
+
+  def run(name: str, horizon: int, settings: dict[str, Any], cfg: TrainConfig) -> None:
+    summary = done.get(cfg.out_dir) or _cached(cfg)
+    if summary is None:
       print(f"[frontier] {name} {horizon} steps {settings}", file=sys.stderr, flush=True)
       summary = trainer.run(cfg)
     points.append(Point(name, horizon, settings, cfg.out_dir, summary))
-    if not cached:
+    if cfg.out_dir not in done:
       _write(points, out_dir, link_mbit)  # after each run trained: a long frontier shows progress
+
+  for (name, horizon), group in itertools.groupby(plan, key=lambda r: (r[0], r[1])):
+    group = list(group)
+    for _, _, settings, cfg in group:
+      run(name, horizon, settings, cfg)
+    if seeds == 1:
+      continue
+    tuned = best_points([p for p in points if (p.method, p.horizon) == (name, horizon)])
+    best = tuned[(name, horizon)].tuned
+    cfg = next(c for _, _, s, c in group if s == best)
+    for seed in range(base.seed + 1, base.seed + seeds):
+      settings = dict(sorted({**best, "seed": seed}.items()))
+      out = _point_dir(out_dir, horizon, name, settings)
+      run(name, horizon, settings, dataclasses.replace(cfg, seed=seed, out_dir=out))
   _write(points, out_dir, link_mbit)
   return points
+
+
+def _cached(cfg: TrainConfig) -> Summary | None:
+  """A finished run's summary in ``cfg.out_dir``, once it is checked to be ``cfg``'s."""
+  summary_path = os.path.join(cfg.out_dir, "summary.json")
+  if not os.path.exists(summary_path):
+    return None
+  summary = Summary.load(summary_path)
+  _check_cached(summary, cfg)
+  return summary
+
+
+def _warn_if_rereading(base: TrainConfig, horizons: Sequence[int]) -> None:
+  """One line, before anything trains, for each horizon whose runs would read data twice."""
+  from experiments.run import data, presets
+
+  vocab = presets.get_preset(base.preset).vocab_size
+  windows = data.planned_reading(
+    base.data_path, vocab, seq_len=base.seq_len, steps=1, global_batch_size=base.batch_size
+  ).train_windows
+  for horizon in sorted(horizons):
+    reading = data.Reading.of(horizon, base.batch_size, windows)
+    if line := gaps.reading_warning(f"each run of {horizon} steps", reading.train_epochs):
+      print(f"[frontier] {line}", file=sys.stderr, flush=True)
 
 
 # A frontier point is what its run computed (the fingerprint a resume must
@@ -257,70 +331,149 @@ def _seed(p: Point) -> Any:
 def best_points(points: Sequence[Point]) -> dict[tuple[str, int], Point]:
   """The lowest final validation loss per (method, horizon), seeds averaged.
 
-  Runs that differ only in ``seed`` (a ``--grid`` over it) are one setting,
-  scored by the mean of their losses, so the best setting is not whichever
-  had the luckiest seed; a seed whose run diverged makes the mean inf. The
-  point returned for such a setting is its run nearest the mean (its curves
-  and bytes are drawn), with every seed's loss in ``seed_losses``.
+  Runs that differ only in ``seed`` are one setting. Settings are compared
+  on the seeds they all ran (a ``--grid`` over ``seed``: all of them, so the
+  best setting is not whichever had the luckiest seed; ``--seeds``: the
+  tuning seed, since only the best setting runs again at the others); a
+  setting whose run diverged at any seed scores inf. A setting of several
+  seeds is returned as its run nearest the mean (its curves and bytes are
+  drawn), with every seed's loss in ``seed_losses``.
   """
-  settings: dict[tuple[str, int, str], dict[Any, Point]] = {}
+  settings: dict[tuple[str, int], dict[str, dict[Any, Point]]] = {}
   for p in points:
     rest = json.dumps({k: v for k, v in p.settings.items() if k != "seed"}, sort_keys=True)
-    settings.setdefault((p.method, p.horizon, rest), {}).setdefault(_seed(p), p)
+    settings.setdefault((p.method, p.horizon), {}).setdefault(rest, {}).setdefault(_seed(p), p)
   best: dict[tuple[str, int], Point] = {}
-  for (method, horizon, _), by_seed in settings.items():
+  for key, by_setting in settings.items():
+    common = set.intersection(*(set(by_seed) for by_seed in by_setting.values()))
+
+    def score(by_seed: dict[Any, Point], common: set[Any] = common) -> float:
+      if not all(math.isfinite(p.val_loss) for p in by_seed.values()):
+        return math.inf  # diverged at some seed: unstable, whatever the others did
+      losses = [by_seed[s].val_loss for s in (common or by_seed)]
+      return sum(losses) / len(losses)
+
+    by_seed = min(by_setting.values(), key=score)
     runs = [by_seed[s] for s in sorted(by_seed, key=lambda s: (s is None, s or 0))]
     if len(runs) == 1:
-      p = runs[0]
-    else:
-      losses = tuple(r.val_loss for r in runs)
-      mean = sum(losses) / len(losses)
-      near = runs[0] if not math.isfinite(mean) else min(runs, key=lambda r: abs(r.val_loss - mean))
-      p = dataclasses.replace(near, seed_losses=losses)
-    key = (method, horizon)
-    if key not in best or p.val_loss < best[key].val_loss:
-      best[key] = p
+      best[key] = runs[0]
+      continue
+    losses = tuple(r.val_loss for r in runs)
+    mean = sum(losses) / len(losses)
+    near = runs[0] if not math.isfinite(mean) else min(runs, key=lambda r: abs(r.val_loss - mean))
+    seeds = tuple(sorted(by_seed, key=lambda s: (s is None, s or 0)))
+    best[key] = dataclasses.replace(near, seed_losses=losses, seeds=seeds)
   return best
 
 
-def _baseline(best: Mapping[tuple[str, int], Point], horizon: int) -> float | None:
-  p = best.get((methods.BASELINE, horizon))
-  return p.val_loss if p else None
+def results(points: Sequence[Point]) -> list[dict[str, Any]]:
+  """The best point of every method at every horizon, with its gaps: ``results.json``'s rows.
+
+  Each row: ``method``, ``horizon``, ``dense``, ``settings``, ``val_loss``
+  (the mean over ``seeds``), ``val_loss_std`` (over the seeds; ``None`` for
+  one), ``seeds``, ``seed_losses``, ``val_gap_vs_adamw``, ``best_dense``,
+  ``gap_to_best_dense`` (of the means; ``experiments.study.gaps``),
+  ``gap_to_best_dense_std`` (of the gaps seed by seed, over the seeds both
+  ran, where there are two or more), ``train_epochs``, ``rereads_data``,
+  ``payload_bytes_per_step``, ``ratio_vs_bf16_grad`` and ``out_dir``.
+  """
+  best = best_points(points)
+  rows = []
+  for horizon in sorted({h for _, h in best}):
+    at = {m: p for (m, h), p in best.items() if h == horizon}
+    found = gaps.gaps({m: p.val_loss for m, p in at.items()})
+    for name, p in sorted(at.items(), key=lambda kv: (not gaps.is_dense(kv[0]), kv[0])):
+      g = found[name]
+      reference = at.get(g["best_dense"]) if g["best_dense"] else None
+      rows.append(
+        {
+          "method": name,
+          "horizon": horizon,
+          "dense": gaps.is_dense(name),
+          "settings": p.tuned,
+          "val_loss": p.val_loss,
+          "val_loss_std": p.val_loss_std,
+          "seeds": list(p.seeds) or [_seed(p)],
+          "seed_losses": list(p.seed_losses) or [p.val_loss],
+          **g,
+          "gap_to_best_dense_std": _paired_std(p, reference),
+          "train_epochs": p.summary.train_epochs,
+          "rereads_data": p.summary.rereads_data,
+          "payload_bytes_per_step": p.summary.payload_bytes_per_step,
+          "ratio_vs_bf16_grad": p.summary.ratio_vs_bf16_grad,
+          "out_dir": p.out_dir,
+        }
+      )
+  return rows
+
+
+def _paired_std(p: Point, reference: Point | None) -> float | None:
+  """The spread of ``p``'s gap to ``reference``, seed by seed, over the seeds both ran."""
+  if reference is None or reference is p:
+    return None
+  mine, theirs = p.by_seed, reference.by_seed
+  paired = [mine[s] / theirs[s] - 1 for s in mine if s in theirs]
+  if len(paired) < 2 or not all(math.isfinite(g) for g in paired):
+    return None
+  return float(np.std(paired, ddof=1))
 
 
 def _ratio(x: float) -> str:
   return f"{x:,.0f}x" if x >= 10 else f"{x:.2f}x"
 
 
+def _pct(gap: float | None, std: float | None = None) -> str:
+  if gap is None:
+    return ""
+  return f"{100 * gap:+.1f}%" + (f" ± {100 * std:.1f}" if std is not None else "")
+
+
 def markdown(points: Sequence[Point]) -> str:
-  """The best point of every method at every horizon, then every run."""
-  best = best_points(points)
+  """The best point of every method at every horizon, with its gaps and seeds, then every run."""
   lines = [
-    "| steps | method | val loss | vs AdamW | payload B/step | vs bf16 grad | best settings |",
-    "| ---: | --- | ---: | ---: | ---: | ---: | --- |",
+    "| steps | method | val loss | seeds | vs AdamW | vs best dense | epochs | payload B/step "
+    "| vs bf16 grad | best settings |",
+    "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
   ]
-  for (name, horizon), p in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-    base = _baseline(best, horizon)
-    gap = f"{100 * (p.val_loss / base - 1):+.1f}%" if base else ""
-    s = p.summary
-    val = f"{p.val_loss:.4f}"
-    if p.seed_losses:
-      each = ", ".join(f"{v:.4f}" for v in p.seed_losses)
-      val += f" (mean of {len(p.seed_losses)} seeds: {each})"
+  for r in results(points):
+    val = f"{r['val_loss']:.4f}"
+    if r["val_loss_std"] is not None:
+      val += f" ± {r['val_loss_std']:.4f}"
+    seeds = str(len(r["seeds"]))
+    if len(r["seeds"]) > 1:
+      seeds += " (" + ", ".join(f"{v:.4f}" for v in r["seed_losses"]) + ")"
+    dense_gap = _pct(r["gap_to_best_dense"], r["gap_to_best_dense_std"])
+    if dense_gap and r["best_dense"]:
+      dense_gap += f" ({r['best_dense']})"
+    epochs = "" if r["train_epochs"] is None else f"{r['train_epochs']:.2f}"
+    if r["rereads_data"]:
+      epochs += " (rereads)"
     lines.append(
-      f"| {horizon} | {name} | {val} | {gap} | {s.payload_bytes_per_step:,.0f} "
-      f"| {_ratio(s.ratio_vs_bf16_grad)} | {json.dumps(p.tuned)} |"
+      f"| {r['horizon']} | {r['method']}{' (dense)' if r['dense'] else ''} | {val} | {seeds} "
+      f"| {_pct(r['val_gap_vs_adamw'])} | {dense_gap} | {epochs} "
+      f"| {r['payload_bytes_per_step']:,.0f} | {_ratio(r['ratio_vs_bf16_grad'])} "
+      f"| {json.dumps(r['settings'])} |"
     )
-  lines += ["", "Every run:", "", "| steps | method | settings | val loss |"]
-  lines += ["| ---: | --- | --- | ---: |"]
+  lines += [
+    "",
+    "Val loss: the mean over the seeds, ± their sample standard deviation; a gap's ± is "
+    "the standard deviation of the gap seed by seed. Best dense: the dense method (an "
+    "all-reduce every step) with the lowest val loss at that horizon. Epochs: the share of "
+    "the training split each run read; above 1 it read some data twice.",
+  ]
+  lines += ["", "Every run:", "", "| steps | method | settings | val loss | epochs |"]
+  lines += ["| ---: | --- | --- | ---: | ---: |"]
   for p in points:
-    lines.append(f"| {p.horizon} | {p.method} | {json.dumps(p.settings)} | {p.val_loss:.4f} |")
+    epochs = "" if p.summary.train_epochs is None else f"{p.summary.train_epochs:.2f}"
+    lines.append(
+      f"| {p.horizon} | {p.method} | {json.dumps(p.settings)} | {p.val_loss:.4f} | {epochs} |"
+    )
   return "\n".join(lines)
 
 
 def _write(points: Sequence[Point], out_dir: str, link_mbit: float) -> None:
   os.makedirs(out_dir, exist_ok=True)
-  best = best_points(points)
+  rows = results(points)
   record = {
     "runs": [
       {
@@ -332,22 +485,17 @@ def _write(points: Sequence[Point], out_dir: str, link_mbit: float) -> None:
         "final_train_loss": p.summary.final_train_loss,
         "payload_bytes_per_step": p.summary.payload_bytes_per_step,
         "ratio_vs_bf16_grad": p.summary.ratio_vs_bf16_grad,
+        "train_epochs": p.summary.train_epochs,
+        "rereads_data": p.summary.rereads_data,
       }
       for p in points
     ],
-    "best": [
-      {
-        "method": m,
-        "horizon": h,
-        "settings": p.tuned,
-        "val_loss": p.val_loss,
-        "seed_losses": list(p.seed_losses),
-      }
-      for (m, h), p in best.items()
-    ],
+    "best": rows,
   }
   with open(os.path.join(out_dir, "frontier.json"), "w") as f:
     json.dump(record, f, indent=2)
+  with open(os.path.join(out_dir, "results.json"), "w") as f:
+    json.dump(rows, f, indent=2)
   with open(os.path.join(out_dir, "frontier.md"), "w") as f:
     f.write(markdown(points) + "\n")
   _plot(points, out_dir, link_mbit)
@@ -377,6 +525,15 @@ def _time_curve(p: Point, link_mbit: float) -> tuple[list[float], list[float]]:
   return xs, ys
 
 
+def _frontier_line(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+  """The points no other beats on both bytes and loss, by bytes: the frontier's curve."""
+  line: list[tuple[float, float]] = []
+  for x, y in sorted(pts):
+    if math.isfinite(y) and (not line or y < line[-1][1]):
+      line.append((x, y))
+  return line
+
+
 def _plot(points: Sequence[Point], out_dir: str, link_mbit: float) -> None:
   import matplotlib
 
@@ -384,44 +541,73 @@ def _plot(points: Sequence[Point], out_dir: str, link_mbit: float) -> None:
   import matplotlib.pyplot as plt
 
   best = best_points(points)
+  rows = results(points)
   horizons = sorted({h for _, h in best})
   names = list(dict.fromkeys(m for m, _ in best))
-  fig, axes = plt.subplots(1, len(horizons), figsize=(6 * len(horizons), 4.5), squeeze=False)
-  families = {}
-  for name in names:
-    families.setdefault(methods.parse(name)[0].name, []).append(name)
-  for ax, horizon in zip(axes[0], horizons):
-    for family, members in families.items():
-      pts = sorted(
-        (p.summary.payload_bytes_per_step, p.val_loss, n)
-        for n in members
-        if (p := best.get((n, horizon))) and n != methods.BASELINE
+  colors = {h: f"C{i % 10}" for i, h in enumerate(horizons)}
+  styles = ("--", ":", "-.", (0, (5, 1)))
+
+  # Validation loss against bytes per step: a curve per horizon through the
+  # compressed methods that no other beats, the dense methods as lines.
+  fig, ax = plt.subplots(figsize=(8, 5.5))
+  for horizon in horizons:
+    at = [r for r in rows if r["horizon"] == horizon]
+    sparse = [r for r in at if not r["dense"] and math.isfinite(r["val_loss"])]
+    if sparse:
+      ax.errorbar(
+        [r["payload_bytes_per_step"] for r in sparse],
+        [r["val_loss"] for r in sparse],
+        yerr=[r["val_loss_std"] or 0.0 for r in sparse],
+        fmt="o",
+        ms=4,
+        color=colors[horizon],
+        capsize=2,
       )
-      if not pts:
-        continue
-      ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "o-", label=family)
-      for x, y, n in pts:
-        ax.annotate(n, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    if (base := _baseline(best, horizon)) is not None:
-      ax.axhline(base, color="k", ls="--", label=f"{methods.BASELINE} (all-reduce)")
-    ax.set(xscale="log", xlabel="payload bytes per worker per step", ylabel="final val loss")
-    ax.set_title(f"{horizon} steps")
-    ax.grid(alpha=0.3)
+      line = _frontier_line([(r["payload_bytes_per_step"], r["val_loss"]) for r in sparse])
+      ax.plot(*zip(*line), "-", color=colors[horizon], label=f"{horizon} steps")
+      for r in sparse:
+        ax.annotate(
+          r["method"],
+          (r["payload_bytes_per_step"], r["val_loss"]),
+          fontsize=6,
+          xytext=(3, 3),
+          textcoords="offset points",
+        )
+    dense = [r for r in at if r["dense"] and math.isfinite(r["val_loss"])]
+    for r, style in zip(dense, itertools.cycle(styles)):
+      ax.axhline(
+        r["val_loss"],
+        color=colors[horizon],
+        ls=style,
+        lw=1,
+        label=f"{r['method']}, {horizon} steps",
+      )
+  ax.set(xscale="log", xlabel="payload bytes per worker per step", ylabel="final val loss")
+  ax.set_title("Validation loss against bytes per step (lines: dense methods)")
+  ax.grid(alpha=0.3)
+  if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, "frontier_bytes.png"), dpi=100)
   plt.close(fig)
 
+  # Each method's gap to the best dense method of its horizon, against the horizon.
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for name in names:
-    pts = [(h, best[(name, h)].val_loss / b - 1) for h in horizons
-           if (name, h) in best and (b := _baseline(best, h))]  # fmt: skip
-    if pts and name != methods.BASELINE:
-      ax.plot([x for x, _ in pts], [100 * y for _, y in pts], "o-", label=name)
+    mine = [r for r in rows if r["method"] == name and r["gap_to_best_dense"] is not None]
+    if mine and any(r["best_dense"] != name for r in mine):
+      ax.errorbar(
+        [r["horizon"] for r in mine],
+        [100 * r["gap_to_best_dense"] for r in mine],
+        yerr=[100 * (r["gap_to_best_dense_std"] or 0.0) for r in mine],
+        fmt="o--" if gaps.is_dense(name) else "o-",
+        capsize=2,
+        label=name,
+      )
   ax.axhline(0, color="k", ls="--")
-  ax.set(xscale="log", xlabel="steps (horizon)", ylabel="val loss gap to AdamW (%)")
+  ax.set(xscale="log", xlabel="steps (horizon)", ylabel="val loss gap to the best dense method (%)")
   ax.grid(alpha=0.3)
-  if ax.get_legend_handles_labels()[0]:  # no line yet while only AdamW has finished
+  if ax.get_legend_handles_labels()[0]:  # no line yet while only dense methods have finished
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, "frontier_gap.png"), dpi=100)
@@ -488,6 +674,7 @@ def _main(
       base.out_dir,
       grid=_parse_grid(own["grid"].value),
       link_mbit=own["link_mbit"].value,
+      seeds=own["seeds"].value,
     )
 
   points = cli.report_user_errors(frontier)
@@ -505,6 +692,13 @@ def main(argv: Sequence[str] | None = None) -> None:
       "grid", "", "field=v1,v2;... to tune for every method (default: each method's tuning)."
     ),
     "link_mbit": flags.DEFINE_float("link_mbit", 10.0, "The time figure's link, Mbit/s."),
+    "seeds": flags.DEFINE_integer(
+      "seeds",
+      1,
+      "Seeds per best point: the grid is tuned at --seed, then each method's best setting "
+      "at each horizon runs again at the next seeds-1 seeds; the tables give the mean and "
+      "the spread.",
+    ),
     "draw_only": flags.DEFINE_bool(
       "draw_only",
       False,
