@@ -109,7 +109,14 @@ def _assert_same_as(out_dir, straight_dir, processes):
     assert digest == (straight_dir / "params_digest.process0").read_text()
 
 
-@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "two-processes"])
+@pytest.mark.parametrize(
+  "processes",
+  [
+    pytest.param(1, id="one-process"),
+    # Compared with the same straight run as the SIGKILL check below.
+    pytest.param(2, id="two-processes", marks=pytest.mark.xdist_group("straight2")),
+  ],
+)
 def test_sigterm_saves_the_step_reached_and_the_resume_is_bit_identical(
   tmp_path, processes, straight
 ):
@@ -142,6 +149,7 @@ def test_sigterm_saves_the_step_reached_and_the_resume_is_bit_identical(
   _assert_same_as(stopped, straight(processes), processes)
 
 
+@pytest.mark.xdist_group("straight2")
 def test_sigkill_of_every_process_mid_run_then_resume_is_bit_identical(tmp_path, straight):
   # A crash of the whole job: no handler runs, and the resume starts from the
   # last complete periodic checkpoint (and takes over the dead run's lock).
