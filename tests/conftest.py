@@ -26,3 +26,15 @@ os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="distro_jax_xla_cache_"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Runs the slow tests first.
+
+  Under ``-n 2`` a worker takes the next test when it is free. With the long
+  tests at the front, the short ones come last and fill in around them, and
+  neither worker is left alone with a long test at the end. The sort is
+  stable, so each group keeps its collection order (the same on every worker).
+  """
+  del config
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)

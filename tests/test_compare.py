@@ -52,6 +52,7 @@ def comparison(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("comparison")
 def test_results_table_and_json(comparison):
   out, _, rows = comparison
   with open(out / "results.json") as f:
@@ -79,6 +80,7 @@ def test_results_table_and_json(comparison):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("comparison")
 def test_bytes_columns_equal_the_accounting(comparison):
   _, base, rows = comparison
   params = model.abstract_params(presets.get_preset(base.preset))
@@ -105,6 +107,7 @@ def test_bytes_columns_equal_the_accounting(comparison):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("comparison")
 def test_loss_falls_for_every_method(comparison):
   out, _, rows = comparison
   for r in rows:

@@ -97,7 +97,6 @@ TRANSFORMATIONS: list[tuple[str, Factory]] = [
 COMPRESSING = {name for name, _ in TRANSFORMATIONS if name != "diloco"}
 
 COMPRESSING_TRANSFORMATIONS = [t for t in TRANSFORMATIONS if t[0] in COMPRESSING]
-COMPRESSING_IDS = [name for name, _ in COMPRESSING_TRANSFORMATIONS]
 
 # Those whose inner transformation is Adam.
 ADAM_INNER = {"distro_adamw", "distro-adam-inner"}
@@ -105,8 +104,30 @@ ADAM_INNER = {"distro_adamw", "distro-adam-inner"}
 # The public factories whose signatures tooling reads.
 PUBLIC = [dj.demo, dj.distro_adamw, dj.scale_by_demo, dj.distro]
 
-IDS = [name for name, _ in TRANSFORMATIONS]
 LR = 1e-2
+
+# The quick loop runs the battery's compiling checks on plain DeMo; every
+# transformation runs all of them in the whole suite.
+QUICK = {"demo"}
+
+
+def _params_of(transformations, every_one_quick=False):
+  return [
+    pytest.param(
+      name,
+      factory,
+      id=name,
+      marks=() if every_one_quick or name in QUICK else pytest.mark.slow,
+    )
+    for name, factory in transformations
+  ]
+
+
+EVERY = _params_of(TRANSFORMATIONS)
+# For the checks that compile nothing, or only a step over no params.
+EVERY_QUICK = _params_of(TRANSFORMATIONS, every_one_quick=True)
+EVERY_COMPRESSING = _params_of(COMPRESSING_TRANSFORMATIONS)
+FACTORIES = dict(TRANSFORMATIONS)
 
 
 def _params(dtype=jnp.float32):
@@ -134,7 +155,13 @@ def _steps(tx, params, n, grads=None):
   return out, state
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@functools.cache
+def _plain_three_steps(name):
+  """The updates of ``_steps(factory(LR), _params(), 3)``, which several checks compare with."""
+  return _steps(FACTORIES[name](LR), _params(), 3)[0]
+
+
+@pytest.mark.parametrize("name, factory", EVERY_QUICK)
 @pytest.mark.parametrize("empty", [{}, ()], ids=["dict", "tuple"])
 def test_empty_tree(name, factory, empty):
   tx = factory(LR)
@@ -145,14 +172,14 @@ def test_empty_tree(name, factory, empty):
   assert updates == empty
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY)
 def test_zero_size_params_change_nothing_else(name, factory):
   # optax.adamw takes a param with no entries (a layer of width 0); these
   # transformations send nothing for it, and the others train as without it.
   params = _params()
   with_empty = {**params, "e": jnp.zeros((0, 64)), "f": jnp.zeros((0,), jnp.bfloat16)}
   grads = [_grads(params, t) for t in range(3)]
-  ref, _ = _steps(factory(LR), params, 3, grads=None)
+  ref = _plain_three_steps(name)
   tx = factory(LR)
   jax.eval_shape(tx.init, with_empty)
   state = jax.jit(tx.init)(with_empty)
@@ -170,7 +197,7 @@ def test_zero_size_params_change_nothing_else(name, factory):
   assert updates["e"].shape == (0, 64)
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY_QUICK)
 def test_masked_selecting_nothing(name, factory):
   params = _params()
   tx = optax.masked(factory(LR), jax.tree.map(lambda _: False, params))
@@ -179,7 +206,7 @@ def test_masked_selecting_nothing(name, factory):
   jax.tree.map(np.testing.assert_array_equal, updates, _grads(params, 0))
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY_QUICK)
 def test_multi_transform_with_no_param_labelled(name, factory):
   params = _params()
   labels = jax.tree.map(lambda _: "sgd", params)
@@ -188,7 +215,7 @@ def test_multi_transform_with_no_param_labelled(name, factory):
   jax.tree.map(lambda u, g: np.testing.assert_allclose(u, -g), updates, _grads(params, 0))
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY)
 def test_multi_transform_mixing_it_with_sgd(name, factory):
   params = _params()
   labels = {"w": "ours", "b": "sgd", "s": "ours"}
@@ -217,7 +244,7 @@ def _state_specs(tx, params, param_specs):
   )
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY_QUICK)
 def test_tree_map_params_specs_place_the_state(name, factory):
   mesh = jax.make_mesh((8,), ("x",))
   params = _params()
@@ -248,7 +275,7 @@ def _is_spec(x):
   return isinstance(x, P)
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY)
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def test_sharded_params_keep_their_sharding_under_jit(name, factory, axis_type):
   mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
@@ -296,7 +323,7 @@ def _gram_bytes(name, params):
   return 5 * sum(4 * min(x.shape) ** 2 for x in jax.tree.leaves(params) if x.ndim == 2)
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY)
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def test_params_sharded_over_two_mesh_axes_are_not_gathered(name, factory, axis_type):
   # MaxText style: a 2-D mesh, each matrix split along both of its axes
@@ -335,7 +362,7 @@ def test_params_sharded_over_two_mesh_axes_are_not_gathered(name, factory, axis_
   assert measured.total <= 8 * message + 0.02 * param_bytes, measured.by_kind
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_dtypes_are_kept(name, factory, dtype):
   params = _params(jnp.dtype(dtype))
@@ -352,10 +379,10 @@ def test_dtypes_are_kept(name, factory, dtype):
   assert jax.tree.map(jax.typeof, state0) == jax.tree.map(jax.typeof, state1)
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY)
 def test_inject_hyperparams_matches_the_plain_transformation(name, factory):
   params = _params()
-  plain, _ = _steps(factory(LR), params, 3)
+  plain = _plain_three_steps(name)
   # The sizes fix the message's shape; set explicitly, they must stay static.
   static = [a for a in ("compression_topk", "compression_chunk") if _sets(factory, a)]
   injected_tx = optax.inject_hyperparams(factory, static_args=static)(learning_rate=LR)
@@ -365,7 +392,7 @@ def test_inject_hyperparams_matches_the_plain_transformation(name, factory):
   assert float(state.hyperparams["learning_rate"]) == pytest.approx(LR)
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY)
 def test_inject_hyperparams_on_bfloat16_params(name, factory):
   # inject_hyperparams casts float hyperparameters, defaults included, to the
   # params' dtype; a default decay of 0.999 must not become bfloat16's 1.0
@@ -414,7 +441,7 @@ def test_a_decay_that_bfloat16_rounds_to_one_is_refused_with_the_fix():
   assert all(np.isfinite(np.asarray(u, np.float32)).all() for u in jax.tree.leaves(updates))
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY)
 def test_multisteps_accumulates_then_updates(name, factory):
   params = _params()
   tx = optax.MultiSteps(factory(LR), every_k_schedule=2)
@@ -427,7 +454,7 @@ def test_multisteps_accumulates_then_updates(name, factory):
   assert any(moved)
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY_QUICK)
 def test_init_is_shape_only(name, factory):
   params = _params()
   tx = factory(LR)
@@ -438,7 +465,7 @@ def test_init_is_shape_only(name, factory):
     assert (a.shape, a.dtype) == (c.shape, c.dtype)
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY)
 def test_jit_gives_the_eager_update(name, factory):
   params = _params()
   tx = factory(LR)
@@ -449,7 +476,7 @@ def test_jit_gives_the_eager_update(name, factory):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), eager, jitted)
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY_QUICK)
 def test_complex_params_are_refused_at_init_or_trained(name, factory):
   params = {"z": jnp.ones((8, 8), jnp.complex64)}
   tx = factory(LR)
@@ -461,7 +488,7 @@ def test_complex_params_are_refused_at_init_or_trained(name, factory):
     assert updates["z"].dtype == jnp.complex64
 
 
-@pytest.mark.parametrize("name, factory", COMPRESSING_TRANSFORMATIONS, ids=COMPRESSING_IDS)
+@pytest.mark.parametrize("name, factory", EVERY_COMPRESSING)
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_], ids=["int32", "bool"])
 def test_non_float_params_are_refused_with_the_fix_that_works(name, factory, dtype):
   # Left in, an int32 param got an all-zero update: it never trained, silently.
@@ -500,10 +527,10 @@ def test_every_public_function_has_real_annotations(fn):
   assert not isinstance(signature.return_annotation, str), fn.__name__
 
 
-@pytest.mark.parametrize("name, factory", TRANSFORMATIONS, ids=IDS)
+@pytest.mark.parametrize("name, factory", EVERY)
 def test_a_schedule_gives_the_constant_rate_it_holds(name, factory):
   params = _params()
-  with_float, _ = _steps(factory(LR), params, 3)
+  with_float = _plain_three_steps(name)
   with_schedule, _ = _steps(factory(optax.constant_schedule(LR)), params, 3)
   for a, b in zip(with_float, with_schedule):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), a, b)

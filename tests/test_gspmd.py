@@ -161,6 +161,7 @@ def fsdp_run():
 
 
 @pytest.mark.slow  # compiles and runs a DeMo step on 8 devices: about 10 s here
+@pytest.mark.xdist_group("gspmd_fsdp_run")
 def test_only_the_message_crosses_the_workers_axis_under_fsdp(fsdp_run):
   mesh, init, _, _, hlo = fsdp_run
   by_axes = dj.collective_bytes_by_axes(hlo, mesh)
@@ -176,6 +177,7 @@ def test_only_the_message_crosses_the_workers_axis_under_fsdp(fsdp_run):
 
 
 @pytest.mark.slow  # a second DeMo step to compile: about 7 s here
+@pytest.mark.xdist_group("gspmd_fsdp_run")
 def test_fsdp_within_a_site_trains_as_unsharded_workers(fsdp_run):
   _, init, params, losses, _ = fsdp_run
   mesh = _auto_mesh((WORKERS,), ("data",))

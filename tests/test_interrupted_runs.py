@@ -1,7 +1,8 @@
 """SIGTERM, SIGSTOP and SIGKILL sent to real training processes (slow: whole runs).
 
 A preempted run saves the step it reached and exits 75; its resume ends
-bit-identical to a run never stopped. A peer that stops answering is named by
+bit-identical to a run never stopped, as does the resume of a job killed
+outright (from its last periodic checkpoint). A peer that stops answering is named by
 the survivor, which exits 76 without JAX's abort.
 """
 
@@ -83,13 +84,43 @@ def _resume_command(line):
   return [sys.executable, *argv[1:]]
 
 
-@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "two-processes"])
-def test_sigterm_saves_the_step_reached_and_the_resume_is_bit_identical(tmp_path, processes):
-  port = portpicker.pick_unused_port()
-  straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-  codes, outs = _finish(_start(straight, processes=processes, port=port))
-  assert codes == [0] * processes, outs
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """``straight(processes)``: the directory of a run of FLAGS never stopped (run once each)."""
+  runs = {}
 
+  def get(processes):
+    if processes not in runs:
+      out_dir = tmp_path_factory.mktemp(f"straight{processes}")
+      port = portpicker.pick_unused_port()
+      codes, outs = _finish(_start(out_dir, processes=processes, port=port))
+      assert codes == [0] * processes, outs
+      runs[processes] = out_dir
+    return runs[processes]
+
+  return get
+
+
+def _assert_same_as(out_dir, straight_dir, processes):
+  """Every loss and each process's params digest as in the run never stopped."""
+  assert _losses(out_dir) == _losses(straight_dir)
+  for i in range(processes):
+    digest = (out_dir / f"params_digest.process{i}").read_text()
+    assert digest == (straight_dir / "params_digest.process0").read_text()
+
+
+@pytest.mark.parametrize(
+  "processes",
+  [
+    pytest.param(1, id="one-process"),
+    # Compared with the same straight run as the SIGKILL check below.
+    pytest.param(2, id="two-processes", marks=pytest.mark.xdist_group("straight2")),
+  ],
+)
+def test_sigterm_saves_the_step_reached_and_the_resume_is_bit_identical(
+  tmp_path, processes, straight
+):
+  stopped = tmp_path / "stopped"
   procs = _start(stopped, processes=processes, port=portpicker.pick_unused_port())
   _when_logged(stopped, 4, procs)
   signaled = time.monotonic()
@@ -115,10 +146,30 @@ def test_sigterm_saves_the_step_reached_and_the_resume_is_bit_identical(tmp_path
   ]
   codes, outs = _finish(resumed)
   assert codes == [0] * processes, outs
-  assert _losses(stopped) == _losses(straight)
-  for i in range(processes):
-    digest = (stopped / f"params_digest.process{i}").read_text()
-    assert digest == (straight / "params_digest.process0").read_text()
+  _assert_same_as(stopped, straight(processes), processes)
+
+
+@pytest.mark.xdist_group("straight2")
+def test_sigkill_of_every_process_mid_run_then_resume_is_bit_identical(tmp_path, straight):
+  # A crash of the whole job: no handler runs, and the resume starts from the
+  # last complete periodic checkpoint (and takes over the dead run's lock).
+  crashed = tmp_path / "crashed"
+  procs = _start(crashed, "--checkpoint_every=2", processes=2, port=portpicker.pick_unused_port())
+  deadline = time.monotonic() + 240
+  while not (crashed / "checkpoints" / "2").is_dir():
+    assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "ended early"
+    time.sleep(0.02)
+  for p in procs:
+    os.kill(p.pid, signal.SIGKILL)
+  codes, _ = _finish(procs, timeout=30)
+  assert codes == [-signal.SIGKILL] * 2
+  assert read_metrics(crashed)[-1].step < 14
+
+  port = portpicker.pick_unused_port()
+  codes, outs = _finish(_start(crashed, "--resume", processes=2, port=port))
+  assert codes == [0, 0], outs
+  assert [r.step for r in read_metrics(crashed)] == list(range(1, 15))
+  _assert_same_as(crashed, straight(2), 2)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])

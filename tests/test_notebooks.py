@@ -3,8 +3,9 @@
 Each notebook has one cell tagged ``parameters`` (papermill's convention). The
 test inserts a cell after it with small settings, runs the notebook through
 nbclient in a new kernel, and then runs a few checks in that kernel against the
-values the notebook computed. The kernel starts without ``XLA_FLAGS``, so the
-notebook must set up its 8 simulated devices itself, as it must in Colab.
+values the notebook computed. The kernel starts without a device count in
+``XLA_FLAGS`` and without ``JAX_PLATFORMS``, so the notebook must set up its 8
+simulated devices itself, as it must in Colab.
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ def with_parameters(nb: nbformat.NotebookNode, overrides: dict[str, object]) -> 
   nb.cells.insert(tagged[0] + 1, cell)
 
 
+def without_device_count(xla_flags: str) -> str:
+  """``xla_flags`` less any ``--xla_force_host_platform_device_count``."""
+  return " ".join(
+    f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count")
+  )
+
+
 def png_outputs(nb: nbformat.NotebookNode) -> int:
   return sum(
     "image/png" in out.get("data", {})
@@ -144,8 +152,10 @@ def test_notebook_runs_top_to_bottom(name, tmp_path, monkeypatch):
   nb = nbformat.read(COLAB / name, as_version=4)
   with_parameters(nb, SMALL[name])
   nb.cells.append(nbformat.v4.new_code_cell(CHECKS[name]))
-  # The notebook sets these itself; a kernel that inherited them would hide a missing setup.
-  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  # The notebook sets its platform and device count itself; a kernel that
+  # inherited them would hide a missing setup. The suite's other XLA flags
+  # (compile faster, tests/conftest.py) stay.
+  monkeypatch.setenv("XLA_FLAGS", without_device_count(os.environ.get("XLA_FLAGS", "")))
   monkeypatch.delenv("JAX_PLATFORMS", raising=False)
   # Import this checkout, even where another one is installed in editable mode.
   monkeypatch.setenv(

@@ -77,7 +77,7 @@ def with_defaults():
 @pytest.mark.parametrize(
   "opts",
   [
-    pytest.param(None, id="defaults"),
+    pytest.param(None, id="defaults", marks=pytest.mark.xdist_group("overlap_defaults")),
     pytest.param(
       {"compression_topk": 2, "compression_chunk": 8, "quantize_1bit": True},
       id="k2-c8-1bit",
@@ -110,6 +110,7 @@ def test_a_partial_overlap_gathers_only_the_overlapped_message():
   assert gathered.shape == (WORKERS, payload)
 
 
+@pytest.mark.xdist_group("overlap_defaults")
 def test_the_exchange_program_moves_the_message_and_nothing_else(with_defaults):
   mesh = mesh_of(WORKERS)
   tx, _, _, exchange = with_defaults
