@@ -70,7 +70,16 @@ METHOD_KEYS = {
   # The rest of compare's default methods, by their own names.
   **{
     name: name
-    for name in ("adamw", "muon", "demo", "demo-k8-1bit", "demo-k2-1bit", "diloco", "sparseloco")
+    for name in (
+      "adamw",
+      "muon",
+      "demo",
+      "demo-k8-1bit",
+      "demo-k2-1bit",
+      "demo-k1-c16-1bit-rand-fb1-orth",
+      "diloco",
+      "sparseloco",
+    )
   },
   "diloco-sync": bench_update.SYNC_STEP.format("diloco"),
   "sparseloco-sync": bench_update.SYNC_STEP.format("sparseloco"),
