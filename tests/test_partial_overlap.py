@@ -32,13 +32,12 @@ def test_each_group_trains_as_its_own_mode(make_tx):
   make = functools.partial(make_tx, 1e-2, weight_decay=0.1, compression_topk=8)
   plain, _ = trajectory(make(), init, grads, mesh)
   partial, _ = trajectory(make(delayed_apply=True, synchronous=SYNC), init, grads, mesh)
-  # DeMo's sign step is exact; AdamW's arithmetic, compiled into another
-  # program, may fuse differently and round in the last bit.
-  same = (
-    np.testing.assert_array_equal
-    if make_tx is dj.demo
-    else functools.partial(np.testing.assert_allclose, rtol=0, atol=1e-7)
-  )
+  # The two runs are different programs: AdamW's arithmetic, and DeMo's
+  # decoupled weight decay beside its sign step, may fuse differently in each
+  # (a multiply-add fused or not) and round in the last bit, as DeMo's did in
+  # 3 of 8,192 entries (7.5e-9) in one whole-suite run. An update of a wrong
+  # mode or step would be off by about lr = 1e-2.
+  same = functools.partial(np.testing.assert_allclose, rtol=0, atol=1e-7)
   for t in range(steps + 1):
     same(np.asarray(partial[t]["a"]), np.asarray(plain[t]["a"]))
     for k in ("b", "c"):
