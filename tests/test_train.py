@@ -1,6 +1,7 @@
 """The train driver: exact resume, clear errors, safe checkpoints, multi-host."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -155,19 +156,34 @@ def test_cli_errors_are_one_clear_line(tmp_path):
   assert "--optimizer=sgd" in line and "<demo|distro_adamw|adamw|" in line
 
 
+def _srun_env(port, task):
+  """What srun sets for task ``task`` of a 2-task step on this machine."""
+  return {
+    **os.environ,
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_NODELIST": "127.0.0.1",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": str(task),
+    "SLURM_LOCALID": str(task),
+    "JAX_COORDINATOR_PORT": str(port),
+  }
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "extra",
-  # Delayed, the all-gather runs as a program of its own on a thread of its
-  # own (experiments.run.threaded_step), across the processes.
-  [[], ["--delayed_apply", "--overlap_exchange=thread"]],
-  ids=["plain", "overlapped-on-a-thread"],
+  ("extra", "as_srun"),
+  [
+    # Started as srun starts it: SLURM's variables and no process flag at all.
+    ([], True),
+    # Delayed, the all-gather runs as a program of its own on a thread of its
+    # own (experiments.run.threaded_step), across the processes.
+    (["--delayed_apply", "--overlap_exchange=thread"], False),
+  ],
+  ids=["plain-started-as-srun-would", "overlapped-on-a-thread"],
 )
-def test_two_processes_with_gloo_end_identical_and_learn(tmp_path, extra):
+def test_two_processes_with_gloo_end_identical_and_learn(tmp_path, extra, as_srun):
   port = portpicker.pick_unused_port()
   common = [
-    "--num_processes=2",
-    f"--coordinator_address=127.0.0.1:{port}",
     "--workers=4",
     "--preset=tiny",
     "--steps=10",
@@ -179,10 +195,13 @@ def test_two_processes_with_gloo_end_identical_and_learn(tmp_path, extra):
     "--noprogress",
     f"--out_dir={tmp_path}",
   ]
+  flags = [[] if as_srun else ["--num_processes=2", f"--coordinator_address=127.0.0.1:{port}",
+                               f"--process_id={i}"] for i in range(2)]  # fmt: skip
   procs = [
     subprocess.Popen(
-      [sys.executable, "-m", "experiments.train", *common, *extra, f"--process_id={i}"],
+      [sys.executable, "-m", "experiments.train", *common, *extra, *flags[i]],
       cwd=ROOT,
+      env=_srun_env(port, i) if as_srun else None,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
