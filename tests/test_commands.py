@@ -71,7 +71,15 @@ _HELP = {
 }
 
 
-@pytest.mark.parametrize(("command", "flag"), _HELP.items())
+# Each case is a fresh process (a few seconds of imports): the quick loop runs
+# train's, the whole suite every command's.
+@pytest.mark.parametrize(
+  ("command", "flag"),
+  [
+    pytest.param(c, f, marks=() if c == "experiments.train" else pytest.mark.slow)
+    for c, f in _HELP.items()
+  ],
+)
 def test_each_command_defines_its_flags_when_run(command, flag):
   out = subprocess.run(
     [sys.executable, "-m", command, "--helpshort"],

@@ -148,6 +148,7 @@ def test_report_setting_reproduces_the_published_adamw_bytes():
   assert adamw["report_style_bytes_per_step"] / k8["report_style_bytes_per_step"] > 450
 
 
+@pytest.mark.slow  # a fresh process: a few seconds of imports
 def test_cli_rejects_an_unknown_method_with_one_error_line():
   out = subprocess.run(
     [sys.executable, "-m", "experiments.compare", "--methods=adamw,sgd", "--workers=2"],

@@ -416,6 +416,7 @@ def test_inject_hyperparams_on_bfloat16_params(name, factory):
   assert moved > 0
 
 
+@pytest.mark.slow  # its last update runs eagerly, op by op: about 3 s
 def test_a_decay_that_bfloat16_rounds_to_one_is_refused_with_the_fix():
   params = _params(jnp.bfloat16)
   tx = optax.inject_hyperparams(dj.demo)(learning_rate=LR, compression_decay=0.999, axis_name=None)
@@ -465,6 +466,7 @@ def test_init_is_shape_only(name, factory):
     assert (a.shape, a.dtype) == (c.shape, c.dtype)
 
 
+@pytest.mark.slow  # the eager update runs op by op: seconds for each
 @pytest.mark.parametrize("name, factory", EVERY)
 def test_jit_gives_the_eager_update(name, factory):
   params = _params()

@@ -233,7 +233,7 @@ def _run(tx, steps=4):
   return step, params, state, g
 
 
-@pytest.mark.parametrize("delayed", [False, True])
+@pytest.mark.parametrize("delayed", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_update_keeps_replicas_identical_and_agrees_with_the_xla_path(delayed):
   def tx():
     return dj.demo(3e-3, weight_decay=0.01, delayed_apply=delayed)
@@ -320,6 +320,7 @@ def test_no_compiler_means_the_xla_path_and_a_warning(monkeypatch, tmp_path):
   assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # compiles the kernels' C++ once more
 def test_the_build_is_cached_and_reused(monkeypatch, tmp_path):
   monkeypatch.setenv("DISTRO_JAX_CACHE", str(tmp_path))
   first = cpu_kernels._build("c++")

@@ -21,12 +21,13 @@ MODULES = [
   # Its examples compile DeMo steps and a resize: about 15 s here.
   pytest.param("distro_jax.gspmd", marks=pytest.mark.slow),
   "distro_jax.hlo_bytes",
-  "distro_jax.lookahead",
+  # Each of these three compiles DeMo updates: 3 s or so.
+  pytest.param("distro_jax.lookahead", marks=pytest.mark.slow),
   "distro_jax.message",
   "distro_jax.overlap",
   "distro_jax.sparseloco",
-  "distro_jax.transforms",
-  "distro_jax.unit_rms",
+  pytest.param("distro_jax.transforms", marks=pytest.mark.slow),
+  pytest.param("distro_jax.unit_rms", marks=pytest.mark.slow),
   "distro_jax.wire",
   "distro_jax.worker_state",
 ]

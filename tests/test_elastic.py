@@ -119,7 +119,9 @@ def test_distro_adamw_shared_adam_moments_carry_over_unchanged():
   assert _blocks(new[0].momentum["w"], 6).shape[0] == 6
 
 
-@pytest.mark.parametrize("drawn", [False, True], ids=["topk", "drawn"])
+@pytest.mark.parametrize(
+  "drawn", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["topk", "drawn"]
+)
 def test_delayed_apply_pending_message_stays_with_its_worker_and_joiners_send_nothing(drawn):
   tx = dj.demo(
     0.1, compression_topk=2, compression_chunk=8, delayed_apply=True, random_positions=drawn

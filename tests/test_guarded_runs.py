@@ -32,31 +32,47 @@ def _damage(step_dir, how):
   path.write_bytes(bytes(raw))
 
 
+COMMON = {"steps": 8, "eval_every": 4}
+
+# The tests that read the straight run share a worker and the run.
+STRAIGHT = pytest.mark.xdist_group("guarded_straight")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """8 steps never stopped, checkpointed every 2: ``(out_dir, summary)``."""
+  out_dir = tmp_path_factory.mktemp("straight")
+  return out_dir, run_tiny(out_dir, checkpoint_every=2, **COMMON)
+
+
+@STRAIGHT
 @pytest.mark.parametrize("how", ["flipped", "truncated"])
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_finishes_exactly(
-  tmp_path, capsys, how
+  tmp_path, capsys, how, straight
 ):
-  common = {"steps": 8, "eval_every": 4}
-  straight = run_tiny(tmp_path / "straight", checkpoint_every=2, **common)
+  straight_dir, straight = straight
   run = tmp_path / "run"
-  run_tiny(run, checkpoint_every=2, stop_at_step=4, **common)
+  run_tiny(run, checkpoint_every=2, stop_at_step=4, **COMMON)
   _damage(str(run / "checkpoints" / "4"), how)
   # Resumed without --checkpoint_every: the run keeps its interval of 2 ...
-  run_tiny(run, resume=True, stop_at_step=7, **common)
+  run_tiny(run, resume=True, stop_at_step=7, **COMMON)
   assert "checkpoint of step 4 is damaged" in capsys.readouterr().err
   assert sorted(os.listdir(run / "checkpoints")) == ["2", "4", "6", "7"]
   assert (run / integrity.SET_ASIDE_DIR / "step_4").is_dir()  # kept, not deleted
   # ... so a second crash loses nothing, and the run ends as if never interrupted.
-  resumed = run_tiny(run, resume=True, **common)
-  assert _losses(run) == _losses(tmp_path / "straight")
+  resumed = run_tiny(run, resume=True, **COMMON)
+  assert _losses(run) == _losses(straight_dir)
   assert resumed.params_digest == straight.params_digest
   assert sorted(os.listdir(run / "checkpoints")) == ["2", "4", "6", "7", "8"]
 
 
-def test_a_resume_that_would_train_nothing_is_refused(tmp_path):
-  run_tiny(tmp_path, steps=4, checkpoint_every=2)
-  with pytest.raises(trainer.CheckpointError, match="already finished .*step 4 of --steps=4"):
-    run_tiny(tmp_path, steps=4, resume=True)
+@STRAIGHT
+def test_a_resume_that_would_train_nothing_is_refused(straight):
+  straight_dir, _ = straight
+  before = _losses(straight_dir)
+  with pytest.raises(trainer.CheckpointError, match="already finished .*step 8 of --steps=8"):
+    run_tiny(straight_dir, resume=True, **COMMON)
+  assert _losses(straight_dir) == before
 
 
 def test_eval_every_zero_validates_after_the_last_step_only(tmp_path):

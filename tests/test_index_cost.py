@@ -76,6 +76,7 @@ def test_today_is_the_wire_payload_and_the_set_codings_are_ordered():
   assert shares[-1] < 0.7 < 1.0 < shares[0]
 
 
+@pytest.mark.slow  # a fresh process: a few seconds of imports
 def test_the_command_prints_its_table():
   out = subprocess.run(
     [sys.executable, "-m", "experiments.index_cost", "--topks=8"],

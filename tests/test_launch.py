@@ -1,18 +1,14 @@
-"""Multi-host launch: process flags from a cluster scheduler's environment, flags winning."""
+"""Multi-host launch: process flags from a cluster scheduler's environment, flags winning.
 
-import os
-import subprocess
-import sys
+Two processes started as srun starts them train in
+``test_train.py::test_two_processes_with_gloo_end_identical_and_learn``.
+"""
 
-import portpicker
 import pytest
 
 from experiments.run import launch as launch_lib
-from experiments.run import records
 from experiments.run.config import ConfigError
 from experiments.run.launch import LaunchConfig, resolve_launch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SLURM = {
   "SLURM_JOB_ID": "4242",
@@ -81,40 +77,3 @@ def test_setup_devices_initializes_jax_distributed_from_the_environment(monkeypa
   assert settings["jax_num_cpu_devices"] == 2
   with pytest.raises(ConfigError, match="do not divide"):
     launch_lib.setup_devices(LaunchConfig(), devices=6)
-
-
-@pytest.mark.slow
-def test_two_processes_started_as_srun_would_need_no_process_flags(tmp_path):
-  """What srun sets, on this machine: SLURM's variables and no process flag at all."""
-  port = portpicker.pick_unused_port()
-  env = {
-    **os.environ,
-    **SLURM,
-    "SLURM_STEP_NODELIST": "127.0.0.1",
-    "SLURM_NTASKS": "2",
-    "JAX_COORDINATOR_PORT": str(port),
-  }
-  args = [
-    "--preset=tiny", "--workers=2", "--batch_size=4", "--seq_len=16", "--steps=3",
-    "--noprogress", "--check_replicas", "--log_every=1", f"--out_dir={tmp_path}",
-  ]  # fmt: skip
-  procs = [
-    subprocess.Popen(
-      [sys.executable, "-m", "experiments.train", *args],
-      cwd=ROOT,
-      env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  try:
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-  assert len(records.read_metrics(tmp_path)) == 3
-  digests = {(tmp_path / f"params_digest.process{i}").read_text() for i in range(2)}
-  assert len(digests) == 1

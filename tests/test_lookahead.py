@@ -86,7 +86,9 @@ def test_when_workers_agree_the_lookahead_is_exact_and_delayed_is_plain(quantize
   assert not np.allclose(np.asarray(plain[-1]["a"]), np.asarray(init["a"]))
 
 
-@pytest.mark.parametrize("quantize_1bit", [False, True], ids=["fp32", "1bit"])
+@pytest.mark.parametrize(
+  "quantize_1bit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["fp32", "1bit"]
+)
 def test_psyche_guess_is_the_momentum_before_error_feedback(quantize_1bit):
   opts = dict(compression_topk=4, quantize_1bit=quantize_1bit)
   params = {"w": jnp.zeros((16, 16))}
@@ -236,15 +238,12 @@ def test_the_trainers_overlapped_step_looks_ahead_and_gathers_before_the_gradien
   assert fed and not any(fed)
 
 
-# Each traces the tiny model's whole train step; the quick loop keeps one.
+# Each traces the tiny model's whole train step (about 6 CPU-s).
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "lookahead, optimizer",
-  [
-    pytest.param(True, "demo", id="True-demo"),
-    pytest.param(True, "distro_adamw", id="True-distro_adamw", marks=pytest.mark.slow),
-    pytest.param(False, "demo", id="False-demo", marks=pytest.mark.slow),
-    pytest.param(False, "distro_adamw", id="False-distro_adamw", marks=pytest.mark.slow),
-  ],
+  [(True, "demo"), (True, "distro_adamw"), (False, "demo"), (False, "distro_adamw")],
+  ids=["True-demo", "True-distro_adamw", "False-demo", "False-distro_adamw"],
 )
 def test_the_trainers_step_takes_its_gradient_at_the_lookahead(lookahead, optimizer):
   # The step's loss is the value of the forward pass its gradient comes from.

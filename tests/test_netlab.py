@@ -127,6 +127,7 @@ def test_killed_midway_leaves_nothing(tmp_path, sig):
   _assert_nothing_left(proc.pid, tmp_path)
 
 
+@pytest.mark.slow  # a fresh process: a few seconds of imports
 def test_command_parses_its_flags_and_passes_the_drivers_on():
   # Every netlab flag below is valid, so the error is the reserved driver
   # flag, reached only after --seq_len went through as the drivers'.

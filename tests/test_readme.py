@@ -5,9 +5,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
 
+@pytest.mark.slow  # a fresh process that trains both optimizers
 def test_readme_train_step_runs_and_both_optimizers_learn():
   blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
   code = next(b for b in blocks if "make_train_step" in b)

@@ -98,7 +98,7 @@ def test_sites_of_two_devices_split_the_stacks_and_train_as_two_workers(tmp_path
   assert split.measured_by_axes["replica"] == split.payload_bytes_per_step
 
 
-@pytest.mark.parametrize("name", ["rms", "orth"])
+@pytest.mark.parametrize("name", [pytest.param("rms", marks=pytest.mark.slow), "orth"])
 def test_normalize_steps_each_stacked_layer_as_its_separate_param(name):
   # The modes --normalize gives the scanned tree, applied to a stacked
   # aggregate, equal the modes it gives the separate layers, applied to each

@@ -1,6 +1,7 @@
 """The train driver: exact resume, clear errors, safe checkpoints, multi-host."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -16,46 +17,56 @@ ROOT = pathlib.Path(__file__).parent.parent
 TINY = {**tiny_runs.TINY, "eval_every": 3}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["demo", "adamw"])
-def test_resume_is_exact(tmp_path, optimizer):
-  straight = trainer.run(
-    trainer.TrainConfig(
-      optimizer=optimizer, steps=6, checkpoint_every=3, out_dir=str(tmp_path / "a"), **TINY
-    )
-  )
-  trainer.run(
-    trainer.TrainConfig(
-      optimizer=optimizer,
-      steps=6,
-      checkpoint_every=3,
-      stop_at_step=3,
-      out_dir=str(tmp_path / "b"),
-      **TINY,
-    )
-  )
-  resumed = trainer.run(
-    trainer.TrainConfig(
-      optimizer=optimizer,
-      steps=6,
-      checkpoint_every=3,
-      resume=True,
-      out_dir=str(tmp_path / "b"),
-      **TINY,
-    )
+def _config(out_dir, optimizer="demo", **fields):
+  return trainer.TrainConfig(
+    optimizer=optimizer, steps=6, checkpoint_every=3, out_dir=str(out_dir), **TINY, **fields
   )
 
-  a, b = tiny_runs.read_metrics(tmp_path / "a"), tiny_runs.read_metrics(tmp_path / "b")
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+  """DeMo's 6 steps never stopped, checkpointed at 3 and 6: ``(out_dir, summary)``."""
+  out_dir = tmp_path_factory.mktemp("demo_run")
+  return out_dir, trainer.run(_config(out_dir))
+
+
+# One group: the tests that read demo_run share a worker and the run.
+RUNS_DEMO = pytest.mark.xdist_group("train_demo_run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "optimizer", [pytest.param("demo", marks=RUNS_DEMO), "adamw"], ids=["demo", "adamw"]
+)
+def test_resume_is_exact(tmp_path, optimizer, request):
+  if optimizer == "demo":
+    straight_dir, straight = request.getfixturevalue("demo_run")
+  else:
+    straight_dir = tmp_path / "a"
+    straight = trainer.run(_config(straight_dir, optimizer))
+  trainer.run(_config(tmp_path / "b", optimizer, stop_at_step=3))
+  # What an interrupted save leaves: orbax's temporary directory, never
+  # renamed into place. The resume must pass it by.
+  partial = tmp_path / "b" / "checkpoints" / "6.orbax-checkpoint-tmp-1234"
+  partial.mkdir()
+  (partial / "junk").write_bytes(b"\x00" * 10)
+  resumed = trainer.run(_config(tmp_path / "b", optimizer, resume=True))
+
+  a, b = tiny_runs.read_metrics(straight_dir), tiny_runs.read_metrics(tmp_path / "b")
   assert [r.step for r in b] == list(range(1, 7))
   assert [r.loss for r in a] == [r.loss for r in b]  # bit-identical floats
   assert [r.val_loss for r in a] == [r.val_loss for r in b]
   assert straight.params_digest == resumed.params_digest
+  # Another run's settings on the same checkpoints are refused.
+  with pytest.raises(trainer.CheckpointError, match="different run"):
+    trainer.run(_config(tmp_path / "b", optimizer, resume=True, learning_rate=0.5))
 
 
 @pytest.mark.slow
-def test_metrics_summary_and_plot(tmp_path):
-  summary = trainer.run(trainer.TrainConfig(steps=6, out_dir=str(tmp_path), **TINY))
-  records = tiny_runs.read_metrics(tmp_path)
+@RUNS_DEMO
+def test_metrics_summary_and_plot(demo_run):
+  out_dir, summary = demo_run
+  records = tiny_runs.read_metrics(out_dir)
   assert records[0].step == 1 and records[-1].step == 6
   assert any(r.val_loss is not None for r in records)
   assert all(r.bytes_sent == summary.payload_bytes_per_step for r in records)
@@ -64,39 +75,18 @@ def test_metrics_summary_and_plot(tmp_path):
   assert summary.measured_by_kind.get("all-reduce", 0) <= 8  # the loss metric only
   assert summary.total_bytes_sent_per_worker == 6 * summary.payload_bytes_per_step
   assert summary.ratio_vs_ring_allreduce > 10
-  assert (tmp_path / "loss.png").stat().st_size > 1000
-  assert (tmp_path / "summary.json").exists()
+  assert (out_dir / "loss.png").stat().st_size > 1000
+  assert (out_dir / "summary.json").exists()
 
 
 @pytest.mark.slow
-def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
-  trainer.run(trainer.TrainConfig(steps=3, checkpoint_every=3, out_dir=str(tmp_path), **TINY))
-  before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+@RUNS_DEMO
+def test_fresh_run_refuses_to_overwrite_checkpoints(demo_run):
+  out_dir, _ = demo_run
+  before = sorted(p.name for p in (out_dir / "checkpoints").iterdir())
   with pytest.raises(trainer.CheckpointError, match="pass --resume"):
-    trainer.run(trainer.TrainConfig(steps=3, checkpoint_every=3, out_dir=str(tmp_path), **TINY))
-  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
-
-
-@pytest.mark.slow
-def test_resume_skips_an_unfinished_save_and_refuses_another_run(tmp_path):
-  trainer.run(
-    trainer.TrainConfig(steps=6, checkpoint_every=3, stop_at_step=3, out_dir=str(tmp_path), **TINY)
-  )
-  ckpts = tmp_path / "checkpoints"
-  # What an interrupted save leaves: orbax's temporary directory, never renamed into place.
-  partial = ckpts / "6.orbax-checkpoint-tmp-1234"
-  partial.mkdir()
-  (partial / "junk").write_bytes(b"\x00" * 10)
-  resumed = trainer.run(
-    trainer.TrainConfig(steps=6, checkpoint_every=3, resume=True, out_dir=str(tmp_path), **TINY)
-  )
-  assert resumed.steps == 6
-  with pytest.raises(trainer.CheckpointError, match="different run"):
-    trainer.run(
-      trainer.TrainConfig(
-        steps=6, checkpoint_every=3, resume=True, learning_rate=0.5, out_dir=str(tmp_path), **TINY
-      )
-    )
+    trainer.run(_config(out_dir))
+  assert sorted(p.name for p in (out_dir / "checkpoints").iterdir()) == before
 
 
 def _cli(args, timeout=120):
@@ -166,19 +156,34 @@ def test_cli_errors_are_one_clear_line(tmp_path):
   assert "--optimizer=sgd" in line and "<demo|distro_adamw|adamw|" in line
 
 
+def _srun_env(port, task):
+  """What srun sets for task ``task`` of a 2-task step on this machine."""
+  return {
+    **os.environ,
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_NODELIST": "127.0.0.1",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": str(task),
+    "SLURM_LOCALID": str(task),
+    "JAX_COORDINATOR_PORT": str(port),
+  }
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "extra",
-  # Delayed, the all-gather runs as a program of its own on a thread of its
-  # own (experiments.run.threaded_step), across the processes.
-  [[], ["--delayed_apply", "--overlap_exchange=thread"]],
-  ids=["plain", "overlapped-on-a-thread"],
+  ("extra", "as_srun"),
+  [
+    # Started as srun starts it: SLURM's variables and no process flag at all.
+    ([], True),
+    # Delayed, the all-gather runs as a program of its own on a thread of its
+    # own (experiments.run.threaded_step), across the processes.
+    (["--delayed_apply", "--overlap_exchange=thread"], False),
+  ],
+  ids=["plain-started-as-srun-would", "overlapped-on-a-thread"],
 )
-def test_two_processes_with_gloo_end_identical_and_learn(tmp_path, extra):
+def test_two_processes_with_gloo_end_identical_and_learn(tmp_path, extra, as_srun):
   port = portpicker.pick_unused_port()
   common = [
-    "--num_processes=2",
-    f"--coordinator_address=127.0.0.1:{port}",
     "--workers=4",
     "--preset=tiny",
     "--steps=10",
@@ -190,10 +195,13 @@ def test_two_processes_with_gloo_end_identical_and_learn(tmp_path, extra):
     "--noprogress",
     f"--out_dir={tmp_path}",
   ]
+  flags = [[] if as_srun else ["--num_processes=2", f"--coordinator_address=127.0.0.1:{port}",
+                               f"--process_id={i}"] for i in range(2)]  # fmt: skip
   procs = [
     subprocess.Popen(
-      [sys.executable, "-m", "experiments.train", *common, *extra, f"--process_id={i}"],
+      [sys.executable, "-m", "experiments.train", *common, *extra, *flags[i]],
       cwd=ROOT,
+      env=_srun_env(port, i) if as_srun else None,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
