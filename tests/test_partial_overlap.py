@@ -29,18 +29,14 @@ def test_each_group_trains_as_its_own_mode(make_tx):
   workers, steps = 4, 5
   init, grads = random_problem(SHAPES, workers, steps + 1, seed=0)
   mesh = mesh_of(workers)
-  # A learning rate and a decay that are powers of two: their products are
-  # exact, so the two programs agree to the bit however XLA groups the
-  # update's arithmetic (with the suite's XLA flags, 1e-2 and 0.1 left 3 of
-  # 8,192 entries one unit in the last place apart).
+  # The two runs are different programs, and XLA may fuse a multiply-add in
+  # one and not the other: at lr 1e-2 and decay 0.1, one whole-suite run left
+  # 3 of 8,192 entries one unit in the last place apart (7.5e-9). Powers of
+  # two make the products exact, and the tolerance covers what is left; an
+  # update of a wrong mode or step would be off by about lr = 7.8e-3.
   make = functools.partial(make_tx, 2**-7, weight_decay=2**-3, compression_topk=8)
   plain, _ = trajectory(make(), init, grads, mesh)
   partial, _ = trajectory(make(delayed_apply=True, synchronous=SYNC), init, grads, mesh)
-  # The two runs are different programs: AdamW's arithmetic, and DeMo's
-  # decoupled weight decay beside its sign step, may fuse differently in each
-  # (a multiply-add fused or not) and round in the last bit, as DeMo's did in
-  # 3 of 8,192 entries (7.5e-9) in one whole-suite run. An update of a wrong
-  # mode or step would be off by about lr = 1e-2.
   same = functools.partial(np.testing.assert_allclose, rtol=0, atol=1e-7)
   for t in range(steps + 1):
     same(np.asarray(partial[t]["a"]), np.asarray(plain[t]["a"]))
