@@ -8,6 +8,11 @@ import pytest
 import distro_jax as dj
 from distro_jax import codec
 
+# One program per call where JAX would compile one per operation (tests/compiled.py).
+encode_message = jax.jit(codec.encode_message, static_argnames="layout")
+decode_message = jax.jit(codec.decode_message, static_argnames="layout")
+aggregate = jax.jit(codec.aggregate, static_argnames="chunk_size")
+
 
 @pytest.mark.parametrize(
   "chunk_size, dtype",
@@ -67,11 +72,11 @@ def _selection(rng):
 def test_message_round_trip_full_precision():
   idx, val = _selection(np.random.default_rng(0))
   layout = _layout(False)
-  msg = dj.codec.encode_message(idx, val, layout)
+  msg = encode_message(idx, val, layout)
   assert msg.dtype == jnp.uint8 and msg.shape == (layout.num_bytes,)
   # 9-bit and 3-bit indices in one 84-bit stream (11 bytes), then the fp32 values.
   assert layout.num_bytes == 11 + 3 * 2 * 4 + 2 * 5 * 4
-  tensors, valid = dj.codec.decode_message(msg, layout)
+  tensors, valid = decode_message(msg, layout)
   assert bool(valid)
   for (i, v), i0, v0 in zip(tensors, idx, val):
     np.testing.assert_array_equal(i, i0)
@@ -81,20 +86,20 @@ def test_message_round_trip_full_precision():
 def test_message_round_trip_bf16_values():
   idx, val = _selection(np.random.default_rng(1))
   layout = _layout(False, "bfloat16")
-  msg = dj.codec.encode_message(idx, val, layout)
+  msg = encode_message(idx, val, layout)
   assert layout.num_bytes == 11 + 3 * 2 * 2 + 2 * 5 * 2
-  for (_, v), v0 in zip(dj.codec.decode_message(msg, layout)[0], val):
+  for (_, v), v0 in zip(decode_message(msg, layout)[0], val):
     np.testing.assert_array_equal(v, v0.astype(jnp.bfloat16).astype(jnp.float32))
 
 
 def test_one_bit_values_are_packed_signs():
   idx, val = _selection(np.random.default_rng(2))
   layout = _layout(True)
-  msg = dj.codec.encode_message(idx, val, layout)
+  msg = encode_message(idx, val, layout)
   # 9 sign bits follow the 84 index bits in the same stream (3 x 1 + 2 x 3: each pair of a
   # chunk carries one sign in its order, k=5's last value its own bit): 93 bits, 12 bytes.
   assert layout.num_bytes == 12 == msg.shape[0]
-  for (i, v), i0, v0 in zip(dj.codec.decode_message(msg, layout)[0], idx, val):
+  for (i, v), i0, v0 in zip(decode_message(msg, layout)[0], idx, val):
     signs = np.where(np.asarray(v0) >= 0, 1.0, -1.0)
     for row in range(i.shape[0]):
       # The same (index, sign) set in each chunk; within a pair the order may swap.
@@ -111,9 +116,7 @@ def test_every_sign_pattern_survives_the_pair_order(k):
   layout = dj.codec.WireLayout((dj.codec.TensorWire(64, k, 4096, "float32"),), True)
   idx = _distinct(rng, 4096, 64, k)
   val = jnp.asarray(rng.choice([-1.0, 1.0], size=(64, k)), jnp.float32)
-  (((i, v),), valid) = dj.codec.decode_message(
-    dj.codec.encode_message([idx], [val], layout), layout
-  )
+  (((i, v),), valid) = decode_message(encode_message([idx], [val], layout), layout)
   assert bool(valid)
   for row in range(64):
     sent = dict(zip(np.asarray(idx)[row].tolist(), np.asarray(val)[row].tolist()))
@@ -128,8 +131,8 @@ def test_decode_message_keeps_leading_worker_axis():
   for _ in range(4):
     idx, val = _selection(rng)
     sels.append((idx, val))
-    msgs.append(dj.codec.encode_message(idx, val, layout, valid=len(msgs) != 2))
-  decoded, valid = dj.codec.decode_message(jnp.stack(msgs), layout)
+    msgs.append(encode_message(idx, val, layout, valid=len(msgs) != 2))
+  decoded, valid = decode_message(jnp.stack(msgs), layout)
   np.testing.assert_array_equal(valid, [True, True, False, True])
   assert not np.any(np.asarray(msgs[2]))  # a message left out goes out as zeros
   for t, (i_w, v_w) in enumerate(decoded):
@@ -144,8 +147,8 @@ def test_one_coefficient_per_chunk_carries_a_flag_byte():
   layout = dj.codec.WireLayout((dj.codec.TensorWire(4, 1, 64, "float32"),), True)
   assert layout.header_bytes == 1 and layout.num_bytes == 1 + 4  # 4 x (6 + 1) bits: no pairs
   idx, val = jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1))
-  msgs = jnp.stack([dj.codec.encode_message([idx], [val], layout, valid=v) for v in (True, False)])
-  (tensors, valid) = dj.codec.decode_message(msgs, layout)
+  msgs = jnp.stack([encode_message([idx], [val], layout, valid=v) for v in (True, False)])
+  (tensors, valid) = decode_message(msgs, layout)
   np.testing.assert_array_equal(valid, [True, False])
   np.testing.assert_array_equal(tensors[0][0][0], idx)
 
@@ -165,17 +168,17 @@ def test_drawn_positions_travel_as_values_alone(quantize_1bit):
   idx, val = _selection(rng)
   msgs = []
   for valid in (True, False):
-    msgs.append(dj.codec.encode_message(idx, val, layout, valid=valid))
+    msgs.append(encode_message(idx, val, layout, valid=valid))
   assert msgs[0].shape == (layout.num_bytes,)
   positions = [jnp.stack([i, i]) for i in idx]
-  tensors, valid = dj.codec.decode_message(jnp.stack(msgs), layout, positions)
+  tensors, valid = decode_message(jnp.stack(msgs), layout, positions)
   np.testing.assert_array_equal(valid, [True, False])
   for (i, v), i0, v0 in zip(tensors, idx, val):
     np.testing.assert_array_equal(i[0], i0)
     want = np.where(np.asarray(v0) >= 0, 1.0, -1.0) if quantize_1bit else v0
     np.testing.assert_array_equal(v[0], want)
   with pytest.raises(ValueError, match="drawn positions"):
-    dj.codec.decode_message(msgs[0], layout)
+    decode_message(msgs[0], layout)
 
 
 def _expected_share(k, bias):
@@ -242,9 +245,7 @@ def test_psyche_message_is_12_and_a_half_bytes_per_64x64_chunk():
   assert layout.num_bytes == 10 * 100 // 8
   idx = _distinct(rng, 4096, 10, 8)
   val = jnp.asarray(rng.normal(size=(10, 8)), jnp.float32)
-  (((i, v),), valid) = dj.codec.decode_message(
-    dj.codec.encode_message([idx], [val], layout), layout
-  )
+  (((i, v),), valid) = decode_message(encode_message([idx], [val], layout), layout)
   assert bool(valid)
   signs = np.where(np.asarray(val) >= 0, 1.0, -1.0)
   for row in range(10):
@@ -255,7 +256,7 @@ def test_psyche_message_is_12_and_a_half_bytes_per_64x64_chunk():
 def test_aggregate_is_mean_over_contributors_only():
   idx = jnp.asarray([[[0, 1]], [[1, 2]], [[1, 3]]])  # 3 workers, 1 chunk, k=2
   val = jnp.asarray([[[1.0, 2.0]], [[4.0, 8.0]], [[6.0, -3.0]]])
-  dense, count = dj.codec.aggregate(idx, val, 5)
+  dense, count = aggregate(idx, val, 5)
   np.testing.assert_allclose(dense, [[1.0, 4.0, 8.0, -3.0, 0.0]], rtol=1e-6)
   np.testing.assert_array_equal(count, [[1, 3, 1, 1, 0]])
 
@@ -263,7 +264,7 @@ def test_aggregate_is_mean_over_contributors_only():
 def test_aggregate_leaves_out_invalid_workers():
   idx = jnp.asarray([[[0, 1]], [[1, 2]]])
   val = jnp.asarray([[[1.0, 2.0]], [[4.0, 8.0]]])
-  dense, count = dj.codec.aggregate(idx, val, 3, valid_W=jnp.asarray([True, False]))
+  dense, count = aggregate(idx, val, 3, valid_W=jnp.asarray([True, False]))
   np.testing.assert_array_equal(dense, [[1.0, 2.0, 0.0]])
   np.testing.assert_array_equal(count, [[1, 1, 0]])
 
@@ -278,10 +279,10 @@ def _random_payloads(rng, workers, rows, chunk, k):
 def test_aggregate_is_bit_identical_under_worker_shuffles():
   rng = np.random.default_rng(4)
   idx, val = _random_payloads(rng, 8, 16, 12, 6)
-  ref, _ = dj.codec.aggregate(idx, val, 12)
+  ref, _ = aggregate(idx, val, 12)
   for _ in range(5):
     perm = rng.permutation(8)
-    out, _ = dj.codec.aggregate(idx[perm], val[perm], 12)
+    out, _ = aggregate(idx[perm], val[perm], 12)
     np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(ref).view(np.uint32))
 
 
@@ -344,10 +345,10 @@ def test_aggregate_ignores_the_order_of_entries_within_a_chunk():
     [np.stack([rng.choice(chunk, k, replace=False) for _ in range(rows)]) for _ in range(workers)]
   )
   val = rng.choice([-1.0, 1.0], size=(workers, rows, k)).astype(np.float32)
-  ref, ref_n = dj.codec.aggregate(jnp.asarray(idx), jnp.asarray(val), chunk)
+  ref, ref_n = aggregate(jnp.asarray(idx), jnp.asarray(val), chunk)
   for _ in range(4):
     perm = np.argsort(rng.random((workers, rows, k)), axis=-1)
-    out, n = dj.codec.aggregate(
+    out, n = aggregate(
       jnp.asarray(np.take_along_axis(idx, perm, -1)),
       jnp.asarray(np.take_along_axis(val, perm, -1)),
       chunk,
@@ -378,14 +379,14 @@ def test_one_bit_aggregate_is_the_same_to_the_bit_through_the_wire():
   @jax.jit
   def send(r):
     i, v = codec.select_topk(r, 8)
-    return i, jnp.where(v >= 0, 1.0, -1.0), codec.encode_message([i], [v], layout)
+    return i, jnp.where(v >= 0, 1.0, -1.0), encode_message([i], [v], layout)
 
   @jax.jit
   def receive(idx, signs, messages):
-    (tensors, valid) = codec.decode_message(messages, layout)
+    (tensors, valid) = decode_message(messages, layout)
     ((got_idx, got_val),) = tensors
-    want, _ = codec.aggregate(idx, signs, chunk)
-    got, _ = codec.aggregate(got_idx, got_val, chunk, valid)
+    want, _ = aggregate(idx, signs, chunk)
+    got, _ = aggregate(got_idx, got_val, chunk, valid)
     return got_idx, got, want
 
   idx, signs, messages = (jnp.stack(x) for x in zip(*(send(r.astype(np.float32)) for r in rows_x)))

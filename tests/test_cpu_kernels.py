@@ -11,6 +11,12 @@ from sharded_step import build, mesh_of, place_grads, random_problem
 import distro_jax as dj
 from distro_jax import codec, cpu_kernels, dct
 
+# One program per call where JAX would compile one per operation (tests/compiled.py).
+to_blocks = jax.jit(dct.to_blocks, static_argnames="plan")
+select_topk_blocks = jax.jit(codec.select_topk_blocks, static_argnames="k")
+draw_positions = jax.jit(codec.draw_positions, static_argnums=(1, 2, 3))
+gather_blocks = jax.jit(codec.gather_blocks)
+
 pytestmark = pytest.mark.skipif(
   not cpu_kernels.available(), reason="no C++ compiler here to build the CPU kernels"
 )
@@ -42,8 +48,8 @@ def _float64_inverse_blocks(y_blocks, n=64):
 def test_compress_is_the_momentum_and_its_top_k(shape, k):
   rng = np.random.default_rng(0)
   plan = dct.plan_chunks(shape, 64)
-  g = dct.to_blocks(jnp.asarray(rng.normal(size=shape), jnp.float32), plan)
-  m = dct.to_blocks(jnp.asarray(rng.normal(size=shape) * 0.01, jnp.float32), plan)
+  g = to_blocks(jnp.asarray(rng.normal(size=shape), jnp.float32), plan)
+  m = to_blocks(jnp.asarray(rng.normal(size=shape) * 0.01, jnp.float32), plan)
   lr = jnp.float32(3e-3)
   m_new, idx, val = jax.jit(lambda g, m, lr: cpu_kernels.compress(g, m, 0.95, lr, k))(g, m, lr)
 
@@ -51,7 +57,7 @@ def test_compress_is_the_momentum_and_its_top_k(shape, k):
   scale = np.abs(want).max()
   np.testing.assert_allclose(np.asarray(m_new), want, rtol=0, atol=DCT_RTOL * scale)
   # The selection is exactly the library's top-k of the momentum it returns.
-  want_idx, want_val = codec.select_topk_blocks(m_new, k)
+  want_idx, want_val = select_topk_blocks(m_new, k)
   np.testing.assert_array_equal(idx, want_idx)
   np.testing.assert_array_equal(val, want_val)
 
@@ -61,11 +67,11 @@ def test_compress_breaks_ties_as_top_k_does():
   rng = np.random.default_rng(1)
   plan = dct.plan_chunks((64, 128), 64)
   m = rng.integers(-3, 4, size=(64, 128)).astype(np.float32)
-  m_blocks = dct.to_blocks(jnp.asarray(m), plan)
+  m_blocks = to_blocks(jnp.asarray(m), plan)
   zeros = jnp.zeros_like(m_blocks)
   m_new, idx, val = cpu_kernels.compress(zeros, m_blocks, 0.5, 1.0, 32)
   np.testing.assert_array_equal(m_new, 0.5 * m_blocks)
-  want_idx, want_val = codec.select_topk_blocks(m_new, 32)
+  want_idx, want_val = select_topk_blocks(m_new, 32)
   np.testing.assert_array_equal(idx, want_idx)
   np.testing.assert_array_equal(val, want_val)
 
@@ -77,12 +83,12 @@ def test_compress_ranks_negative_zero_as_zero():
   plan = dct.plan_chunks((64, 128), 64)
   m = np.where(rng.random((64, 128)) < 0.5, -0.0, 0.0).astype(np.float32)
   m[rng.integers(0, 64, 10), rng.integers(0, 128, 10)] = rng.normal(size=10)
-  m_blocks = dct.to_blocks(jnp.asarray(m), plan)
+  m_blocks = to_blocks(jnp.asarray(m), plan)
   zeros = jnp.zeros_like(m_blocks)
   # With a zero gradient, lr = -1 adds -0.0, which keeps each zero's sign.
   m_new, idx, val = cpu_kernels.compress(zeros, m_blocks, 1.0, -1.0, 32)
   assert np.sum(np.signbit(np.asarray(m_new)) & (np.asarray(m_new) == 0)) > 1000
-  want_idx, want_val = codec.select_topk_blocks(m_new, 32)
+  want_idx, want_val = select_topk_blocks(m_new, 32)
   np.testing.assert_array_equal(idx, want_idx)
   np.testing.assert_array_equal(val, want_val)
 
@@ -91,7 +97,7 @@ def test_compress_marks_a_chunk_with_a_non_finite_gradient():
   plan = dct.plan_chunks((64, 128), 64)
   g = np.ones((64, 128), np.float32)
   g[3, 70] = np.nan  # in the second chunk
-  g_blocks = dct.to_blocks(jnp.asarray(g), plan)
+  g_blocks = to_blocks(jnp.asarray(g), plan)
   _, _, val = cpu_kernels.compress(g_blocks, jnp.zeros_like(g_blocks), 0.9, 1.0, 4)
   val = np.asarray(val).reshape(2, 4)
   assert np.isfinite(val[0]).all()
@@ -111,7 +117,7 @@ def test_draw_positions_are_codecs_to_the_bit(shape, chunk, k, bias):
   block_shape = dct.plan_chunks(shape, chunk).block_shape
   for step, tensor, worker in [(0, 0, 0), (7, 3, 5)]:
     key = codec.position_key(step, tensor, worker)
-    want = codec.draw_positions(key, block_shape, k, bias)
+    want = draw_positions(key, block_shape, k, bias)
     np.testing.assert_array_equal(cpu_kernels.draw_positions(key, block_shape, k, bias), want)
 
   # A receiver draws every sender's positions at once, under vmap.
@@ -125,16 +131,16 @@ def test_draw_positions_are_codecs_to_the_bit(shape, chunk, k, bias):
 def test_compress_at_drawn_positions_takes_the_momentum_there(shape, chunk):
   rng = np.random.default_rng(7)
   plan = dct.plan_chunks(shape, chunk)
-  g = dct.to_blocks(jnp.asarray(rng.normal(size=shape), jnp.float32), plan)
-  m = dct.to_blocks(jnp.asarray(rng.normal(size=shape) * 0.01, jnp.float32), plan)
-  positions = codec.draw_positions(codec.position_key(2, 0, 1), plan.block_shape, 2, 1.0)
+  g = to_blocks(jnp.asarray(rng.normal(size=shape), jnp.float32), plan)
+  m = to_blocks(jnp.asarray(rng.normal(size=shape) * 0.01, jnp.float32), plan)
+  positions = draw_positions(codec.position_key(2, 0, 1), plan.block_shape, 2, 1.0)
   m_new, idx, val = jax.jit(lambda g, m, p: cpu_kernels.compress(g, m, 0.95, 3e-3, 2, positions=p))(
     g, m, positions
   )
   want = 0.95 * np.asarray(m, np.float64) + 3e-3 * _float64_dct_blocks(g, chunk)
   np.testing.assert_allclose(m_new, want, rtol=0, atol=DCT_RTOL * np.abs(want).max())
   np.testing.assert_array_equal(idx, positions)
-  np.testing.assert_array_equal(val, codec.gather_blocks(m_new, positions))
+  np.testing.assert_array_equal(val, gather_blocks(m_new, positions))
 
 
 def test_decode_of_8x8_chunks_is_the_inverse_dct_of_the_workers_mean():
@@ -143,7 +149,7 @@ def test_decode_of_8x8_chunks_is_the_inverse_dct_of_the_workers_mean():
   plan = dct.plan_chunks((2, 16, 1040), 8)
   # Drawn positions from a few runs, so workers often send the same ones.
   idx = jnp.stack(
-    [codec.draw_positions(codec.position_key(0, 0, w), plan.block_shape, k, 2.0) for w in range(8)]
+    [draw_positions(codec.position_key(0, 0, w), plan.block_shape, k, 2.0) for w in range(8)]
   )
   val = jnp.asarray(np.sign(rng.normal(size=idx.shape)), jnp.float32)
   valid = jnp.asarray([True, True, True, False, True, True, True, True])
@@ -355,7 +361,7 @@ def test_results_vary_over_the_axes_their_inputs_vary_over():
   seen = {}
 
   def body(g, m):
-    g_blocks, m_blocks = dct.to_blocks(g, plan), dct.to_blocks(m, plan)
+    g_blocks, m_blocks = to_blocks(g, plan), to_blocks(m, plan)
     m_new, idx, val = cpu_kernels.compress(g_blocks, m_blocks, 0.9, 0.1, 4)
     valid = jnp.ones((2,), bool)
     q = cpu_kernels.decode(jnp.stack([idx, idx]), jnp.stack([val, val]), valid, plan.block_shape)

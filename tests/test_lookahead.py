@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 
+import compiled
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,14 +93,17 @@ def test_when_workers_agree_the_lookahead_is_exact_and_delayed_is_plain(quantize
 def test_psyche_guess_is_the_momentum_before_error_feedback(quantize_1bit):
   opts = dict(compression_topk=4, quantize_1bit=quantize_1bit)
   params = {"w": jnp.zeros((16, 16))}
-  tx = dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **opts)
+  tx = compiled.transformation(
+    dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **opts)
+  )
+  point = compiled.gradient_point(0.1, **opts)
   state = tx.init(params)
   rng = np.random.default_rng(1)
   g1, g2 = ({"w": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32)} for _ in range(2))
   # Before any message, the point is the params themselves.
-  np.testing.assert_array_equal(dj.gradient_point(state, params, 0.1, **opts)["w"], 0.0)
+  np.testing.assert_array_equal(point(state, params)["w"], 0.0)
   _, state = tx.update(g1, state, params)
-  at = dj.gradient_point(state, params, 0.1, **opts)
+  at = point(state, params)
   # m = lr * g before error feedback; the guess is its sign in the param domain.
   np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * np.sign(np.asarray(g1["w"])), atol=1e-7)
   # One step on: the first message's coefficients left the momentum before the
@@ -117,12 +121,14 @@ def test_psyche_guess_is_the_momentum_before_error_feedback(quantize_1bit):
 
 def test_drawn_positions_leave_the_momentum_at_the_step_after_they_were_drawn():
   params = {"w": jnp.zeros((16, 16))}
-  tx = dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **DRAWN)
+  tx = compiled.transformation(
+    dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **DRAWN)
+  )
   state = tx.init(params)
   rng = np.random.default_rng(2)
   g1, g2 = ({"w": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32)} for _ in range(2))
   _, state = tx.update(g1, state, params)
-  at = dj.gradient_point(state, params, 0.1, **DRAWN)
+  at = compiled.gradient_point(0.1, **DRAWN)(state, params)
   np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * np.sign(np.asarray(g1["w"])), atol=1e-7)
   _, state = tx.update(g2, state, params)
   # The first message went out at the positions drawn for step 0 (worker 0,
@@ -186,11 +192,14 @@ def test_a_zero_size_param_changes_no_other_guess(guess):
   params = {"w": jnp.asarray(rng.normal(size=(64, 64)), jnp.float32)}
   with_empty = {**params, "e": jnp.zeros((0, 8))}
   points = []
+  point = compiled.gradient_point(1e-2, compression_topk=8, guess=guess)
   for p in (params, with_empty):
-    tx = dj.demo(1e-2, compression_topk=8, delayed_apply=True, axis_name=None)
+    tx = compiled.transformation(
+      dj.demo(1e-2, compression_topk=8, delayed_apply=True, axis_name=None)
+    )
     state = tx.init(p)
     for t in range(3):
-      at = dj.gradient_point(state, p, 1e-2, compression_topk=8, guess=guess)
+      at = point(state, p)
       g = {
         k: jnp.asarray(np.random.default_rng(t).normal(size=x.shape), x.dtype)
         for k, x in at.items()

@@ -2,6 +2,7 @@
 
 import contextlib
 
+import compiled
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,7 +137,9 @@ def test_bf16_params_get_bf16_updates():
 
 def test_stateless_mode_keeps_no_momentum_across_steps():
   params = _params()
-  tx = dj.scale_by_demo(1.0, compression_decay=0.0, compression_topk=4096, axis_name=None)
+  tx = compiled.transformation(
+    dj.scale_by_demo(1.0, compression_decay=0.0, compression_topk=4096, axis_name=None)
+  )
   state = tx.init(params)
   g = _grads(1, params)
   q, state = tx.update(g, state, params)
@@ -147,8 +150,8 @@ def test_stateless_mode_keeps_no_momentum_across_steps():
 
 def test_distro_feeds_the_aggregate_to_any_inner_transformation():
   params = _params()
-  tx = dj.distro(
-    optax.identity(), 1.0, compression_decay=0.0, compression_topk=4096, axis_name=None
+  tx = compiled.transformation(
+    dj.distro(optax.identity(), 1.0, compression_decay=0.0, compression_topk=4096, axis_name=None)
   )
   g = _grads(2, params)
   q, _ = tx.update(g, tx.init(params), params)
@@ -159,7 +162,7 @@ def test_no_dct_ablation_sends_the_largest_raw_entries_of_each_chunk():
   params = {"w": jnp.zeros((16, 16))}
   g = {"w": jnp.asarray(np.random.default_rng(4).normal(size=(16, 16)), jnp.float32)}
   kw = {"compression_decay": 0.0, "compression_topk": 3, "compression_chunk": 8}
-  tx = dj.scale_by_demo(1.0, use_dct=False, axis_name=None, **kw)
+  tx = compiled.transformation(dj.scale_by_demo(1.0, use_dct=False, axis_name=None, **kw))
   q, _ = tx.update(g, tx.init(params), params)
   q_blocks = np.asarray(q["w"]).reshape(2, 8, 2, 8).transpose(0, 2, 1, 3).reshape(4, 64)
   g_blocks = np.asarray(g["w"]).reshape(2, 8, 2, 8).transpose(0, 2, 1, 3).reshape(4, 64)
@@ -168,7 +171,8 @@ def test_no_dct_ablation_sends_the_largest_raw_entries_of_each_chunk():
     assert set(np.flatnonzero(qb)) == set(top3)
     np.testing.assert_array_equal(qb[top3], gb[top3])
   # The DCT's selection decodes to a dense direction, which is the point of it.
-  q_dct, _ = dj.scale_by_demo(1.0, axis_name=None, **kw).update(g, tx.init(params), params)
+  with_dct = compiled.transformation(dj.scale_by_demo(1.0, axis_name=None, **kw))
+  q_dct, _ = with_dct.update(g, with_dct.init(params), params)
   assert np.count_nonzero(np.asarray(q_dct["w"])) > 200
 
 

@@ -2,6 +2,7 @@
 
 import functools
 
+import compiled
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,7 +58,9 @@ def test_demo_orth_steps_each_matrix_orthogonalized_and_each_vector_at_unit_rms(
     "b": jnp.asarray(rng.normal(size=(8,)), jnp.float32),
   }
   params = jax.tree.map(jnp.zeros_like, g)
-  tx = dj.demo(0.1, compression_topk=64, compression_chunk=8, normalize="orth", axis_name=None)
+  tx = compiled.transformation(
+    dj.demo(0.1, compression_topk=64, compression_chunk=8, normalize="orth", axis_name=None)
+  )
   updates, _ = tx.update(g, tx.init(params), params)
   want_w = _unit_rms(np.asarray(dj.orthogonalize(g["w"]), np.float64))
   # Q is g through a float32 DCT and back, within about 1e-7 of it.

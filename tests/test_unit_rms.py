@@ -2,6 +2,7 @@
 
 import functools
 
+import compiled
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,16 +87,18 @@ def test_demo_rms_steps_along_the_aggregate_at_unit_rms():
 def test_the_lookahead_guesses_with_the_same_normalize(normalize, shape, atol):
   opts = dict(compression_topk=4, normalize=normalize)
   params = {"w": jnp.zeros((16, 16))}
-  tx = dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **opts)
+  tx = compiled.transformation(
+    dj.demo(0.1, compression_decay=0.9, delayed_apply=True, axis_name=None, **opts)
+  )
   g = {"w": jnp.asarray(np.random.default_rng(3).normal(size=(16, 16)), jnp.float32)}
   _, state = tx.update(g, tx.init(params), params)
-  at = dj.gradient_point(state, params, 0.1, **opts)
+  at = compiled.gradient_point(0.1, **opts)(state, params)
   # The momentum before error feedback is lr * g: the guess is lr * g shaped
   # as the update is (orthogonalized or not), at unit RMS.
   w = np.asarray(shape(0.1 * g["w"]), np.float64)
   np.testing.assert_allclose(np.asarray(at["w"]), -0.1 * w / np.sqrt(np.mean(w**2)), atol=atol)
   # The same state read as a sign step guesses the sign.
-  sign = dj.gradient_point(state, params, 0.1, compression_topk=4)
+  sign = compiled.gradient_point(0.1, compression_topk=4)(state, params)
   np.testing.assert_allclose(np.asarray(sign["w"]), -0.1 * np.sign(g["w"]), atol=1e-7)
 
 
