@@ -18,6 +18,7 @@ shards, and a leaf that differs over several axes is laid out the same way,
 its axis 0 split over all of them in mesh order: ``P(("replica", "fsdp"))``.
 """
 
+import collections
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -216,6 +217,48 @@ def worker_state_specs(
     )
   if param_specs is None:
     param_specs = _default_param_specs(params)
+  key = _memo_key(tx, params, mesh, axis_name, param_specs)
+  if key is None:
+    return _find_specs(tx, params, mesh, axis_name, param_specs)
+  if key not in _SPECS_MEMO:
+    _SPECS_MEMO[key] = _find_specs(tx, params, mesh, axis_name, param_specs)
+    while len(_SPECS_MEMO) > _SPECS_MEMO_SIZE:
+      _SPECS_MEMO.popitem(last=False)
+  _SPECS_MEMO.move_to_end(key)
+  return _SPECS_MEMO[key]
+
+
+# Finding the specs traces one update at least twice (0.8 CPU-s a trace for
+# the tiny preset's DeMo), and a train step's setup asks for the same specs
+# three times: for the step, and through init_worker_state and
+# abstract_worker_state. They depend only on the optimizer, the params'
+# shapes and dtypes, the mesh and the specs, so the last few are kept.
+_SPECS_MEMO: collections.OrderedDict = collections.OrderedDict()
+_SPECS_MEMO_SIZE = 8
+
+
+def _memo_key(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: Any) -> Any:
+  """What the specs depend on, hashable; ``None`` when some part cannot be hashed."""
+  leaves, treedef = jax.tree.flatten(params)
+  spec_leaves, spec_def = jax.tree.flatten(param_specs, is_leaf=_is_spec)
+  key = (
+    tx,
+    treedef,
+    tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves),
+    mesh,
+    axis_name,
+    spec_def,
+    tuple(spec_leaves),
+  )
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+def _find_specs(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: Any) -> Any:
+  """:func:`worker_state_specs`, computed: the least fixpoint of one update's varying axes."""
   abstract_params = _abstract(params, mesh, param_specs)
   candidates = tuple(
     a
