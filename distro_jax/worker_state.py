@@ -192,6 +192,9 @@ def worker_state_specs(
   """PartitionSpecs of ``tx``'s state: ``P(axis_name)`` per worker, ``P()`` shared.
 
   Use them as the state's ``in_specs`` and ``out_specs`` in ``jax.shard_map``.
+  Finding them traces one update at least twice; the answers for the last few
+  (``tx``, params' shapes and dtypes, mesh, specs) are kept, so that
+  :func:`init_worker_state` and :func:`abstract_worker_state` ask again for free.
 
   Args:
     tx: the optimizer, built with ``axis_name``.

@@ -56,3 +56,23 @@ def test_gradient_transformation_form_and_shared_inner_state():
   assert adam.mu == jax.tree.map(lambda _: P(), PARAMS) and adam.count == P()
   assert specs.inner_opt_state[0].momentum == jax.tree.map(lambda _: P("data"), PARAMS)
   assert len(calls) <= 6, len(calls)
+
+
+def test_the_same_question_is_answered_without_tracing_again():
+  calls = []
+  tx = _counted(dj.demo(0.1, compression_topk=2, compression_chunk=8), calls)
+  first = dj.worker_state_specs(tx, PARAMS, _mesh())
+  assert len(calls) == 2
+  # Arrays or their shapes, the same answer: init_worker_state asks with the
+  # params, a train step's setup with their abstract shapes.
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), PARAMS)
+  assert dj.worker_state_specs(tx, abstract, _mesh()) == first
+  dj.init_worker_state(tx, PARAMS, _mesh())
+  assert len(calls) == 2
+  # Other shapes, another optimizer or another mesh: traced anew.
+  dj.worker_state_specs(tx, {"w": jnp.zeros((16, 16))}, _mesh())
+  dj.worker_state_specs(
+    _counted(dj.demo(0.1, compression_topk=2, compression_chunk=8), calls), PARAMS, _mesh()
+  )
+  dj.worker_state_specs(tx, PARAMS, jax.make_mesh((4,), ("data",), devices=jax.devices()[:4]))
+  assert len(calls) == 8
