@@ -1,5 +1,6 @@
 """Bad input gets a ValueError or TypeError that names the argument and the fix."""
 
+import compiled
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,9 +192,11 @@ def test_the_lookahead_needs_a_learning_rate_and_local_steps_do_not():
 
 def test_delayed_apply_tells_a_missing_pending_message_from_one_of_another_size():
   params = {"w": jnp.zeros((16, 16), jnp.float32)}
-  tx = dj.demo(1e-2, axis_name=None, delayed_apply=True, compression_topk=8)
+  tx = compiled.transformation(
+    dj.demo(1e-2, axis_name=None, delayed_apply=True, compression_topk=8)
+  )
   grads = {"w": jnp.ones((16, 16), jnp.float32)}
-  plain = dj.demo(1e-2, axis_name=None, compression_topk=8).init(params)
+  plain = jax.jit(dj.demo(1e-2, axis_name=None, compression_topk=8).init)(params)
   with pytest.raises(ValueError, match=r"needs the state of a delayed_apply=True transformation"):
     tx.update(grads, plain, params)
   # With params=None the gradients' dtypes set the values' width: 8 coefficients
