@@ -73,9 +73,18 @@ def test_a_scanned_run_sends_the_same_bytes_resumes_exactly_and_keeps_replicas_e
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delayed_apply", [False, True], ids=["plain", "overlapped"])
-def test_sites_of_two_devices_split_the_stacks_and_train_as_two_workers(tmp_path, delayed_apply):
-  flags = dict(steps=5, scan_layers=True, log_every=1, delayed_apply=delayed_apply)
+@pytest.mark.parametrize(
+  ("normalize", "delayed_apply"), [("rms", False), ("orth", True)], ids=["rms", "orth-overlapped"]
+)
+def test_sites_of_two_devices_split_the_stacks_and_train_as_two_workers(
+  tmp_path, normalize, delayed_apply
+):
+  # A stack's layers at unit RMS, or orthogonalized, need each whole layer:
+  # FSDP's devices gather the aggregate (dj.Split) and each keeps its block,
+  # in the update and in the lookahead's guess.
+  flags = dict(
+    steps=5, scan_layers=True, log_every=1, normalize=normalize, delayed_apply=delayed_apply
+  )
   whole = tiny_runs.run_tiny(tmp_path / "whole", workers=2, **flags)
   split = tiny_runs.run_tiny(tmp_path / "fsdp", replicas=2, fsdp=2, check_replicas=True, **flags)
   a = [r.loss for r in tiny_runs.read_metrics(tmp_path / "whole")]
