@@ -53,7 +53,8 @@ def test_the_lookahead_trains_sites_of_two_devices_as_two_workers(tmp_path):
   # Step 2 is the first taken at a lookahead. The guess is a sign, so the
   # rounding of the site's gradient sum flips it where the momentum's IDCT is
   # near zero, and a few entries 2 x lr apart make later losses differ more
-  # than the plain exchange's do (3e-4 at step 5, against 2e-7).
+  # than the plain exchange's do (3e-4 at step 5 with every param overlapped,
+  # against 2e-7).
   np.testing.assert_allclose(b[:2], a[:2], rtol=1e-6)
   np.testing.assert_allclose(b, a, rtol=1e-3)
   assert a[-1] < a[0]
