@@ -78,16 +78,14 @@ def test_a_resume_that_would_train_nothing_is_refused(straight):
   assert _losses(straight_dir) == before
 
 
-def test_eval_every_zero_validates_after_the_last_step_only(tmp_path):
-  # The straight run's steps, so that its compiled programs are reused.
-  summary = run_tiny(tmp_path, **{**COMMON, "eval_every": 0})
-  assert [r.step for r in read_metrics(tmp_path) if r.val_loss is not None] == [8]
-  assert summary.final_val_loss is not None
-
-
-def test_a_short_diloco_run_returns_trained_params(tmp_path):
+def test_a_short_diloco_run_returns_trained_params_and_eval_every_zero_validates_at_the_end(
+  tmp_path,
+):
   # 6 steps at H=4: the outer step at 4, and a final one for steps 5 and 6.
-  full = run_tiny(tmp_path / "full", optimizer="diloco", steps=6, diloco_sync_every=4)
+  full = run_tiny(tmp_path / "full", optimizer="diloco", steps=6, diloco_sync_every=4, eval_every=0)
+  # --eval_every=0: only after the last step.
+  assert [r.step for r in read_metrics(tmp_path / "full") if r.val_loss is not None] == [6]
+  assert full.final_val_loss is not None
   at_four = run_tiny(
     tmp_path / "four", optimizer="diloco", steps=6, diloco_sync_every=4, stop_at_step=5
   )
