@@ -1,4 +1,4 @@
-"""The train driver: exact resume, clear errors, safe checkpoints, multi-host."""
+"""The train driver: exact resume, determinism, clear errors, safe checkpoints, multi-host."""
 
 import json
 import os
@@ -77,6 +77,21 @@ def test_metrics_summary_and_plot(demo_run):
   assert summary.ratio_vs_ring_allreduce > 10
   assert (out_dir / "loss.png").stat().st_size > 1000
   assert (out_dir / "summary.json").exists()
+
+
+@pytest.mark.slow
+@RUNS_DEMO
+def test_another_seed_gives_another_run(tmp_path, demo_run):
+  # The same seed gives the same run to the bit: test_resume_is_exact's run
+  # starts afresh at demo_run's seed, and its every loss and its params equal
+  # demo_run's. SIGKILL mid-run and the resume after it are in
+  # test_interrupted_runs.py.
+  straight_dir, straight = demo_run
+  other = trainer.run(_config(tmp_path, seed=1))
+  a, b = tiny_runs.read_metrics(straight_dir), tiny_runs.read_metrics(tmp_path)
+  # The seed reaches both the init and the data order, so every loss moves.
+  assert len(a) == len(b) == 6 and all(x.loss != y.loss for x, y in zip(a, b))
+  assert other.params_digest != straight.params_digest
 
 
 @pytest.mark.slow
