@@ -58,25 +58,22 @@ def test_unknown_default_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-  ("changed", "field"),
-  [
-    ({"data_path": "OTHER"}, "data_path"),
-    ({"preset": "mini", "seq_len": 16}, "preset"),
-    ({"optimizer": "distro_adamw"}, "optimizer"),
-  ],
-)
-def test_resume_with_other_data_preset_or_method_names_the_field(tmp_path, changed, field):
+def test_resume_with_other_data_preset_or_method_names_the_field(tmp_path):
   text = tmp_path / "a.txt"
   text.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 400)
   other = tmp_path / "b.txt"
   other.write_bytes(b"pack my box with five dozen liquor jugs. " * 400)
   common = {"steps": 4, "checkpoint_every": 2, "seq_len": 16, "data_path": str(text)}
   tiny_runs.run_tiny(tmp_path / "run", stop_at_step=2, **common)
-  changed = {k: (str(other) if v == "OTHER" else v) for k, v in changed.items()}
-  with pytest.raises(trainer.CheckpointError, match=f"different run \\({field}: ") as e:
-    tiny_runs.run_tiny(tmp_path / "run", resume=True, **{**common, **changed})
-  assert "\n" not in str(e.value)
+  # Each refusal comes before anything is built, and leaves the run as it was.
+  for changed, field in [
+    ({"data_path": str(other)}, "data_path"),
+    ({"preset": "mini", "seq_len": 16}, "preset"),
+    ({"optimizer": "distro_adamw"}, "optimizer"),
+  ]:
+    with pytest.raises(trainer.CheckpointError, match=f"different run \\({field}: ") as e:
+      tiny_runs.run_tiny(tmp_path / "run", resume=True, **{**common, **changed})
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("name", ["adamw", "demo", "sparseloco"])

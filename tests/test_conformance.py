@@ -127,6 +127,7 @@ EVERY = _params_of(TRANSFORMATIONS)
 # For the checks that compile nothing, or only a step over no params.
 EVERY_QUICK = _params_of(TRANSFORMATIONS, every_one_quick=True)
 EVERY_COMPRESSING = _params_of(COMPRESSING_TRANSFORMATIONS)
+EVERY_ORTH = _params_of([t for t in TRANSFORMATIONS if "orth" in t[0]])
 FACTORIES = dict(TRANSFORMATIONS)
 
 
@@ -275,9 +276,12 @@ def _is_spec(x):
   return isinstance(x, P)
 
 
-@pytest.mark.parametrize("name, factory", EVERY)
+@pytest.mark.parametrize("name, factory", EVERY_ORTH)
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
-def test_sharded_params_keep_their_sharding_under_jit(name, factory, axis_type):
+def test_orthogonalized_matrices_split_along_their_long_side_stay_split(name, factory, axis_type):
+  # On a 1-D mesh, every matrix split along its long side: only the Gram sums
+  # of the Newton-Schulz steps cross the shards, never a matrix. (The test
+  # below places params of every kind, for every transformation.)
   mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
   shardings = {k: NamedSharding(mesh, s) for k, s in _param_specs().items()}
   params = jax.device_put(_params(), shardings)
@@ -325,12 +329,13 @@ def _gram_bytes(name, params):
 
 @pytest.mark.parametrize("name, factory", EVERY)
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
-def test_params_sharded_over_two_mesh_axes_are_not_gathered(name, factory, axis_type):
+def test_sharded_params_keep_their_sharding_and_are_not_gathered(name, factory, axis_type):
   # MaxText style: a 2-D mesh, each matrix split along both of its axes
-  # (whole 64x64 chunks on every device) or one axis over both mesh axes.
+  # (whole 64x64 chunks on every device) or one axis over both mesh axes, a
+  # vector over one mesh axis, and a scalar on every device.
   mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(axis_type,) * 2)
-  specs = {"w": P("a", "b"), "x": P(None, ("a", "b")), "n": P("b")}
-  shapes = {"w": (128, 256), "x": (64, 512), "n": (256,)}
+  specs = {"w": P("a", "b"), "x": P(None, ("a", "b")), "n": P("b"), "s": P()}
+  shapes = {"w": (128, 256), "x": (64, 512), "n": (256,), "s": ()}
   rng = np.random.default_rng(0)
   shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
   params = {
@@ -339,6 +344,7 @@ def test_params_sharded_over_two_mesh_axes_are_not_gathered(name, factory, axis_
   }
   grads = jax.tree.map(lambda p: p * 0.5 + 0.1, params)
   tx = factory(LR)
+  # Explicit meshes need the mesh in context, as for any optax optimizer.
   context = jax.set_mesh(mesh) if axis_type == AxisType.Explicit else contextlib.nullcontext()
   with context:
     state = jax.jit(tx.init)(params)
@@ -349,6 +355,13 @@ def test_params_sharded_over_two_mesh_axes_are_not_gathered(name, factory, axis_
   for k, u in updates.items():
     assert u.sharding.is_equivalent_to(shardings[k], u.ndim), f"{name}: {k} is {u.sharding.spec}"
     assert np.isfinite(np.asarray(u)).all()
+  # The state of a param is placed as the param is.
+  mirrored = optax.tree_map_params(tx, lambda x, p: (x, p), state, params)
+  for leaf in jax.tree.leaves(mirrored, is_leaf=lambda x: isinstance(x, tuple)):
+    if isinstance(leaf, tuple) and len(leaf) == 2 and hasattr(leaf[0], "sharding"):
+      x, p = leaf
+      if x.ndim and x.shape == p.shape:
+        assert x.sharding.is_equivalent_to(p.sharding, x.ndim), f"{name}: state leaf {x.shape}"
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   message = dj.wire_bytes(params).payload if "delayed" in name else 0
   if "orth" in name:

@@ -114,8 +114,11 @@ def test_driver_counts_the_excluded_worker_and_keeps_training(tmp_path):
   "method",
   [
     dict(optimizer="diloco", diloco_sync_every=3),
-    dict(optimizer="sparseloco", sparseloco_sync_every=3),
+    # Stacked layers compile SparseLoCo's update in a fraction of the time;
+    # its clip would take a stack as one tensor.
+    dict(optimizer="sparseloco", sparseloco_sync_every=3, scan_layers=True, sparseloco_clip=False),
   ],
+  ids=["diloco", "sparseloco"],
 )
 def test_driver_local_step_methods_leave_a_failed_worker_out(tmp_path, method):
   # Worker 6's inner params go NaN at step 2; the round's exchange at step 3
@@ -128,22 +131,18 @@ def test_driver_local_step_methods_leave_a_failed_worker_out(tmp_path, method):
 
 
 @pytest.mark.slow
-def test_driver_adamw_skips_a_nonfinite_step_when_asked(tmp_path):
-  with pytest.raises(FloatingPointError, match="--skip_nonfinite"):
-    _run(tmp_path / "a", optimizer="adamw", inject_nan_step=3)
-  summary = _run(tmp_path / "b", optimizer="adamw", inject_nan_step=3, skip_nonfinite=True)
-  assert np.isfinite(summary.final_train_loss)
-
-
-@pytest.mark.slow
 def test_no_checkpoint_is_written_of_params_that_are_not_finite(tmp_path):
   # Under AdamW the NaN of step 4 is all-reduced into the update, so step 4's
   # loss (taken before it) is finite but its params are not.
   with pytest.raises(
-    FloatingPointError, match="not finite after step 4.*checkpoint 4 was not written"
+    FloatingPointError,
+    match="not finite after step 4.*checkpoint 4 was not written.*--skip_nonfinite",
   ):
-    _run(tmp_path, optimizer="adamw", inject_nan_step=4, checkpoint_every=2)
-  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+    _run(tmp_path / "a", optimizer="adamw", inject_nan_step=4, checkpoint_every=2)
+  assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["2"]
+  # As the error says: with --skip_nonfinite AdamW skips that step and trains on.
+  summary = _run(tmp_path / "b", optimizer="adamw", inject_nan_step=4, skip_nonfinite=True)
+  assert np.isfinite(summary.final_train_loss)
 
 
 def _drifted(mesh, shape, spec, device, index):

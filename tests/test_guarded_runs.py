@@ -46,24 +46,27 @@ def straight(tmp_path_factory):
 
 
 @STRAIGHT
-@pytest.mark.parametrize("how", ["flipped", "truncated"])
-def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_finishes_exactly(
-  tmp_path, capsys, how, straight
+def test_damaged_newest_checkpoints_are_set_aside_and_the_run_finishes_exactly(
+  tmp_path, capsys, straight
 ):
   straight_dir, straight = straight
   run = tmp_path / "run"
   run_tiny(run, checkpoint_every=2, stop_at_step=4, **COMMON)
-  _damage(str(run / "checkpoints" / "4"), how)
+  _damage(str(run / "checkpoints" / "4"), "flipped")
   # Resumed without --checkpoint_every: the run keeps its interval of 2 ...
   run_tiny(run, resume=True, stop_at_step=7, **COMMON)
   assert "checkpoint of step 4 is damaged" in capsys.readouterr().err
   assert sorted(os.listdir(run / "checkpoints")) == ["2", "4", "6", "7"]
   assert (run / integrity.SET_ASIDE_DIR / "step_4").is_dir()  # kept, not deleted
-  # ... so a second crash loses nothing, and the run ends as if never interrupted.
+  # ... so a second crash, which cuts the newest checkpoint short, loses
+  # nothing, and the run ends as if never interrupted.
+  _damage(str(run / "checkpoints" / "7"), "truncated")
   resumed = run_tiny(run, resume=True, **COMMON)
+  assert "checkpoint of step 7 is damaged" in capsys.readouterr().err
+  assert (run / integrity.SET_ASIDE_DIR / "step_7").is_dir()
   assert _losses(run) == _losses(straight_dir)
   assert resumed.params_digest == straight.params_digest
-  assert sorted(os.listdir(run / "checkpoints")) == ["2", "4", "6", "7", "8"]
+  assert sorted(os.listdir(run / "checkpoints")) == ["2", "4", "6", "8"]
 
 
 @STRAIGHT
@@ -75,15 +78,14 @@ def test_a_resume_that_would_train_nothing_is_refused(straight):
   assert _losses(straight_dir) == before
 
 
-def test_eval_every_zero_validates_after_the_last_step_only(tmp_path):
-  summary = run_tiny(tmp_path, steps=3, eval_every=0)
-  assert [r.step for r in read_metrics(tmp_path) if r.val_loss is not None] == [3]
-  assert summary.final_val_loss is not None
-
-
-def test_a_short_diloco_run_returns_trained_params(tmp_path):
+def test_a_short_diloco_run_returns_trained_params_and_eval_every_zero_validates_at_the_end(
+  tmp_path,
+):
   # 6 steps at H=4: the outer step at 4, and a final one for steps 5 and 6.
-  full = run_tiny(tmp_path / "full", optimizer="diloco", steps=6, diloco_sync_every=4)
+  full = run_tiny(tmp_path / "full", optimizer="diloco", steps=6, diloco_sync_every=4, eval_every=0)
+  # --eval_every=0: only after the last step.
+  assert [r.step for r in read_metrics(tmp_path / "full") if r.val_loss is not None] == [6]
+  assert full.final_val_loss is not None
   at_four = run_tiny(
     tmp_path / "four", optimizer="diloco", steps=6, diloco_sync_every=4, stop_at_step=5
   )
@@ -127,19 +129,20 @@ def test_a_disk_that_fills_during_a_save_leaves_the_last_checkpoint_intact(
   _mount_tmpfs(disk, "16m")
   try:
     run = disk / "run"
-    run_tiny(run, steps=4, checkpoint_every=2, stop_at_step=2)
+    # The straight run's settings, so that its compiled programs are reused.
+    run_tiny(run, checkpoint_every=2, stop_at_step=2, **COMMON)
     # Another program fills the disk after the run's check: the save itself fails.
     monkeypatch.setattr(trainer, "_check_space", lambda out_dir, program: None)
     ballast = _fill(disk, 64 << 10)  # enough for the metrics, not for a checkpoint
     with pytest.raises(OutDirError) as e:
-      run_tiny(run, steps=4, resume=True)
+      run_tiny(run, resume=True, stop_at_step=4, **COMMON)
     assert str(e.value).startswith("no space left on device while writing checkpoint 4 to ")
     assert str(e.value).endswith("The checkpoint of step 2 is intact; --resume continues from it.")
     assert "\n" not in str(e.value)
     assert not [r for r in caplog.records if "orbax" in r.pathname and r.levelname == "ERROR"]
     assert integrity.verify(str(run / "checkpoints" / "2")) is None
     ballast.unlink()
-    assert run_tiny(run, steps=4, resume=True).steps == 4
+    assert run_tiny(run, resume=True, stop_at_step=4, **COMMON).steps == 4
     assert [r.step for r in read_metrics(run)] == [1, 2, 3, 4]
   finally:
     subprocess.run(["umount", str(disk)], check=True)

@@ -138,31 +138,6 @@ def test_groups_each_send_a_message_of_their_sizes():
   assert 2 * sum(x.size for _, x in leaves) / expected >= 1000
 
 
-@pytest.mark.slow
-def test_groups_train_with_identical_replicas_and_the_bytes_they_count(tmp_path):
-  # Attention with 2 drawn coefficients of each 8x8 chunk, the MLP with one of
-  # each 16x16, the rest with the flags' sizes: three messages, whose bytes
-  # the compiled step's all-gathers carry, and replicas checked every step.
-  options = dict(
-    compression_groups="'attn'=8:2;'mlp'=16:1",
-    compression_topk=1,
-    compression_chunk=8,
-    quantize_1bit=True,
-    random_positions=True,
-  )
-  summary = tiny_runs.run_tiny(
-    tmp_path, steps=4, log_every=1, check_replicas=True, normalize="rms", **options
-  )
-  cfg = checks.resolve(TrainConfig(**{**tiny_runs.TINY, **options}))
-  params = model.abstract_params(presets.get_preset("tiny"))
-  one = dataclasses.replace(cfg, compression_groups="")
-  assert summary.measured_exchange_bytes_per_step == summary.payload_bytes_per_step
-  assert summary.payload_bytes_per_step == methods.get("demo").payload(cfg, params).message
-  # The groups' sizes, not the flags', made the message.
-  assert summary.payload_bytes_per_step != methods.get("demo").payload(one, params).message
-  assert np.isfinite(summary.final_train_loss)
-
-
 def test_orth_orthogonalizes_the_hidden_matrices_only():
   params = model.abstract_params(presets.get_preset("tiny"))
   modes = methods.demo_normalize("orth")(params)
@@ -179,12 +154,28 @@ def test_orth_orthogonalizes_the_hidden_matrices_only():
 
 
 @pytest.mark.slow
-def test_orth_trains_through_the_driver_with_identical_replicas(tmp_path):
-  options = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
+def test_groups_and_orth_train_with_identical_replicas_and_the_bytes_they_count(tmp_path):
+  # Attention with 2 drawn coefficients of each 8x8 chunk, the MLP with one of
+  # each 16x16, the rest with the flags' sizes: three messages, whose bytes
+  # the compiled step's all-gathers carry, and replicas checked every step,
+  # each hidden matrix's aggregate orthogonalized (one run proves both).
+  options = dict(
+    compression_groups="'attn'=8:2;'mlp'=16:1",
+    compression_topk=1,
+    compression_chunk=8,
+    quantize_1bit=True,
+    random_positions=True,
+  )
   summary = tiny_runs.run_tiny(
     tmp_path, steps=4, log_every=1, check_replicas=True, normalize="orth", **options
   )
+  cfg = checks.resolve(TrainConfig(**{**tiny_runs.TINY, **options}))
+  params = model.abstract_params(presets.get_preset("tiny"))
+  one = dataclasses.replace(cfg, compression_groups="")
   assert summary.measured_exchange_bytes_per_step == summary.payload_bytes_per_step
+  assert summary.payload_bytes_per_step == methods.get("demo").payload(cfg, params).message
+  # The groups' sizes, not the flags', made the message.
+  assert summary.payload_bytes_per_step != methods.get("demo").payload(one, params).message
   losses = [r.loss for r in tiny_runs.read_metrics(tmp_path)]
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 

@@ -1,4 +1,4 @@
-"""The train driver: exact resume, clear errors, safe checkpoints, multi-host."""
+"""The train driver: exact resume, determinism, clear errors, safe checkpoints, multi-host."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import portpicker
 import pytest
 import tiny_runs
 
-from experiments.run import trainer
+from experiments.run import cli, trainer
 
 ROOT = pathlib.Path(__file__).parent.parent
 TINY = {**tiny_runs.TINY, "eval_every": 3}
@@ -81,6 +81,21 @@ def test_metrics_summary_and_plot(demo_run):
 
 @pytest.mark.slow
 @RUNS_DEMO
+def test_another_seed_gives_another_run(tmp_path, demo_run):
+  # The same seed gives the same run to the bit: test_resume_is_exact's run
+  # starts afresh at demo_run's seed, and its every loss and its params equal
+  # demo_run's. SIGKILL mid-run and the resume after it are in
+  # test_interrupted_runs.py.
+  straight_dir, straight = demo_run
+  other = trainer.run(_config(tmp_path, seed=1))
+  a, b = tiny_runs.read_metrics(straight_dir), tiny_runs.read_metrics(tmp_path)
+  # The seed reaches both the init and the data order, so every loss moves.
+  assert len(a) == len(b) == 6 and all(x.loss != y.loss for x, y in zip(a, b))
+  assert other.params_digest != straight.params_digest
+
+
+@pytest.mark.slow
+@RUNS_DEMO
 def test_fresh_run_refuses_to_overwrite_checkpoints(demo_run):
   out_dir, _ = demo_run
   before = sorted(p.name for p in (out_dir / "checkpoints").iterdir())
@@ -116,44 +131,66 @@ def _flag_error_line(out):
   return errors[0]
 
 
-@pytest.mark.slow
+def _reported(capsys, **fields):
+  """The one ``error:`` line the command prints for a run of ``fields``, run in this process.
+
+  What ``python -m experiments.train`` does once its flags are parsed (less
+  starting the backend, which this process has): two of the errors below go
+  through the command itself, in a fresh process.
+  """
+  cfg = trainer.TrainConfig(**{**_CLI_SMALL, **fields})
+  with pytest.raises(SystemExit) as e:
+    cli.report_user_errors(trainer.run, cfg)  # which validates first, as the command
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
+  return errors[0]
+
+
+_CLI_SMALL = {
+  "preset": "tiny",
+  "workers": 2,
+  "batch_size": 4,
+  "seq_len": 16,
+  "steps": 2,
+  "progress": False,
+}
+
+
+@pytest.mark.slow  # two fresh processes: a few seconds of imports each
 def test_cli_errors_are_one_clear_line(tmp_path):
-  small = [
-    "--preset=tiny",
-    "--workers=2",
-    "--batch_size=4",
-    "--seq_len=16",
-    "--steps=2",
-    "--noprogress",
-    f"--out_dir={tmp_path / 'run'}",
-  ]
+  small = [f"--{k}={v}" for k, v in _CLI_SMALL.items() if k != "progress"]
+  small += ["--noprogress", f"--out_dir={tmp_path / 'run'}"]
   line = _error_line(_cli([*small, f"--data_path={tmp_path / 'missing.txt'}"]))
   assert "does not exist" in line and "--data_path" in line
+  # A value outside a flag's choices is refused by absl's flag parser, before
+  # the driver's own errors: its one line, and exit status 1.
+  line = _flag_error_line(_cli([*small, "--optimizer=sgd"]))
+  assert "--optimizer=sgd" in line and "<demo|distro_adamw|adamw|" in line
 
+
+def test_driver_errors_are_one_clear_line(tmp_path, capsys):
+  run = str(tmp_path / "run")
   bad = tmp_path / "bad.npy"
   np.save(bad, np.array([1, 2, 300, 4] * 100, np.int32))
-  line = _error_line(_cli([*small, f"--data_path={bad}"]))
+  line = _reported(capsys, data_path=str(bad), out_dir=run)
   assert "300" in line and "vocab" in line
 
-  line = _error_line(_cli([*small, "--batch_size=5"]))
+  line = _reported(capsys, batch_size=5, out_dir=run)
   assert "--batch_size=5" in line and "--workers=2" in line
 
-  line = _error_line(_cli([*small, "--preset=huge"]))
+  line = _reported(capsys, preset="huge", out_dir=run)
   assert "unknown --preset 'huge'" in line and "tiny" in line
 
-  line = _error_line(_cli([*small, "--resume", f"--out_dir={tmp_path / 'nothing'}"]))
+  line = _reported(capsys, resume=True, out_dir=str(tmp_path / "nothing"))
   assert "--resume" in line and "does not exist" in line
 
   corrupt = tmp_path / "corrupt"
   (corrupt / "checkpoints" / "2").mkdir(parents=True)
   (corrupt / "checkpoints" / "2" / "state").write_text("not a checkpoint")
-  line = _error_line(_cli([*small, "--resume", f"--out_dir={corrupt}"]))
+  line = _reported(capsys, resume=True, out_dir=str(corrupt))
   assert "--resume" in line and "checkpoint" in line
-
-  # A value outside a flag's choices is refused by absl's flag parser, before
-  # the driver's own errors: its one line, and exit status 1.
-  line = _flag_error_line(_cli([*small, "--optimizer=sgd"]))
-  assert "--optimizer=sgd" in line and "<demo|distro_adamw|adamw|" in line
 
 
 def _srun_env(port, task):
@@ -170,18 +207,11 @@ def _srun_env(port, task):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-  ("extra", "as_srun"),
-  [
-    # Started as srun starts it: SLURM's variables and no process flag at all.
-    ([], True),
-    # Delayed, the all-gather runs as a program of its own on a thread of its
-    # own (experiments.run.threaded_step), across the processes.
-    (["--delayed_apply", "--overlap_exchange=thread"], False),
-  ],
-  ids=["plain-started-as-srun-would", "overlapped-on-a-thread"],
-)
-def test_two_processes_with_gloo_end_identical_and_learn(tmp_path, extra, as_srun):
+def test_two_processes_with_gloo_end_identical_and_learn(tmp_path):
+  # One run proves two things: started as srun starts it (SLURM's variables
+  # and no process flag at all), and delayed, with the all-gather as a program
+  # of its own on a thread of its own (experiments.run.threaded_step), across
+  # the processes.
   port = portpicker.pick_unused_port()
   common = [
     "--workers=4",
@@ -194,14 +224,14 @@ def test_two_processes_with_gloo_end_identical_and_learn(tmp_path, extra, as_sru
     "--log_every=2",
     "--noprogress",
     f"--out_dir={tmp_path}",
+    "--delayed_apply",
+    "--overlap_exchange=thread",
   ]
-  flags = [[] if as_srun else ["--num_processes=2", f"--coordinator_address=127.0.0.1:{port}",
-                               f"--process_id={i}"] for i in range(2)]  # fmt: skip
   procs = [
     subprocess.Popen(
-      [sys.executable, "-m", "experiments.train", *common, *extra, *flags[i]],
+      [sys.executable, "-m", "experiments.train", *common],
       cwd=ROOT,
-      env=_srun_env(port, i) if as_srun else None,
+      env=_srun_env(port, i),
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
