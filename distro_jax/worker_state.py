@@ -349,7 +349,6 @@ def init_worker_state(
   axis_name: Hashable = "data",
   *,
   param_specs: Any = None,
-  state_specs: Any = None,
 ) -> Any:
   """``tx.init(params)`` for every worker, placed on the mesh.
 
@@ -364,8 +363,6 @@ def init_worker_state(
     axis_name: the data-parallel axis.
     param_specs: the params' ``PartitionSpec`` tree when they are sharded;
       default: replicated.
-    state_specs: :func:`worker_state_specs` of these arguments, when the
-      caller has it already; default: found here, by tracing one update.
 
   Returns:
     The global optimizer state. ``jax.tree.map(lambda x: x.sharding.spec, state)``
@@ -379,9 +376,7 @@ def init_worker_state(
   """
   if param_specs is None:
     param_specs = _default_param_specs(params)
-  specs = state_specs
-  if specs is None:
-    specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
+  specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
   param_shardings = _state_shardings(mesh, param_specs)
   params = jax.tree.map(
     lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
@@ -401,18 +396,15 @@ def abstract_worker_state(
   axis_name: Hashable = "data",
   *,
   param_specs: Any = None,
-  state_specs: Any = None,
 ) -> Any:
   """Shapes, dtypes and shardings of :func:`init_worker_state`, allocating nothing.
 
   This is the restore target for a checkpoint (e.g. ``orbax``'s
-  ``StandardRestore``). The arguments are :func:`init_worker_state`'s.
+  ``StandardRestore``).
   """
   if param_specs is None:
     param_specs = _default_param_specs(params)
-  specs = state_specs
-  if specs is None:
-    specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
+  specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
   abstract_params = _abstract(params, mesh, param_specs)
   shapes = jax.eval_shape(_init_on_mesh(tx, mesh, param_specs, specs), abstract_params)
   return jax.tree.map(

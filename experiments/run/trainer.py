@@ -122,23 +122,13 @@ class Program:
 
   def init_opt_state(self, params: Any) -> Any:
     return dj.init_worker_state(
-      self.tx,
-      params,
-      self.mesh,
-      REPLICA,
-      param_specs=self.fsdp_plan.specs,
-      state_specs=self.state_specs,
+      self.tx, params, self.mesh, REPLICA, param_specs=self.fsdp_plan.specs
     )
 
   def abstract_state(self) -> dict[str, Any]:
     """The checkpoint's restore target: params and optimizer state, placed."""
     opt_state = dj.abstract_worker_state(
-      self.tx,
-      self.abstract,
-      self.mesh,
-      REPLICA,
-      param_specs=self.fsdp_plan.specs,
-      state_specs=self.state_specs,
+      self.tx, self.abstract, self.mesh, REPLICA, param_specs=self.fsdp_plan.specs
     )
     return {"params": self.placed(self.abstract, self.fsdp_plan.specs), "opt_state": opt_state}
 
