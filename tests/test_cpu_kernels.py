@@ -262,7 +262,10 @@ def test_update_keeps_replicas_identical_and_agrees_with_the_xla_path(delayed):
 DRAWN = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
 
 
-@pytest.mark.parametrize("normalize", ["sign", pytest.param("orth", marks=pytest.mark.slow)])
+# The drawn kernels' parts have quick tests of their own; their whole updates run in the
+# whole suite.
+@pytest.mark.slow
+@pytest.mark.parametrize("normalize", ["sign", "orth"])
 def test_drawn_update_keeps_replicas_identical_and_agrees_with_the_xla_path(normalize):
   def tx():
     return dj.demo(3e-3, frequency_bias=1.0, normalize=normalize, **DRAWN)

@@ -126,18 +126,20 @@ def test_normalize_steps_each_stacked_layer_as_its_separate_param(name):
     return {jax.tree_util.keystr(p): (m, shape) for (p, m), shape in zip(flat, shapes)}
 
   want_modes, got_modes = modes(separate, False), modes(scanned, True)
+  # Jitted: one program per shape and mode, where an eager call compiles one per operation.
+  step = jax.jit(normalized_step, static_argnums=1)
   rng = np.random.default_rng(0)
   layers_checked = 0
   for key, (mode, shape) in got_modes.items():
     q = rng.normal(size=shape).astype(np.float32)
-    got = normalized_step(q, mode)
+    got = step(q, mode)
     if not key.startswith("['blocks']"):
       want_mode, _ = want_modes[key]
-      np.testing.assert_allclose(got, normalized_step(q, want_mode), rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(got, step(q, want_mode), rtol=1e-5, atol=1e-5)
       continue
     for layer in range(tiny.n_layers):
       want_mode, want_shape = want_modes[key.replace("['blocks']", f"['blocks'][{layer}]", 1)]
-      want = normalized_step(q[layer].reshape(want_shape), want_mode)
+      want = step(q[layer].reshape(want_shape), want_mode)
       np.testing.assert_allclose(got[layer].reshape(want_shape), want, rtol=1e-5, atol=1e-5)
       layers_checked += 1
   assert layers_checked == tiny.n_layers * 9  # four attention, three MLP weights, two norms

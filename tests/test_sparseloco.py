@@ -169,7 +169,8 @@ def test_drawn_orthogonalized_form_matches_numpy_reference():
 def test_quantizer_is_templars_two_bit_rule():
   rng = np.random.default_rng(1)
   v = rng.normal(size=(50, 16)).astype(np.float32)
-  codes, book = quantize(jnp.asarray(v), 2)
+  # Jitted: one program, where an eager call compiles one per operation.
+  codes, book = jax.jit(quantize, static_argnums=1)(jnp.asarray(v), 2)
   ref_codes, ref_book = np_quantize(v, 2)
   np.testing.assert_array_equal(np.asarray(codes), ref_codes)
   np.testing.assert_allclose(np.asarray(book), ref_book, rtol=1e-5)
