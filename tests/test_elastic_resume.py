@@ -139,19 +139,31 @@ def _losses(out_dir):
   return {r.step: r.loss for r in records.read_metrics(out_dir)}
 
 
+ADAMW = {"optimizer": "adamw", "steps": 6, "batch_size": 24, "checkpoint_every": 3}
+# The tests that read adamw_cut share a worker and its runs.
+ADAMW_CUT = pytest.mark.xdist_group("elastic_adamw_cut")
+
+
+@pytest.fixture(scope="module")
+def adamw_cut(tmp_path_factory):
+  """AdamW's 6 steps on 8 workers never stopped, and cut at 3 then resumed on 4: their dirs."""
+  whole, cut = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("cut")
+  tiny_runs.run_tiny(whole, workers=8, **ADAMW)
+  tiny_runs.run_tiny(cut, workers=8, stop_at_step=3, **ADAMW)
+  tiny_runs.run_tiny(cut, workers=4, resume=True, **ADAMW)
+  return whole, cut
+
+
 @pytest.mark.slow
-def test_adamw_resumed_on_fewer_workers_continues_the_same_data(tmp_path):
+@ADAMW_CUT
+def test_adamw_resumed_on_fewer_workers_continues_the_same_data(adamw_cut):
   """AdamW's math does not depend on the worker count, so its losses must match a run that
   never stopped: any repeated or skipped batch after the resume would show."""
-  common = {"optimizer": "adamw", "steps": 6, "batch_size": 24, "checkpoint_every": 3}
-  tiny_runs.run_tiny(tmp_path / "whole", workers=8, **common)
-  tiny_runs.run_tiny(tmp_path / "cut", workers=8, stop_at_step=3, **common)
-  tiny_runs.run_tiny(tmp_path / "cut", workers=4, resume=True, **common)
-  whole, cut = _losses(tmp_path / "whole"), _losses(tmp_path / "cut")
+  whole, cut = (_losses(d) for d in adamw_cut)
   assert sorted(cut) == list(range(1, 7))
   np.testing.assert_allclose([cut[s] for s in range(1, 7)], [whole[s] for s in range(1, 7)],
                              rtol=2e-4)  # fmt: skip
-  (event,) = records.read_events(tmp_path / "cut")
+  (event,) = records.read_events(adamw_cut[1])
   assert (event.step, event.workers_before, event.workers_after) == (3, 8, 4)
 
 
@@ -196,18 +208,19 @@ def _digest(directory):
 
 
 @pytest.mark.slow
-def test_resume_on_a_count_that_does_not_divide_the_batch_is_one_line(tmp_path):
+@ADAMW_CUT
+def test_resume_on_a_count_that_does_not_divide_the_batch_is_one_line(adamw_cut):
+  cut = adamw_cut[1]
   run = [
-    "--preset=tiny", "--batch_size=24", "--seq_len=32", "--steps=4", "--checkpoint_every=2",
-    "--stop_at_step=2", "--noprogress", f"--out_dir={tmp_path}",
+    "--optimizer=adamw", "--preset=tiny", "--batch_size=24", "--seq_len=32", "--steps=6",
+    "--eval_batches=1", "--noprogress", f"--out_dir={cut}",
   ]  # fmt: skip
-  assert _cli([*run, "--workers=8"]).returncode == 0
-  before = _digest(tmp_path / "checkpoints")
+  before = _digest(cut / "checkpoints")
   out = _cli([*run, "--workers=5", "--resume"])
   assert out.returncode == 2 and "Traceback" not in out.stderr
   errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "--batch_size=24" in errors[0] and "5" in errors[0], out.stderr
-  assert _digest(tmp_path / "checkpoints") == before
+  assert _digest(cut / "checkpoints") == before
 
 
 def _processes(n, args, timeout=300):
