@@ -3,9 +3,11 @@
 A preempted run saves the step it reached and exits 75; its resume ends
 bit-identical to a run never stopped, as does the resume of a job killed
 outright (from its last periodic checkpoint). A peer that stops answering is named by
-the survivor, which exits 76 without JAX's abort.
+the survivors, which exit 76 without JAX's abort; the elastic resume their
+lines offer continues the run on fewer processes.
 """
 
+import math
 import os
 import pathlib
 import re
@@ -18,6 +20,8 @@ import time
 import portpicker
 import pytest
 from tiny_runs import read_metrics
+
+from experiments.run.records import read_events
 
 pytestmark = pytest.mark.slow
 
@@ -183,8 +187,20 @@ def test_two_processes_killed_then_preempted_resume_bit_identical(tmp_path):
   _assert_same_as(run, _straight(tmp_path / "straight", processes=2), 2)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
-def test_a_lost_peer_is_named_and_the_survivor_exits_76_and_can_resume_alone(tmp_path, sig):
+def _lost_peer_line(proc, out, who):
+  """The survivor's last line: it exited 76 and named ``who`` (e.g. "process 1 of 2")."""
+  assert proc.returncode == 76, out[-3000:]
+  assert "Fatal Python error" not in out and "Check failure stack trace" not in out
+  line = out.strip().splitlines()[-1]
+  assert line.startswith(f"peer lost: {who} sent no heartbeat for 10 s"), line
+  return line
+
+
+def _checkpoint_named(line):
+  return int(re.search(r"the last checkpoint is step (\d+)", line).group(1))
+
+
+def test_a_killed_peer_is_named_and_the_survivor_exits_76(tmp_path):
   # AdamW, whose step compiles fastest: what is tested is how the processes
   # stop, whatever they compute.
   port = portpicker.pick_unused_port()
@@ -192,27 +208,55 @@ def test_a_lost_peer_is_named_and_the_survivor_exits_76_and_can_resume_alone(tmp
   procs = _start(tmp_path, *extra, processes=2, port=port)
   try:
     _when_logged(tmp_path, 4, procs)
-    procs[1].send_signal(sig)
+    procs[1].send_signal(signal.SIGKILL)
     lost_at = time.monotonic()
     out = procs[0].communicate(timeout=120)[0]
     took = time.monotonic() - lost_at
   finally:
     procs[1].kill()
     procs[1].communicate()
-  assert procs[0].returncode == 76, out[-3000:]
+  line = _lost_peer_line(procs[0], out, "process 1 of 2")
   assert took < 30, took  # --peer_timeout_s=10, beats every 0.83 s, judged every 1 s
-  assert "Fatal Python error" not in out and "Check failure stack trace" not in out
-  line = out.strip().splitlines()[-1]
-  assert line.startswith("peer lost: process 1 of 2 sent no heartbeat for 10 s"), line
-  step = int(re.search(r"the last checkpoint is step (\d+)", line).group(1))
+  assert _checkpoint_named(line) >= 3
+
+
+def test_a_stopped_peer_is_named_and_the_survivors_continue_without_it(tmp_path):
+  # Three DeMo processes of 2 workers each; process 2 stops (hung, or its
+  # machine frozen). Both survivors name it and exit 76, and each one's line
+  # holds its part of the elastic resume on the 2 of them: 4 workers of the
+  # 6, their own momentum kept, the replicas identical.
+  port = portpicker.pick_unused_port()
+  extra = ["--batch_size=12", "--steps=200", "--checkpoint_every=3", "--peer_timeout_s=10"]
+  procs = _start(tmp_path, *extra, "--check_replicas", processes=3, port=port)
+  try:
+    _when_logged(tmp_path, 4, procs)
+    procs[2].send_signal(signal.SIGSTOP)
+    lost_at = time.monotonic()
+    outs = [p.communicate(timeout=120)[0] for p in procs[:2]]
+    took = time.monotonic() - lost_at
+  finally:
+    procs[2].kill()
+    procs[2].communicate()
+  lines = [_lost_peer_line(p, out, "process 2 of 3") for p, out in zip(procs, outs)]
+  assert took < 30, took
+  (step,) = {_checkpoint_named(line) for line in lines}
   assert step >= 3
-  if sig == signal.SIGKILL:
-    return  # the same line as for a stopped peer: resumed once, below
-  # The survivor alone, on its own 2 devices: the elastic resume the line offers.
-  survivors = line.split("resume on the 1 surviving process with: ", 1)[1].split("; or on all")[0]
-  argv = shlex.split(survivors)
-  assert "--workers=2" in argv and not any(a.startswith("--process_id") for a in argv)
-  argv = [sys.executable, *argv[1:], "--stop_at_step=" + str(step + 2)]
-  done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert read_metrics(tmp_path)[-1].step == step + 2
+  resumed = []
+  for i, line in enumerate(lines):
+    command = line.split("resume on the 2 surviving processes with: ", 1)[1].split("; or on all")[0]
+    argv = shlex.split(command)
+    assert {"--workers=4", "--num_processes=2", f"--process_id={i}", "--resume"} <= set(argv)
+    argv = [sys.executable, *argv[1:], f"--stop_at_step={step + 2}"]
+    resumed.append(
+      subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    )
+  codes, outs = _finish(resumed)
+  assert codes == [0, 0], outs
+  logged = read_metrics(tmp_path)
+  assert [r.step for r in logged] == list(range(1, step + 3))
+  assert all(math.isfinite(r.loss) for r in logged)
+  (event,) = read_events(tmp_path)
+  assert (event.step, event.processes_before, event.processes_after) == (step, 3, 2)
+  assert (event.workers_before, event.workers_after, event.left) == (6, 4, [4, 5])
+  digests = {(tmp_path / f"params_digest.process{i}").read_text() for i in range(2)}
+  assert len(digests) == 1
