@@ -169,20 +169,21 @@ def test_adamw_resumed_on_fewer_workers_continues_the_same_data(adamw_cut):
 
 
 @pytest.mark.slow
-def test_demo_8_to_6_to_8_workers_stays_finite_and_identical(tmp_path):
-  common = {"steps": 9, "batch_size": 24, "checkpoint_every": 3, "check_replicas": True,
+def test_demo_6_to_8_workers_stays_finite_and_identical(tmp_path):
+  # Workers joining DeMo's per-worker state; workers leaving it is the lost
+  # peer's resume across gloo processes (tests/test_interrupted_runs.py).
+  common = {"steps": 6, "batch_size": 24, "checkpoint_every": 3, "check_replicas": True,
             "log_every": 1}  # fmt: skip
   out = tmp_path / "run"
-  tiny_runs.run_tiny(out, workers=8, stop_at_step=3, **common)
-  tiny_runs.run_tiny(out, workers=6, stop_at_step=6, resume=True, **common)
+  tiny_runs.run_tiny(out, workers=6, stop_at_step=3, **common)
   summary = tiny_runs.run_tiny(out, workers=8, resume=True, **common)
   steps = records.read_metrics(out)
-  assert [r.step for r in steps] == list(range(1, 10))
+  assert [r.step for r in steps] == list(range(1, 7))
   assert all(np.isfinite(r.loss) for r in steps)
-  events = records.read_events(out)
-  assert [(e.step, e.workers_before, e.workers_after) for e in events] == [(3, 8, 6), (6, 6, 8)]
-  assert events[0].left == [6, 7] and events[1].joined == [6, 7]
-  assert summary.steps == 9 and summary.workers == 8
+  (event,) = records.read_events(out)
+  assert (event.step, event.workers_before, event.workers_after) == (3, 6, 8)
+  assert event.left == [] and event.joined == [6, 7]
+  assert summary.steps == 6 and summary.workers == 8
 
 
 def _cli(args, timeout=300):
