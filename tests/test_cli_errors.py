@@ -1,7 +1,9 @@
 """The real commands: one ``error:`` line and exit status 2, and one run per directory.
 
-Each case is a fresh process (a few seconds of imports), so they start
-together and are waited for together; the file is marked slow.
+The refusals run as children forked from one process that imported the
+commands (tests/command_runs.py), each as ``python -m`` runs it; the one
+that needs another environment, and the two runs that share a directory,
+are processes of their own. The file is marked slow.
 """
 
 import fcntl
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import command_runs
 import numpy as np
 import pytest
 from tiny_runs import read_metrics
@@ -32,13 +35,17 @@ def _start(args, env=None):
   )
 
 
-def _error_line(proc, timeout=300):
-  out, err = proc.communicate(timeout=timeout)
-  assert proc.returncode == 2, (proc.args, out[-2000:], err[-3000:])
+def _one_error(status, err):
+  assert status == 2, err[-3000:]
   assert "Traceback" not in err, err[-3000:]
   lines = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(lines) == 1, err[-3000:]
   return lines[0]
+
+
+def _error_line(proc, timeout=300):
+  _, err = proc.communicate(timeout=timeout)
+  return _one_error(proc.returncode, err)
 
 
 def test_the_issues_examples_through_the_commands(tmp_path):
@@ -47,24 +54,24 @@ def test_the_issues_examples_through_the_commands(tmp_path):
   (tmp_path / "a_file").write_text("not a directory")
   out = f"--out_dir={tmp_path / 'run'}"
   cases = {
-    "clip": (["experiments.train", *SMALL, out, "--clip_norm=-1"], None),
-    "nan": (["experiments.train", *SMALL, out, "--learning_rate=nan"], None),
-    "stop": (["experiments.train", *SMALL, out, "--steps=5", "--stop_at_step=9"], None),
-    "diloco": (["experiments.train", *SMALL, out, "--optimizer=diloco", "--steps=10"], None),
-    "topk": (["experiments.train", *SMALL, out, "--compression_topk=5000"], None),
-    "npz": (["experiments.train", *SMALL, out, f"--data_path={npz}"], None),
-    "file": (["experiments.train", *SMALL, f"--out_dir={tmp_path / 'a_file'}"], None),
-    "cuda": (["experiments.train", *SMALL, out], {"JAX_PLATFORMS": "cuda"}),
-    "grid": (
-      ["experiments.sweep", *SMALL, out, "--grid=learning_rate=1e-3,3e-3,3e-e"],
-      None,
-    ),
-    "memory": (["experiments.memory_report", "--fsdp=1,two"], None),
-    "index": (["experiments.index_cost", "--topks=8,0"], None),
-    "draw": (["experiments.frontier", "--draw_only", f"--out_dir={tmp_path / 'none'}"], None),
+    "clip": ["experiments.train", *SMALL, out, "--clip_norm=-1"],
+    "nan": ["experiments.train", *SMALL, out, "--learning_rate=nan"],
+    "stop": ["experiments.train", *SMALL, out, "--steps=5", "--stop_at_step=9"],
+    "diloco": ["experiments.train", *SMALL, out, "--optimizer=diloco", "--steps=10"],
+    "topk": ["experiments.train", *SMALL, out, "--compression_topk=5000"],
+    "npz": ["experiments.train", *SMALL, out, f"--data_path={npz}"],
+    "file": ["experiments.train", *SMALL, f"--out_dir={tmp_path / 'a_file'}"],
+    "grid": ["experiments.sweep", *SMALL, out, "--grid=learning_rate=1e-3,3e-3,3e-e"],
+    "memory": ["experiments.memory_report", "--fsdp=1,two"],
+    "index": ["experiments.index_cost", "--topks=8,0"],
+    "draw": ["experiments.frontier", "--draw_only", f"--out_dir={tmp_path / 'none'}"],
   }
-  procs = {name: _start(args, env) for name, (args, env) in cases.items()}
-  lines = {name: _error_line(p) for name, p in procs.items()}
+  # JAX reads JAX_PLATFORMS when it is imported: this one needs a process of its own.
+  cuda = _start(["experiments.train", *SMALL, out], {"JAX_PLATFORMS": "cuda"})
+  commands = sorted({argv[0] for argv in cases.values()})
+  runs = command_runs.run_commands(commands, cases)["runs"]
+  lines = {name: _one_error(status, err) for name, (status, _, err) in runs.items()}
+  lines["cuda"] = _error_line(cuda)
   assert lines["clip"].startswith("error: --clip_norm=-1.0 must be a finite number in [0, inf)")
   assert "--learning_rate=nan must be a finite number" in lines["nan"]
   assert "--stop_at_step=9 is beyond --steps=5" in lines["stop"]

@@ -1,15 +1,12 @@
 """The commands import together, and each defines its flags only when run."""
 
 import dataclasses
-import pathlib
-import subprocess
-import sys
 
+import command_runs
 import pytest
 
 from experiments.run.config import TrainConfig
 
-ROOT = pathlib.Path(__file__).parent.parent
 COMMANDS = [
   "experiments.train",
   "experiments.compare",
@@ -25,38 +22,6 @@ COMMANDS = [
   "experiments.fetch_corpus",
   "experiments.gpu_bench",
 ]
-# A flag name only a command defines; seeing it after the imports means one did at import.
-_PROBE = """
-import importlib, sys
-from absl import flags
-for name in sys.argv[1:]:
-  importlib.import_module(name)
-print(sorted(set(flags.FLAGS) & set({NAMES})))
-"""
-
-
-def test_importing_every_command_defines_no_flag():
-  ours = {f.name for f in dataclasses.fields(TrainConfig)} | {
-    "methods",
-    "grid",
-    "num_processes",
-    "horizons",
-    "from_dir",
-  }
-  code = _PROBE.replace("{NAMES}", repr(sorted(ours)))
-  out = subprocess.run(
-    [sys.executable, "-c", code, *COMMANDS],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=180,
-    check=False,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  # The probe itself can fail: a module that defines flags at import shows up here.
-  assert out.stdout.strip() == "[]", out.stdout
-
-
 # A flag each command must list in its help; bench_update's are its own to choose.
 _HELP = {
   "experiments.train": "--optimizer",
@@ -71,25 +36,28 @@ _HELP = {
 }
 
 
-# Each case is a fresh process (a few seconds of imports): the quick loop runs
-# train's, the whole suite every command's.
-@pytest.mark.parametrize(
-  ("command", "flag"),
-  [
-    pytest.param(c, f, marks=() if c == "experiments.train" else pytest.mark.slow)
-    for c, f in _HELP.items()
-  ],
-)
-def test_each_command_defines_its_flags_when_run(command, flag):
-  out = subprocess.run(
-    [sys.executable, "-m", command, "--helpshort"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=180,
-    check=False,
-  )
+@pytest.fixture(scope="module")
+def probe():
+  """One process imports every command, then runs each one's --helpshort in a forked child."""
+  return command_runs.run_commands(COMMANDS, {c: [c, "--helpshort"] for c in _HELP}, timeout=180)
+
+
+def test_importing_every_command_defines_no_flag(probe):
+  # A flag name only a command defines; seeing it after the imports means one did at import.
+  ours = {f.name for f in dataclasses.fields(TrainConfig)} | {
+    "methods",
+    "grid",
+    "num_processes",
+    "horizons",
+    "from_dir",
+  }
+  assert sorted(ours & set(probe["flags"])) == []
+
+
+@pytest.mark.parametrize(("command", "flag"), list(_HELP.items()))
+def test_each_command_defines_its_flags_when_run(probe, command, flag):
+  status, out, err = probe["runs"][command]
   # absl's help exits with status 1 after printing.
-  assert out.returncode in (0, 1), out.stderr[-3000:]
-  assert "Traceback" not in out.stderr + out.stdout
-  assert flag in out.stdout + out.stderr
+  assert status in (0, 1), err[-3000:]
+  assert "Traceback" not in out + err
+  assert flag in out + err

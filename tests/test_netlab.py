@@ -23,7 +23,7 @@ from experiments.netlab import counters, lab, links, report, results
 from experiments.run import methods
 from experiments.run.config import TrainConfig
 from experiments.run.launch import LaunchConfig
-from experiments.run.records import StepRecord, Summary
+from experiments.run.records import StepRecord, Summary, read_events, read_metrics
 
 ROOT = pathlib.Path(__file__).parent.parent
 CANNOT_RUN = links.missing_prerequisite()
@@ -77,35 +77,75 @@ def _assert_nothing_left(launcher_pid, out_dir, timeout=20.0):
   assert procs == []
 
 
+# One lab run serves the two tests below (they share a worker under xdist):
+# AdamW (the cheapest step to compile) on 2 processes over 10 Mbit/s links,
+# unshaped, shaped, and then with process 1 killed after step 7, continued on
+# process 0 alone; a 5 s peer timeout (the drill's default is 20 s) so that it
+# stops soon. Several survivors agreeing on a lost (stopped) peer is
+# tests/test_interrupted_runs.py's, without the lab. What DeMo's message gains
+# over AdamW on such links is a figure, measured by a documented command
+# (docs/netlab.md), not re-measured here.
+KILLED_LAB = pytest.mark.xdist_group("netlab_killed_lab")
+
+
+@pytest.fixture(scope="module")
+def killed_lab(tmp_path_factory):
+  """The directory of the lab run described above, checked to have succeeded."""
+  out_dir = tmp_path_factory.mktemp("killed_lab")
+  args = [
+    "--methods=adamw", "--steps=12", "--eval_every=6", "--skip_steps=2", "--kill_step=7",
+    "--checkpoint_every=4", "--peer_timeout_s=5",
+  ]  # fmt: skip
+  proc = _netlab(out_dir, *args)
+  out, _ = proc.communicate(timeout=900)
+  assert proc.returncode == 0, out[-4000:]
+  _assert_nothing_left(proc.pid, out_dir, timeout=0)
+  return out_dir
+
+
 @pytest.mark.slow
 @needs_lab
-def test_two_processes_shaped_and_unshaped(tmp_path):
-  # The reference's 7 KB message: Psyche's 624 B on the tiny model would be
-  # outweighed by the ~2 KB a step spends on small collectives and ACKs. The
-  # method's k32 must win over the lab's default top-k 8.
-  proc = _netlab(
-    tmp_path, "--methods=adamw,demo-k32", "--noquantize_1bit", "--steps=8", "--eval_every=4"
-  )
-  out, _ = proc.communicate(timeout=600)
-  assert proc.returncode == 0, out[-4000:]
-  _assert_nothing_left(proc.pid, tmp_path, timeout=0)
+@KILLED_LAB
+def test_two_processes_shaped_and_unshaped(killed_lab):
+  ran = Summary.load(killed_lab / "runs" / "adamw-shaped")
+  assert (ran.optimizer, ran.workers) == ("adamw", 2)
+  report_ = json.loads((killed_lab / "netlab.json").read_text())
+  assert list(report_) == ["adamw"]
+  e = report_["adamw"]
+  for key in ("median_step_s_shaped", "median_step_s_unshaped"):
+    assert e[key] > 0, key
+  # What crossed the links is the collective's traffic plus TCP and coordinator overhead.
+  assert 0.5 < e["link_bytes_per_step"] / e["payload_bytes_per_step"] < 2.0, e
+  assert e["bounding_link"]["rate_mbit"] == 10
+  # 525 KB of ring all-reduce each way per step takes 0.42 s at 10 Mbit/s.
+  assert e["median_step_s_shaped"] > 0.4
+  # Shaping changes the timing, not the arithmetic.
+  runs = killed_lab / "runs"
+  assert [r.loss for r in read_metrics(runs / "adamw-shaped")] == [
+    r.loss for r in read_metrics(runs / "adamw-unshaped")
+  ]
+  assert (killed_lab / "netlab_loss.png").stat().st_size > 1000
+  assert "| adamw |" in (killed_lab / "netlab.md").read_text()
+  assert (killed_lab / "link_counters.jsonl").stat().st_size > 0
 
-  ran = Summary.load(tmp_path / "runs" / "demo-k32-shaped")
-  assert (ran.optimizer, ran.config["compression_topk"]) == ("demo", 32)
-  report_ = json.loads((tmp_path / "netlab.json").read_text())
-  assert list(report_) == ["adamw", "demo-k32"]
-  for method, e in report_.items():
-    for key in ("median_step_s_shaped", "median_step_s_unshaped"):
-      assert e[key] > 0, (method, key)
-    # What crossed the links is the collective's traffic plus TCP and coordinator overhead.
-    assert 0.5 < e["link_bytes_per_step"] / e["payload_bytes_per_step"] < 2.0, (method, e)
-    assert e["bounding_link"]["rate_mbit"] == 10
-  # 525 KB of ring all-reduce at 10 Mbit/s takes 0.42 s; the 7 KB message does not.
-  assert report_["adamw"]["median_step_s_shaped"] > 0.4
-  assert report_["demo-k32"]["shaped_step_speedup_vs_adamw"] > 5
-  assert (tmp_path / "netlab_loss.png").stat().st_size > 1000
-  assert "| demo-k32 |" in (tmp_path / "netlab.md").read_text()
-  assert (tmp_path / "link_counters.jsonl").stat().st_size > 0
+
+@pytest.mark.slow
+@needs_lab
+@KILLED_LAB
+def test_one_of_two_processes_killed_finish_on_one_and_report_the_cost(killed_lab):
+  figures = json.loads((killed_lab / "netlab.json").read_text())["adamw"]["interrupted"]
+  assert figures["processes"] == [2, 1] and figures["steps"] == 12
+  assert figures["kill_step"] >= 7 and figures["resumed_from_step"] == 4
+  # The survivor found the killed peer silent and stopped on its own.
+  assert figures["survivors_exit_codes"] == [76]
+  assert figures["steps_redone"] == figures["kill_step"] - 4
+  assert figures["wall_s_lost"] is not None and figures["seconds_to_regain_kill_step"] > 0
+  assert figures["final_loss_interrupted"] < 6 and figures["final_loss_uninterrupted"] < 6
+  run = killed_lab / "runs" / "adamw-interrupted"
+  assert [r.step for r in read_metrics(run)] == list(range(1, 13))
+  (event,) = read_events(run)
+  assert (event.step, event.processes_before, event.processes_after) == (4, 2, 1)
+  assert "## A process killed mid-run" in (killed_lab / "netlab.md").read_text()
 
 
 @pytest.mark.slow

@@ -1,21 +1,14 @@
 """netlab --kill_step: a training process killed mid-run, the run continued on the survivors.
 
-The figures and the flag checks run everywhere; the lab run needs root and
-iproute2 (it skips otherwise) and is slow.
+The figures and the flag checks run everywhere. The drill itself runs in
+tests/test_netlab.py, on the same lab run as the shaped and unshaped
+comparison (it needs root and iproute2, and is slow).
 """
-
-import json
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from experiments.netlab import lab, links, report, results
 from experiments.run.records import ResizeEvent, StepRecord
-
-ROOT = pathlib.Path(__file__).parent.parent
-CANNOT_RUN = links.missing_prerequisite()
 
 
 def _rec(step, t, loss=1.0, val=None):
@@ -76,33 +69,3 @@ def test_kill_drill_that_cannot_work_is_refused(changes, passthrough, match):
   cfg = lab.LabConfig(processes=4, steps=60, **changes)
   with pytest.raises(links.NetlabError, match=match):
     lab._check(cfg, passthrough)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(CANNOT_RUN is not None, reason=f"netlab cannot run: {CANNOT_RUN}")
-def test_three_processes_one_killed_finish_on_two_and_report_the_cost(tmp_path):
-  # Three processes, so that two survivors must agree on who was lost; a 5 s
-  # peer timeout (the lab's default for a kill is 20 s) so that they stop soon.
-  args = [
-    "--processes=3", "--rate_mbit=1000", "--preset=tiny", "--seq_len=32", "--eval_batches=1",
-    "--noprogress", "--methods=demo", "--steps=12", "--eval_every=6", "--skip_steps=2",
-    "--kill_step=7", "--checkpoint_every=4", "--peer_timeout_s=5", f"--out_dir={tmp_path}",
-  ]  # fmt: skip
-  out = subprocess.run(
-    [sys.executable, "-m", "experiments.netlab", *args],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=1500,
-    check=False,
-  )
-  assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-  figures = json.loads((tmp_path / "netlab.json").read_text())["demo"]["interrupted"]
-  assert figures["processes"] == [3, 2] and figures["steps"] == 12
-  assert figures["kill_step"] >= 7 and figures["resumed_from_step"] == 4
-  # The survivors found the killed peer silent and stopped on their own.
-  assert figures["survivors_exit_codes"] == [76, 76]
-  assert figures["steps_redone"] == figures["kill_step"] - 4
-  assert figures["wall_s_lost"] is not None and figures["seconds_to_regain_kill_step"] > 0
-  assert figures["final_loss_interrupted"] < 6 and figures["final_loss_uninterrupted"] < 6
-  assert "## A process killed mid-run" in (tmp_path / "netlab.md").read_text()

@@ -664,13 +664,22 @@ def _write_outputs(cfg: TrainConfig, summary: Summary, log: _Log) -> None:
       log.writer.records, os.path.join(cfg.out_dir, "loss.png"), f"{cfg.optimizer} on {cfg.preset}"
     )
   val = summary.final_val_loss
+  # A lone worker's ring all-reduce sends nothing: no ratio to give.
+  against = [
+    f"{_times(ratio)} {baseline}"
+    for ratio, baseline in (
+      (summary.ratio_vs_ring_allreduce, "a ring all-reduce"),
+      (summary.ratio_vs_bf16_grad, "a bf16 gradient"),
+    )
+    if ratio > 0
+  ]
+  compared = f" | {', '.join(against)}" if against else ""
   log.progress.message(
     f"done: train loss {summary.final_train_loss:.4f}"
     + (f", val loss {val:.4f}" if val is not None else "")
     + f" | {reporting.human_bytes(summary.total_bytes_sent_per_worker)} sent per worker"
-    f" | {_times(summary.ratio_vs_ring_allreduce)} a ring all-reduce,"
-    f" {_times(summary.ratio_vs_bf16_grad)} a bf16 gradient"
-    f" | outputs in {cfg.out_dir}"
+    + compared
+    + f" | outputs in {cfg.out_dir}"
   )
 
 
