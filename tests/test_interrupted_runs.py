@@ -26,6 +26,10 @@ from experiments.run.records import read_events
 pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).parent.parent
+# Room after the step at which a test sends SIGTERM: the processes agree on a
+# later step to stop at, and on an idle machine a run of 14 steps once ended
+# (at step 14) before the preemption took effect.
+STEPS = 40
 # No checkpoint is ever due unless a test asks. --scan_layers: each process
 # compiles one block, not two, about a fifth less CPU per process start.
 FLAGS = [
@@ -33,7 +37,7 @@ FLAGS = [
   "--scan_layers",
   "--batch_size=4",
   "--seq_len=32",
-  "--steps=14",
+  f"--steps={STEPS}",
   "--eval_every=7",
   "--eval_batches=1",
   "--noprogress",
@@ -129,7 +133,7 @@ def _preempt(out_dir, procs, after_step):
   lines = [re.findall(r"^preempted at step (\d+); resume with: .*$", o, re.M) for o in outs]
   (step,) = {int(found[0]) for found in lines}
   assert all(len(found) == 1 for found in lines)
-  assert after_step <= step < 14
+  assert after_step <= step < STEPS
   assert (out_dir / "checkpoints" / str(step)).is_dir()
   assert [r.step for r in read_metrics(out_dir)] == list(range(1, step + 1))
   last_lines = [o.strip().splitlines()[-1] for o in outs]
@@ -176,7 +180,7 @@ def test_two_processes_killed_then_preempted_resume_bit_identical(tmp_path):
     os.kill(p.pid, signal.SIGKILL)
   codes, _ = _finish(procs, timeout=30)
   assert codes == [-signal.SIGKILL] * 2
-  assert read_metrics(run)[-1].step < 14
+  assert read_metrics(run)[-1].step < STEPS
   saved = max(int(d) for d in os.listdir(run / "checkpoints") if d.isdigit())
 
   # The resumed job, with no periodic checkpoint, is preempted: one process
@@ -187,7 +191,7 @@ def test_two_processes_killed_then_preempted_resume_bit_identical(tmp_path):
   step, last_lines = _preempt(run, procs, saved + 1)
   assert step > saved
   _resume_as_told(last_lines)
-  assert [r.step for r in read_metrics(run)] == list(range(1, 15))
+  assert [r.step for r in read_metrics(run)] == list(range(1, STEPS + 1))
   _assert_same_as(run, _straight(tmp_path / "straight", processes=2), 2)
 
 
