@@ -58,6 +58,11 @@ import numpy as np
 
 from distro_jax import codec, dct, exchange
 
+try:
+  import fcntl
+except ImportError:  # not POSIX: concurrent first builds each build, as before
+  fcntl = None
+
 __all__ = [
   "available",
   "compress",
@@ -129,18 +134,36 @@ def _build(compiler: str) -> pathlib.Path:
   if target.exists():
     return target
   target.parent.mkdir(parents=True, exist_ok=True)
-  # Built under a temporary name and renamed, so processes building at once
-  # never load a half-written file.
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-  os.close(fd)
-  try:
-    cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    os.replace(tmp, target)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  # Processes of one machine starting at once (a multi-process run, a test
+  # suite's workers) build once: the others wait for the lock, then find the
+  # file. It is built under a temporary name and renamed, so that no process
+  # loads a half-written one.
+  with _exclusive(target.with_suffix(".lock")):
+    if target.exists():
+      return target
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+      cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+      subprocess.run(cmd, check=True, capture_output=True, text=True)
+      os.replace(tmp, target)
+    finally:
+      if os.path.exists(tmp):
+        os.remove(tmp)
   return target
+
+
+@contextlib.contextmanager
+def _exclusive(path: pathlib.Path) -> Iterator[None]:
+  """Holds an exclusive lock on ``path`` (an advisory one: every builder takes it)."""
+  with open(path, "a") as f:
+    if fcntl is not None:
+      fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      if fcntl is not None:
+        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 _build_lock = threading.Lock()
