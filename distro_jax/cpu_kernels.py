@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distro_jax import codec, dct, exchange
+from distro_jax import codec, dct, exchange, kernel_switch
 
 try:
   import fcntl
@@ -105,7 +105,7 @@ _TARGETS = {
   _DECODE8: "DistroJaxDemoDecode8",
   _DRAW: "DistroJaxDemoDraw",
 }
-_local = threading.local()
+_switch = kernel_switch.Switch(SWITCH)
 
 
 def _cpu_signature() -> str:
@@ -209,15 +209,12 @@ def available() -> bool:
   not ``0``, no :func:`disabled` block is open in this thread, and the kernels
   built.
   """
-  if getattr(_local, "off", False) or os.environ.get(SWITCH, "1") == "0":
-    return False
-  if jax.default_backend() != "cpu":
+  if _switch.off() or jax.default_backend() != "cpu":
     return False
   return _library()
 
 
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
+def disabled() -> contextlib.AbstractContextManager[None]:
   """Traces DeMo's update on XLA's path within the block (this thread only).
 
   Example:
@@ -226,12 +223,7 @@ def disabled() -> Iterator[None]:
     ...   dj.cpu_kernels.available()
     False
   """
-  before = getattr(_local, "off", False)
-  _local.off = True
-  try:
-    yield
-  finally:
-    _local.off = before
+  return _switch.disabled()
 
 
 def serves(
@@ -248,15 +240,10 @@ def serves(
     drawn: whether :func:`compress` would take drawn positions (64x64 or 8x8
       chunks) instead of selecting its top-k.
   """
-  side = plan.c1 if plan.c1 == plan.c2 else None
-  if drawn or k is None:
-    if side not in SIDES:
-      return False
-  elif side != CHUNK or not 1 <= k <= MAX_K:
-    return False
-  if any(x.dtype != jnp.float32 or dct.placed_on_mesh(x) for x in arrays):
-    return False
-  return available()
+  fit = kernel_switch.fits(
+    plan, arrays, k=k, drawn=drawn, sides=SIDES, top_k_side=CHUNK, max_k=MAX_K
+  )
+  return fit and available()
 
 
 def serves_draw(block_shape: tuple[int, ...], like: jax.Array) -> bool:

@@ -32,7 +32,6 @@ too. On the CPU they run in Pallas's interpret mode, for tests only
 
 import contextlib
 import functools
-import os
 import threading
 from collections.abc import Iterator
 
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from distro_jax import codec, dct, exchange
+from distro_jax import codec, dct, exchange, kernel_switch
 
 __all__ = ["available", "compress", "decode", "disabled", "interpreted", "serves"]
 
@@ -53,6 +52,8 @@ MAX_K = 64
 # 8x8 chunks are taken up to this many along a band at a time.
 _BAND = 16
 _HIGHEST = jax.lax.Precision.HIGHEST
+_switch = kernel_switch.Switch(SWITCH)
+# Set by interpreted(): the update takes the kernels in interpret mode, on any backend.
 _local = threading.local()
 
 
@@ -62,7 +63,7 @@ def available() -> bool:
   True on a GPU backend unless ``DISTRO_JAX_PALLAS=0`` or a :func:`disabled`
   block is open in this thread; anywhere within :func:`interpreted`.
   """
-  if getattr(_local, "off", False) or os.environ.get(SWITCH, "1") == "0":
+  if _switch.off():
     return False
   return getattr(_local, "interpret", False) or jax.default_backend() == "gpu"
 
@@ -88,8 +89,7 @@ def interpreted() -> Iterator[None]:
     _local.interpret = before
 
 
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
+def disabled() -> contextlib.AbstractContextManager[None]:
   """Traces DeMo's update on XLA's path within the block (this thread only).
 
   Example:
@@ -98,12 +98,7 @@ def disabled() -> Iterator[None]:
     ...   dj.pallas_kernels.available()
     False
   """
-  before = getattr(_local, "off", False)
-  _local.off = True
-  try:
-    yield
-  finally:
-    _local.off = before
+  return _switch.disabled()
 
 
 def serves(
@@ -118,17 +113,9 @@ def serves(
       select (64x64 chunks, ``k <= MAX_K``); ``None`` asks about :func:`decode`.
     drawn: whether :func:`compress` would take drawn positions.
   """
-  return available() and _fits(plan, *arrays, k=k, drawn=drawn)
-
-
-def _fits(plan: dct.ChunkPlan, *arrays: jax.Array, k: int | None, drawn: bool) -> bool:
-  """:func:`serves` without the backend: what the kernels can do at all."""
-  side = plan.c1 if plan.c1 == plan.c2 else None
-  if side not in SIDES:
-    return False
-  if k is not None and not drawn and (side != 64 or not 1 <= k <= MAX_K):
-    return False
-  return not any(x.dtype != jnp.float32 or dct.placed_on_mesh(x) for x in arrays)
+  return available() and kernel_switch.fits(
+    plan, arrays, k=k, drawn=drawn, sides=SIDES, top_k_side=64, max_k=MAX_K
+  )
 
 
 def _pow2(n: int) -> int:
