@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import optax
 
+import distro_jax as dj
+
 
 def transformation(tx: optax.GradientTransformation) -> optax.GradientTransformation:
   """``tx`` with its ``init`` and ``update`` each compiled as one program."""
@@ -21,6 +23,4 @@ def transformation(tx: optax.GradientTransformation) -> optax.GradientTransforma
 
 def gradient_point(learning_rate: Any = None, **lookahead: Any) -> Callable[[Any, Any], Any]:
   """``dj.gradient_point`` with its options fixed, as one program of (state, params)."""
-  import distro_jax as dj
-
   return jax.jit(functools.partial(dj.gradient_point, learning_rate=learning_rate, **lookahead))
