@@ -71,6 +71,7 @@ __all__ = [
   "draw_positions",
   "serves",
   "serves_draw",
+  "switched_off",
   "tables",
 ]
 
@@ -224,6 +225,15 @@ def disabled() -> contextlib.AbstractContextManager[None]:
     False
   """
   return _switch.disabled()
+
+
+def switched_off() -> bool:
+  """Whether ``DISTRO_JAX_CPU_KERNELS=0`` or a :func:`disabled` block turns them off now.
+
+  Unlike :func:`available`, this builds nothing: for a caller that keys what
+  it traced on the switch, whether or not the update it traced is DeMo's.
+  """
+  return _switch.off()
 
 
 def serves(

@@ -221,23 +221,31 @@ def worker_state_specs(
   if param_specs is None:
     param_specs = _default_param_specs(params)
   key = _memo_key(tx, params, mesh, axis_name, param_specs)
-  if key is None:
-    return _find_specs(tx, params, mesh, axis_name, param_specs)
-  if key not in _SPECS_MEMO:
-    _SPECS_MEMO[key] = _find_specs(tx, params, mesh, axis_name, param_specs)
-    while len(_SPECS_MEMO) > _SPECS_MEMO_SIZE:
-      _SPECS_MEMO.popitem(last=False)
-  _SPECS_MEMO.move_to_end(key)
-  return _SPECS_MEMO[key]
+  return _kept(_SPECS_MEMO, key, lambda: _find_specs(tx, params, mesh, axis_name, param_specs))
 
 
 # Finding the specs traces one update at least twice (0.8 CPU-s a trace for
 # the tiny preset's DeMo), and a train step's setup asks for the same specs
 # three times: for the step, and through init_worker_state and
 # abstract_worker_state. They depend only on the optimizer, the params'
-# shapes and dtypes, the mesh and the specs, so the last few are kept.
+# shapes and dtypes, the mesh and the specs, so the last few are kept, as
+# are the jitted inits of init_worker_state (a run started again in the same
+# process compiles no init).
 _SPECS_MEMO: collections.OrderedDict = collections.OrderedDict()
-_SPECS_MEMO_SIZE = 8
+_INIT_MEMO: collections.OrderedDict = collections.OrderedDict()
+_MEMO_SIZE = 8
+
+
+def _kept(memo: collections.OrderedDict, key: Any, make: Callable[[], Any]) -> Any:
+  """``memo[key]``, made by ``make()`` the first time; the last few keys are kept."""
+  if key is None:
+    return make()
+  if key not in memo:
+    memo[key] = make()
+    while len(memo) > _MEMO_SIZE:
+      memo.popitem(last=False)
+  memo.move_to_end(key)
+  return memo[key]
 
 
 def _memo_key(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: Any) -> Any:
@@ -383,8 +391,12 @@ def init_worker_state(
     params,
     param_shardings,
   )
-  fn = jax.jit(
-    _init_on_mesh(tx, mesh, param_specs, specs), out_shardings=_state_shardings(mesh, specs)
+  fn = _kept(
+    _INIT_MEMO,
+    _memo_key(tx, params, mesh, axis_name, param_specs),
+    lambda: jax.jit(
+      _init_on_mesh(tx, mesh, param_specs, specs), out_shardings=_state_shardings(mesh, specs)
+    ),
   )
   return fn(params)
 

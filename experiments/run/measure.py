@@ -9,6 +9,7 @@ so that the optimizer's share of a step comes out as a ratio of medians.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +49,7 @@ class HloBytes(NamedTuple):
   exchange: float
 
 
+@functools.lru_cache(maxsize=8)  # a run started again in the same process compiles nothing
 def _metrics_collective_bytes(mesh: jax.sharding.Mesh, rows: P) -> int:
   """Collective bytes of the train step's loss averaging, apart from the optimizer's."""
   fn = jax.jit(jax.shard_map(steps.mean_finite_loss, mesh=mesh, in_specs=rows, out_specs=P()))

@@ -12,7 +12,9 @@ device per site.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -116,9 +118,11 @@ class Program:
     )
 
   def init_params(self) -> Any:
-    model_cfg = config.model_config(self.cfg)
-    make = lambda: nnx.split(model_lib.Llama(model_cfg, rngs=nnx.Rngs(self.cfg.seed)), nnx.Param)
-    return jax.jit(lambda: make()[1], out_shardings=self.sharding(self.fsdp_plan.specs))()
+    spec_leaves, spec_def = jax.tree.flatten(self.fsdp_plan.specs, is_leaf=_is_spec)
+    make = _params_init(
+      config.model_config(self.cfg), self.cfg.seed, self.mesh, tuple(spec_leaves), spec_def
+    )
+    return make()
 
   def init_opt_state(self, params: Any) -> Any:
     return dj.init_worker_state(
@@ -133,12 +137,91 @@ class Program:
     return {"params": self.placed(self.abstract, self.fsdp_plan.specs), "opt_state": opt_state}
 
 
+@functools.lru_cache(maxsize=8)
+def _params_init(
+  model_cfg: model_lib.ModelConfig,
+  seed: int,
+  mesh: jax.sharding.Mesh,
+  spec_leaves: tuple[P, ...],
+  spec_def: Any,
+) -> Any:
+  """The jitted function that makes a model's params, placed as the specs say.
+
+  Kept, so that the runs of one model and seed in a process (the methods of a
+  comparison) trace and compile it once.
+  """
+  specs = jax.tree.unflatten(spec_def, spec_leaves)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+  make = lambda: nnx.split(model_lib.Llama(model_cfg, rngs=nnx.Rngs(seed)), nnx.Param)[1]
+  return jax.jit(make, out_shardings=shardings)
+
+
 def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Program:
   """The mesh, model, optimizer and jitted steps for ``cfg`` (resolved).
 
   ``cold_until`` (an elastic resume's joiners in their cold start) is what
   :func:`experiments.run.steps.train_step` takes.
+
+  The last few programs built in this process are kept. A run whose settings
+  differ only in where and how it reports, saves, resumes and stops (a resume
+  in the same notebook, a test's straight run beside its interrupted one)
+  gets the kept program, whose steps are already traced and compiled.
   """
+  key = _program_key(cfg, cold_until)
+  if key is None:
+    return _build(cfg, cold_until)
+  if key not in _PROGRAMS:
+    _PROGRAMS[key] = _build(cfg, cold_until)
+    while len(_PROGRAMS) > _PROGRAMS_KEPT:
+      _PROGRAMS.popitem(last=False)
+  _PROGRAMS.move_to_end(key)
+  return dataclasses.replace(_PROGRAMS[key], cfg=cfg)
+
+
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+_PROGRAMS_KEPT = 4
+
+# The settings that say where and how a run reports, saves, resumes and
+# stops. Nothing that build() makes reads them.
+_NOT_IN_PROGRAM = frozenset(
+  {
+    "out_dir",
+    "resume",
+    "data_path",
+    "eval_every",
+    "eval_batches",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "log_every",
+    "progress",
+    "check_replicas",
+    "stop_at_step",
+    "time_optimizer",
+  }
+)
+
+
+def _program_key(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Any:
+  """What :func:`build` makes of ``cfg`` depends on, hashable; ``None`` if it cannot be hashed.
+
+  Besides the settings: the switches of the fused kernels, which DeMo's
+  update reads when a step is traced (``DISTRO_JAX_CPU_KERNELS``,
+  ``disabled()`` and ``interpreted()`` blocks).
+  """
+  settings = tuple(
+    (f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in _NOT_IN_PROGRAM
+  )
+  kernels = (dj.cpu_kernels.switched_off(), dj.pallas_kernels.available())
+  key = (settings, cold_until, kernels, jax.process_count())
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+def _build(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Program:
+  """:func:`build`, computed."""
   method = methods.get(cfg.optimizer)
   model_cfg = config.model_config(cfg)
   mesh = make_mesh(cfg.workers, cfg.fsdp)
