@@ -5,6 +5,10 @@ bit-identical to a run never stopped, as does the resume of a job killed
 outright (from its last periodic checkpoint). A peer that stops answering is named by
 the survivors, which exit 76 without JAX's abort; the elastic resume their
 lines offer continues the run on fewer processes.
+
+Each process is forked from tests/forked_runs.py's server, which imported the
+trainer once: a real process, which the signals reach, without its 2
+CPU-seconds of imports.
 """
 
 import math
@@ -13,10 +17,9 @@ import pathlib
 import re
 import shlex
 import signal
-import subprocess
-import sys
 import time
 
+import forked_runs
 import portpicker
 import pytest
 from tiny_runs import read_metrics
@@ -49,10 +52,8 @@ def _start(out_dir, *extra, processes=1, port=None):
   if processes > 1:
     launch = [f"--num_processes={processes}", f"--coordinator_address=127.0.0.1:{port}"]
   return [
-    subprocess.Popen(
+    forked_runs.start(
       [
-        sys.executable,
-        "-m",
         "experiments.train",
         *FLAGS,
         f"--out_dir={out_dir}",
@@ -60,11 +61,7 @@ def _start(out_dir, *extra, processes=1, port=None):
         *launch,
         *([f"--process_id={i}"] if launch else []),
         *extra,
-      ],  # fmt: skip
-      cwd=ROOT,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
+      ]
     )
     for i in range(processes)
   ]
@@ -95,10 +92,10 @@ def _losses(out_dir):
 
 
 def _resume_command(line):
-  """The command a ``preempted at step N; resume with: ...`` line gives, runnable here."""
+  """The module and flags of the command a ``preempted at step N; resume with: ...`` line gives."""
   argv = shlex.split(line.split("resume with: ", 1)[1])
   assert argv[:3] == ["python", "-m", "experiments.train"]
-  return [sys.executable, *argv[1:]]
+  return argv[2:]
 
 
 def _straight(out_dir, *extra, processes=1):
@@ -142,12 +139,7 @@ def _preempt(out_dir, procs, after_step):
 
 
 def _resume_as_told(last_lines):
-  resumed = [
-    subprocess.Popen(
-      _resume_command(line), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    for line in last_lines
-  ]
+  resumed = [forked_runs.start(_resume_command(line)) for line in last_lines]
   codes, outs = _finish(resumed)
   assert codes == [0] * len(resumed), outs
 
@@ -254,10 +246,7 @@ def test_a_stopped_peer_is_named_and_the_survivors_continue_without_it(tmp_path)
     command = line.split("resume on the 2 surviving processes with: ", 1)[1].split("; or on all")[0]
     argv = shlex.split(command)
     assert {"--workers=4", "--num_processes=2", f"--process_id={i}", "--resume"} <= set(argv)
-    argv = [sys.executable, *argv[1:], f"--stop_at_step={step + 2}"]
-    resumed.append(
-      subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    )
+    resumed.append(forked_runs.start([*argv[2:], f"--stop_at_step={step + 2}"]))
   codes, outs = _finish(resumed)
   assert codes == [0, 0], outs
   logged = read_metrics(tmp_path)

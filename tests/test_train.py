@@ -1,11 +1,11 @@
 """The train driver: exact resume, determinism, clear errors, safe checkpoints, multi-host."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
+import forked_runs
 import numpy as np
 import portpicker
 import pytest
@@ -196,7 +196,6 @@ def test_driver_errors_are_one_clear_line(tmp_path, capsys):
 def _srun_env(port, task):
   """What srun sets for task ``task`` of a 2-task step on this machine."""
   return {
-    **os.environ,
     "SLURM_JOB_ID": "4242",
     "SLURM_STEP_NODELIST": "127.0.0.1",
     "SLURM_NTASKS": "2",
@@ -227,17 +226,9 @@ def test_two_processes_with_gloo_end_identical_and_learn(tmp_path):
     "--delayed_apply",
     "--overlap_exchange=thread",
   ]
-  procs = [
-    subprocess.Popen(
-      [sys.executable, "-m", "experiments.train", *common],
-      cwd=ROOT,
-      env=_srun_env(port, i),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
+  # Forked from tests/forked_runs.py's server: real processes, without their imports.
+  argv = ["experiments.train", *common]
+  procs = [forked_runs.start(argv, env=_srun_env(port, i)) for i in range(2)]
   try:
     outs = [p.communicate(timeout=240)[0] for p in procs]
   finally:
