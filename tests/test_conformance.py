@@ -112,12 +112,16 @@ QUICK = {"demo"}
 
 
 def _params_of(transformations, every_one_quick=False):
+  # A transformation's slow checks go to one xdist worker, where they share
+  # its jitted update (see _plain).
   return [
     pytest.param(
       name,
       factory,
       id=name,
-      marks=() if every_one_quick or name in QUICK else pytest.mark.slow,
+      marks=()
+      if every_one_quick or name in QUICK
+      else (pytest.mark.slow, pytest.mark.xdist_group(f"conformance-{name}")),
     )
     for name, factory in transformations
   ]
@@ -157,9 +161,19 @@ def _steps(tx, params, n, grads=None):
 
 
 @functools.cache
+def _plain(name):
+  """``FACTORIES[name](LR)``, one per worker process.
+
+  The checks that run it unwrapped share its jitted init and update: a new
+  instance is a new function to JAX, traced and compiled again.
+  """
+  return FACTORIES[name](LR)
+
+
+@functools.cache
 def _plain_three_steps(name):
-  """The updates of ``_steps(factory(LR), _params(), 3)``, which several checks compare with."""
-  return _steps(FACTORIES[name](LR), _params(), 3)[0]
+  """The updates of ``_steps(_plain(name), _params(), 3)``, which several checks compare with."""
+  return _steps(_plain(name), _params(), 3)[0]
 
 
 @pytest.mark.parametrize("name, factory", EVERY_QUICK)
@@ -279,6 +293,7 @@ def _is_spec(x):
 @pytest.mark.parametrize("name, factory", EVERY_ORTH)
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def test_orthogonalized_matrices_split_along_their_long_side_stay_split(name, factory, axis_type):
+  del factory  # _plain(name) is it, with its jitted update shared
   # On a 1-D mesh, every matrix split along its long side: only the Gram sums
   # of the Newton-Schulz steps cross the shards, never a matrix. (The test
   # below places params of every kind, for every transformation.)
@@ -286,7 +301,7 @@ def test_orthogonalized_matrices_split_along_their_long_side_stay_split(name, fa
   shardings = {k: NamedSharding(mesh, s) for k, s in _param_specs().items()}
   params = jax.device_put(_params(), shardings)
   grads = jax.device_put(_grads(_params()), shardings)
-  tx = factory(LR)
+  tx = _plain(name)
   # Explicit meshes need the mesh in context, as for any optax optimizer.
   context = jax.set_mesh(mesh) if axis_type == AxisType.Explicit else contextlib.nullcontext()
   with context:
@@ -330,6 +345,7 @@ def _gram_bytes(name, params):
 @pytest.mark.parametrize("name, factory", EVERY)
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def test_sharded_params_keep_their_sharding_and_are_not_gathered(name, factory, axis_type):
+  del factory  # _plain(name) is it, with its jitted update shared
   # MaxText style: a 2-D mesh, each matrix split along both of its axes
   # (whole 64x64 chunks on every device) or one axis over both mesh axes, a
   # vector over one mesh axis, and a scalar on every device.
@@ -343,7 +359,7 @@ def test_sharded_params_keep_their_sharding_and_are_not_gathered(name, factory, 
     for k, s in shapes.items()
   }
   grads = jax.tree.map(lambda p: p * 0.5 + 0.1, params)
-  tx = factory(LR)
+  tx = _plain(name)
   # Explicit meshes need the mesh in context, as for any optax optimizer.
   context = jax.set_mesh(mesh) if axis_type == AxisType.Explicit else contextlib.nullcontext()
   with context:
@@ -378,8 +394,9 @@ def test_sharded_params_keep_their_sharding_and_are_not_gathered(name, factory, 
 @pytest.mark.parametrize("name, factory", EVERY)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_dtypes_are_kept(name, factory, dtype):
+  del factory
   params = _params(jnp.dtype(dtype))
-  tx = factory(LR)
+  tx = _plain(name)
   state0 = jax.jit(tx.init)(params)
   updates, state1 = jax.jit(tx.update)(_grads(params), state0, params)
   for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)):
@@ -482,8 +499,9 @@ def test_init_is_shape_only(name, factory):
 @pytest.mark.slow  # the eager update runs op by op: seconds for each
 @pytest.mark.parametrize("name, factory", EVERY)
 def test_jit_gives_the_eager_update(name, factory):
+  del factory
   params = _params()
-  tx = factory(LR)
+  tx = _plain(name)
   state = tx.init(params)
   grads = _grads(params)
   eager, _ = tx.update(grads, state, params)
