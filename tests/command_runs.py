@@ -5,11 +5,9 @@ project before the command does anything; a test that runs a dozen commands
 to see their help or their one-line refusals spends most of its time there.
 :func:`run_commands` starts one process, imports the given modules once
 (which must define no flag, as ``tests/test_commands.py`` checks), and forks
-a child per command: the child runs the command's module as ``__main__``,
-not imported under its own name, with its own ``sys.argv``, and exits as the
-process would (``SystemExit``'s status, 1 after an uncaught exception, whose
-traceback it prints). Nothing in the parent has touched a JAX backend, so
-each child starts its own. A command that needs another environment (a
+a child per command, which runs the command's module as ``__main__`` with its
+own ``sys.argv`` and exits as the process would (``tests/as_main.py``).
+Nothing in the parent has touched a JAX backend, so each child starts its own. A command that needs another environment (a
 ``JAX_PLATFORMS`` read at import) needs a process of its own.
 """
 
@@ -21,8 +19,10 @@ import sys
 ROOT = pathlib.Path(__file__).parent.parent
 
 _RUNNER = """
-import atexit, importlib, json, os, runpy, sys, tempfile, traceback
+import importlib, json, os, sys, tempfile
 from absl import flags
+sys.path.insert(0, "tests")
+from as_main import run_and_exit
 imports, cases = json.loads(sys.argv[1])
 for name in imports:
   importlib.import_module(name)
@@ -33,22 +33,7 @@ for case, argv in cases.items():
     if pid == 0:
       os.dup2(out.fileno(), 1)
       os.dup2(err.fileno(), 2)
-      code = 0
-      try:
-        sys.argv = list(argv)
-        sys.modules.pop(argv[0], None)
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-      except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-      except BaseException:
-        traceback.print_exc()
-        code = 1
-      try:
-        atexit._run_exitfuncs()
-      finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+      run_and_exit(argv)
     _, status = os.waitpid(pid, 0)
     out.seek(0)
     err.seek(0)

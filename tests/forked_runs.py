@@ -5,11 +5,11 @@ importing JAX and the project before it trains; the drills that start a dozen
 such processes (to kill them, stop them and resume them) spend much of their
 time there. :func:`start` asks a server, a process that has imported
 :data:`PRELOAD` and touched no JAX backend, to fork a child. The child takes
-its environment, sends its output to a file of its own and runs the module as
-``__main__`` with its own ``sys.argv``, as ``python -m`` would. Each is a
-real process of its own: signals reach it, it starts its own backend (and
-``jax.distributed``), and it exits with the status the command chose, which
-the server writes down when it reaps it.
+its environment, sends its output to a file of its own, and runs the module
+as ``__main__`` with its own ``sys.argv``, as ``python -m`` would
+(``tests/as_main.py``). Each is a real process of its own: signals reach it,
+it starts its own backend (and ``jax.distributed``), and it exits with the
+status the command chose, which the server writes down when it reaps it.
 
 One server runs per test process, started on the first call with that
 process's environment (``tests/conftest.py`` has set the devices and the
@@ -37,7 +37,9 @@ PRELOAD = ["experiments.train"]
 # request a line ({"argv", "env", "log"}), answers the child's pid, and
 # writes each reaped child's exit status to LOG.status.
 _SERVER = """
-import atexit, importlib, json, os, runpy, select, sys
+import importlib, json, os, select, sys
+sys.path.insert(0, "tests")
+from as_main import run_and_exit
 for name in json.loads(sys.argv[1]):
   importlib.import_module(name)
 logs = {}
@@ -59,23 +61,7 @@ def child(request):
   os.dup2(out, 1)
   os.dup2(out, 2)
   os.environ.update(request["env"])
-  code = 0
-  try:
-    sys.argv = list(request["argv"])
-    sys.modules.pop(sys.argv[0], None)  # imported above; run afresh as __main__
-    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-  except SystemExit as e:
-    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-  except BaseException:
-    import traceback
-    traceback.print_exc()
-    code = 1
-  try:
-    atexit._run_exitfuncs()
-  finally:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+  run_and_exit(request["argv"])
 
 print("ready", flush=True)
 while True:

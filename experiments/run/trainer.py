@@ -181,24 +181,10 @@ def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Pro
 _PROGRAMS: collections.OrderedDict = collections.OrderedDict()
 _PROGRAMS_KEPT = 4
 
-# The settings that say where and how a run reports, saves, resumes and
-# stops. Nothing that build() makes reads them.
-_NOT_IN_PROGRAM = frozenset(
-  {
-    "out_dir",
-    "resume",
-    "data_path",
-    "eval_every",
-    "eval_batches",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "log_every",
-    "progress",
-    "check_replicas",
-    "stop_at_step",
-    "time_optimizer",
-  }
-)
+# What only steers a run (where and how it reports, saves, resumes and
+# stops), and the data it reads: none of it enters what build() makes. An
+# elastic resume's leaving workers and cold start enter as cold_until.
+_NOT_IN_PROGRAM = config.RUNTIME_FIELDS | {"data_path"}
 
 
 def _program_key(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Any:
