@@ -7,8 +7,9 @@ to see their help or their one-line refusals spends most of its time there.
 (which must define no flag, as ``tests/test_commands.py`` checks), and forks
 a child per command, which runs the command's module as ``__main__`` with its
 own ``sys.argv`` and exits as the process would (``tests/as_main.py``).
-Nothing in the parent has touched a JAX backend, so each child starts its own. A command that needs another environment (a
-``JAX_PLATFORMS`` read at import) needs a process of its own.
+Nothing in the parent has touched a JAX backend, so each child starts its
+own. A command that needs another environment (a ``JAX_PLATFORMS`` read at
+import) needs a process of its own.
 """
 
 import json

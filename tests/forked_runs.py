@@ -13,9 +13,9 @@ status the command chose, which the server writes down when it reaps it.
 
 One server runs per test process, started on the first call with that
 process's environment (``tests/conftest.py`` has set the devices and the
-compilation cache by then). A variable read at import needs a process of its
-own; one read when JAX's backend starts (``XLA_FLAGS``, ``JAX_PLATFORMS``)
-can be a child's own.
+compilation cache by then). A variable that JAX or the project reads at
+import (``JAX_PLATFORMS``) needs a process of its own; one read later, as
+``jax.distributed`` reads SLURM's when it starts, can be a child's own.
 """
 
 import atexit

@@ -14,6 +14,7 @@ import sys
 import time
 
 import command_runs
+import forked_runs
 import numpy as np
 import pytest
 from tiny_runs import read_metrics
@@ -44,8 +45,9 @@ def _one_error(status, err):
 
 
 def _error_line(proc, timeout=300):
-  _, err = proc.communicate(timeout=timeout)
-  return _one_error(proc.returncode, err)
+  """The one ``error:`` line of ``proc``'s stderr (of its merged output, for a forked run)."""
+  out, err = proc.communicate(timeout=timeout)
+  return _one_error(proc.returncode, out if err is None else err)
 
 
 def test_the_issues_examples_through_the_commands(tmp_path):
@@ -103,18 +105,20 @@ def _held(lock_path):
 
 
 def test_a_second_run_on_the_same_directory_fails_at_once_and_the_first_finishes(tmp_path):
-  run = [f"--out_dir={tmp_path}", "--steps=40", "--eval_every=20"]
-  first = _start(["experiments.train", *SMALL, *run])
+  # Both forked from tests/forked_runs.py's server (output merged): real
+  # processes, without their imports.
+  argv = ["experiments.train", *SMALL, f"--out_dir={tmp_path}", "--steps=40", "--eval_every=20"]
+  first = forked_runs.start(argv)
   deadline = time.time() + 240
   while not _held(tmp_path / "run.lock"):
-    assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
+    assert first.poll() is None and time.time() < deadline, first.communicate()[0][-3000:]
     time.sleep(0.05)
   t0 = time.time()
-  line = _error_line(_start(["experiments.train", *SMALL, *run]))
+  line = _error_line(forked_runs.start(argv))
   assert f"--out_dir={tmp_path} is in use by another run (pid {first.pid} on " in line
   second_seconds = time.time() - t0
-  out, err = first.communicate(timeout=300)
-  assert first.returncode == 0, err[-3000:]
+  out, _ = first.communicate(timeout=300)
+  assert first.returncode == 0, out[-3000:]
   assert [r.step for r in read_metrics(tmp_path)] == list(range(1, 41))
   # At once: before compiling anything (the first run takes far longer to compile).
   assert second_seconds < 60
