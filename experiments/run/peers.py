@@ -331,20 +331,26 @@ def collective_failed(error: BaseException) -> None:
   """On a collective that failed because a peer went away: wait for the watchdog to end the process.
 
   Returns at once for any other error, or without a watchdog; after
-  ``--peer_timeout_s`` and two beats with no peer found silent, returns too,
-  and the caller raises the error.
+  ``--peer_timeout_s``, four beats and 10 s with no peer found silent,
+  returns too, and the caller raises the error.
 
   Args:
     error: what the step raised.
   """
   if _watchdog is None or not any(m in str(error).lower() for m in _COLLECTIVE_FAILURE):
     return
+  # The dead peer's last beat may reach this process a beat after the
+  # failure, its silence is judged once a second, and on a loaded machine
+  # each of those threads waits its turn: given up too soon, a lost peer
+  # would end this process with a traceback (not 76, which a scheduler
+  # restarts). Only a failure with every peer alive waits this long in vain.
+  wait_s = _watchdog.timeout_s + 4 * _watchdog.beat_s + 10
   print(
     f"notice: a collective failed ({str(error).splitlines()[0][:160]}); waiting up to "
-    f"{_watchdog.timeout_s:g} s for the peer that went away to be named.",
+    f"{wait_s:g} s for the peer that went away to be named.",
     file=sys.stderr,
     flush=True,
   )
-  deadline = time.monotonic() + _watchdog.timeout_s + 2 * _watchdog.beat_s + 2
+  deadline = time.monotonic() + wait_s
   while time.monotonic() < deadline and _watchdog.verdict is None:
     time.sleep(0.2)
