@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 
 from distro_jax import codec, dct, exchange, kernel_switch
 
-__all__ = ["available", "compress", "decode", "disabled", "interpreted", "serves"]
+__all__ = ["available", "compress", "decode", "disabled", "interpreted", "interpreting", "serves"]
 
 SWITCH = "DISTRO_JAX_PALLAS"
 # The chunk sides served: 64x64 chunks (top-k or drawn) and 8x8 (drawn).
@@ -65,7 +65,7 @@ def available() -> bool:
   """
   if _switch.off():
     return False
-  return getattr(_local, "interpret", False) or jax.default_backend() == "gpu"
+  return interpreting() or jax.default_backend() == "gpu"
 
 
 @contextlib.contextmanager
@@ -81,12 +81,17 @@ def interpreted() -> Iterator[None]:
     ...   dj.pallas_kernels.available()
     True
   """
-  before = getattr(_local, "interpret", False)
+  before = interpreting()
   _local.interpret = True
   try:
     yield
   finally:
     _local.interpret = before
+
+
+def interpreting() -> bool:
+  """Whether an :func:`interpreted` block is open in this thread."""
+  return getattr(_local, "interpret", False)
 
 
 def disabled() -> contextlib.AbstractContextManager[None]:
@@ -150,7 +155,7 @@ def _together(*arrays: jax.Array) -> tuple[list[jax.Array], dict]:
 
 
 def _interpreting(interpret: bool) -> bool:
-  return interpret or getattr(_local, "interpret", False)
+  return interpret or interpreting()
 
 
 def _params(interpret: bool) -> dict:

@@ -25,6 +25,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,9 @@ PRELOAD = ["experiments.train"]
 
 # One process, no thread: it forks only from its one thread. It reads one
 # request a line ({"argv", "env", "log"}), answers the child's pid, and
-# writes each reaped child's exit status to LOG.status.
+# writes each ended child's exit status to LOG.status before it reaps it, so
+# that a pid without a status file is never another process's (a signal sent
+# to it reaches the child or a zombie).
 _SERVER = """
 import importlib, json, os, select, sys
 sys.path.insert(0, "tests")
@@ -46,13 +49,15 @@ logs = {}
 
 def reap():
   while logs:
-    pid, status = os.waitpid(-1, os.WNOHANG)
-    if pid == 0:
+    ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if ended is None:
       return
-    path = logs.pop(pid) + ".status"
+    code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+    path = logs.pop(ended.si_pid) + ".status"
     with open(path + ".part", "w") as f:
-      f.write(str(os.waitstatus_to_exitcode(status)))
+      f.write(str(code))
     os.replace(path + ".part", path)
+    os.waitpid(ended.si_pid, 0)
 
 def child(request):
   null = os.open(os.devnull, os.O_RDONLY)
@@ -138,7 +143,7 @@ class Forked:
       os.kill(self.pid, sig)
 
   def kill(self) -> None:
-    self.send_signal(9)
+    self.send_signal(signal.SIGKILL)
 
   def communicate(self, timeout: float | None = None) -> tuple[str, None]:
     """Waits for the exit; returns the output, as ``Popen.communicate`` would."""

@@ -13,7 +13,6 @@ CPU-seconds of imports.
 
 import math
 import os
-import pathlib
 import re
 import shlex
 import signal
@@ -28,7 +27,6 @@ from experiments.run.records import read_events
 
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).parent.parent
 # Room after the step at which a test sends SIGTERM: the processes agree on a
 # later step to stop at, and on an idle machine a run of 14 steps once ended
 # (at step 14) before the preemption took effect.
@@ -91,11 +89,16 @@ def _losses(out_dir):
   return [(r.step, r.loss, r.val_loss) for r in read_metrics(out_dir)]
 
 
+def _module_argv(command):
+  """The module and flags of a ``python -m experiments.train ...`` command a line offers."""
+  argv = shlex.split(command)
+  assert argv[:3] == ["python", "-m", "experiments.train"], command
+  return argv[2:]
+
+
 def _resume_command(line):
   """The module and flags of the command a ``preempted at step N; resume with: ...`` line gives."""
-  argv = shlex.split(line.split("resume with: ", 1)[1])
-  assert argv[:3] == ["python", "-m", "experiments.train"]
-  return argv[2:]
+  return _module_argv(line.split("resume with: ", 1)[1])
 
 
 def _straight(out_dir, *extra, processes=1):
@@ -244,9 +247,9 @@ def test_a_stopped_peer_is_named_and_the_survivors_continue_without_it(tmp_path)
   resumed = []
   for i, line in enumerate(lines):
     command = line.split("resume on the 2 surviving processes with: ", 1)[1].split("; or on all")[0]
-    argv = shlex.split(command)
+    argv = _module_argv(command)
     assert {"--workers=4", "--num_processes=2", f"--process_id={i}", "--resume"} <= set(argv)
-    resumed.append(forked_runs.start([*argv[2:], f"--stop_at_step={step + 2}"]))
+    resumed.append(forked_runs.start([*argv, f"--stop_at_step={step + 2}"]))
   codes, outs = _finish(resumed)
   assert codes == [0, 0], outs
   logged = read_metrics(tmp_path)

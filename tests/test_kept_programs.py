@@ -24,7 +24,7 @@ def test_settings_of_reporting_saving_and_stopping_share_one_program(tmp_path):
   assert again.train_step is first.train_step and again.eval_step is first.eval_step
   # The kept program carries the run's own settings.
   assert again.cfg.out_dir == str(tmp_path / "b") and again.cfg.stop_at_step == 2
-  # What enters the step builds another: a rate, a seed, the kernels' switch.
+  # What enters the step builds another: a rate, a seed, the kernels' switches.
   for other in (
     dataclasses.replace(cfg, learning_rate=cfg.learning_rate / 2),
     dataclasses.replace(cfg, seed=cfg.seed + 1),
@@ -32,7 +32,9 @@ def test_settings_of_reporting_saving_and_stopping_share_one_program(tmp_path):
     assert trainer.build(other).train_step is not first.train_step
   with dj.cpu_kernels.disabled():
     assert trainer.build(cfg).train_step is not first.train_step
-  assert trainer.build(cfg).train_step is first.train_step
+  assert trainer.build(cfg).train_step is first.train_step  # four kept: still there
+  with dj.pallas_kernels.interpreted():
+    assert trainer.build(cfg).train_step is not first.train_step
 
 
 def test_a_second_run_compiles_nothing_and_ends_as_the_first(tmp_path):

@@ -12,7 +12,6 @@ device per site.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -167,43 +166,39 @@ def build(cfg: TrainConfig, *, cold_until: tuple[int, ...] | None = None) -> Pro
   in the same notebook, a test's straight run beside its interrupted one)
   gets the kept program, whose steps are already traced and compiled.
   """
-  key = _program_key(cfg, cold_until)
-  if key is None:
-    return _build(cfg, cold_until)
-  if key not in _PROGRAMS:
-    _PROGRAMS[key] = _build(cfg, cold_until)
-    while len(_PROGRAMS) > _PROGRAMS_KEPT:
-      _PROGRAMS.popitem(last=False)
-  _PROGRAMS.move_to_end(key)
-  return dataclasses.replace(_PROGRAMS[key], cfg=cfg)
-
-
-_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
-_PROGRAMS_KEPT = 4
-
-# What only steers a run (where and how it reports, saves, resumes and
-# stops), and the data it reads: none of it enters what build() makes. An
-# elastic resume's leaving workers and cold start enter as cold_until.
-_NOT_IN_PROGRAM = config.RUNTIME_FIELDS | {"data_path"}
-
-
-def _program_key(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Any:
-  """What :func:`build` makes of ``cfg`` depends on, hashable; ``None`` if it cannot be hashed.
-
-  Besides the settings: the switches of the fused kernels, which DeMo's
-  update reads when a step is traced (``DISTRO_JAX_CPU_KERNELS``,
-  ``disabled()`` and ``interpreted()`` blocks).
-  """
-  settings = tuple(
-    (f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in _NOT_IN_PROGRAM
+  settings = dataclasses.replace(cfg, **_RUNTIME_DEFAULTS)
+  # The fused kernels' switches are read when the steps are traced.
+  kernels = (
+    dj.cpu_kernels.switched_off(),
+    dj.pallas_kernels.available(),
+    dj.pallas_kernels.interpreting(),
   )
-  kernels = (dj.cpu_kernels.switched_off(), dj.pallas_kernels.available())
   key = (settings, cold_until, kernels, jax.process_count())
   try:
     hash(key)
-  except TypeError:
-    return None
-  return key
+  except TypeError:  # a setting that cannot be hashed: nothing to key it on
+    return dataclasses.replace(_build(settings, cold_until), cfg=cfg)
+  return dataclasses.replace(_kept_build(*key), cfg=cfg)
+
+
+# What only steers a run (where and how it reports, saves, resumes and
+# stops), and the data it reads: none of it enters what build() makes, so
+# build() keys its programs on the settings with these at their defaults. An
+# elastic resume's leaving workers and cold start enter as cold_until.
+_RUNTIME_DEFAULTS = {
+  f.name: f.default
+  for f in dataclasses.fields(TrainConfig)
+  if f.name in config.RUNTIME_FIELDS | {"data_path"}
+}
+
+
+@functools.lru_cache(maxsize=4)
+def _kept_build(
+  settings: TrainConfig, cold_until: tuple[int, ...] | None, kernels: Any, processes: int
+) -> Program:
+  """:func:`_build`, kept for the last four keys (``kernels`` and ``processes`` are key only)."""
+  del kernels, processes
+  return _build(settings, cold_until)
 
 
 def _build(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Program:
