@@ -20,7 +20,7 @@ its axis 0 split over all of them in mesh order: ``P(("replica", "fsdp"))``.
 
 import collections
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -213,39 +213,53 @@ def worker_state_specs(
     ValueError: if a per-worker leaf is a scalar, which this layout cannot
       shard, or one update cannot be traced with per-worker gradients.
   """
-  if axis_name not in mesh.axis_names:
-    raise ValueError(
-      f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}; "
-      "build the mesh with it, e.g. jax.make_mesh((n,), ('data',))."
-    )
   if param_specs is None:
     param_specs = _default_param_specs(params)
-  key = _memo_key(tx, params, mesh, axis_name, param_specs)
-  return _kept(_SPECS_MEMO, key, lambda: _find_specs(tx, params, mesh, axis_name, param_specs))
+  return _found(tx, params, mesh, axis_name, param_specs).specs
+
+
+class _Found(NamedTuple):
+  """What one key of :data:`_FOUND` holds."""
+
+  specs: Any  # worker_state_specs
+  init: Callable[[Any], Any]  # init_worker_state's jitted function, compiled at its first call
 
 
 # Finding the specs traces one update at least twice (0.8 CPU-s a trace for
 # the tiny preset's DeMo), and a train step's setup asks for the same specs
 # three times: for the step, and through init_worker_state and
 # abstract_worker_state. They depend only on the optimizer, the params'
-# shapes and dtypes, the mesh and the specs, so the last few are kept, as
-# are the jitted inits of init_worker_state (a run started again in the same
-# process compiles no init).
-_SPECS_MEMO: collections.OrderedDict = collections.OrderedDict()
-_INIT_MEMO: collections.OrderedDict = collections.OrderedDict()
-_MEMO_SIZE = 8
+# shapes and dtypes, the mesh and the specs, so the last few are kept, each
+# with its jitted init (a run started again in the same process compiles no
+# init).
+_FOUND: collections.OrderedDict = collections.OrderedDict()
+_FOUND_SIZE = 8
 
 
-def _kept(memo: collections.OrderedDict, key: Any, make: Callable[[], Any]) -> Any:
-  """``memo[key]``, made by ``make()`` the first time; the last few keys are kept."""
+def _found(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: Any) -> _Found:
+  """The state's specs and jitted init for these arguments, kept for the last few keys."""
+  if axis_name not in mesh.axis_names:
+    raise ValueError(
+      f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}; "
+      "build the mesh with it, e.g. jax.make_mesh((n,), ('data',))."
+    )
+
+  def make() -> _Found:
+    specs = _find_specs(tx, params, mesh, axis_name, param_specs)
+    init = jax.jit(
+      _init_on_mesh(tx, mesh, param_specs, specs), out_shardings=_state_shardings(mesh, specs)
+    )
+    return _Found(specs, init)
+
+  key = _memo_key(tx, params, mesh, axis_name, param_specs)
   if key is None:
     return make()
-  if key not in memo:
-    memo[key] = make()
-    while len(memo) > _MEMO_SIZE:
-      memo.popitem(last=False)
-  memo.move_to_end(key)
-  return memo[key]
+  if key not in _FOUND:
+    _FOUND[key] = make()
+    while len(_FOUND) > _FOUND_SIZE:
+      _FOUND.popitem(last=False)
+  _FOUND.move_to_end(key)
+  return _FOUND[key]
 
 
 def _memo_key(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: Any) -> Any:
@@ -384,21 +398,13 @@ def init_worker_state(
   """
   if param_specs is None:
     param_specs = _default_param_specs(params)
-  specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
-  param_shardings = _state_shardings(mesh, param_specs)
+  init = _found(tx, params, mesh, axis_name, param_specs).init
   params = jax.tree.map(
     lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
     params,
-    param_shardings,
+    _state_shardings(mesh, param_specs),
   )
-  fn = _kept(
-    _INIT_MEMO,
-    _memo_key(tx, params, mesh, axis_name, param_specs),
-    lambda: jax.jit(
-      _init_on_mesh(tx, mesh, param_specs, specs), out_shardings=_state_shardings(mesh, specs)
-    ),
-  )
-  return fn(params)
+  return init(params)
 
 
 def abstract_worker_state(
