@@ -49,7 +49,7 @@ from distro_jax.hlo_bytes import (
   parse_collective_bytes,
 )
 from distro_jax.lookahead import gradient_point, lookahead_update
-from distro_jax.orthogonal import orthogonalize
+from distro_jax.orthogonal import orthogonalize, orthogonalize_shared_rows
 from distro_jax.overlap import gather_pending
 from distro_jax.sparseloco import (
   SparseLocoBytes,
@@ -109,6 +109,7 @@ __all__ = [
   "local_value_and_grad",
   "lookahead_update",
   "orthogonalize",
+  "orthogonalize_shared_rows",
   "parse_collective_bytes",
   "per_worker",
   "plan_fsdp",

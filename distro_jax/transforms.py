@@ -36,6 +36,7 @@ from distro_jax import (
   dense_step,
   exchange,
   message,
+  orthogonal,
   unit_rms,
   wire,
 )
@@ -154,6 +155,7 @@ class _Options(NamedTuple):
   delayed_apply: bool
   random_positions: bool
   frequency_bias: float
+  shared_rows: bool
 
   def layout(self, params: Any) -> codec.WireLayout:
     """The message's bytes for ``params`` (arrays or ``jax.ShapeDtypeStruct``)."""
@@ -189,6 +191,7 @@ def _options(
     one_allowed=False,
     hint="Use 0 for the stateless mode, or e.g. 0.999 (the reference default).",
   )
+  shared_rows = _check_random_positions(random_positions)
   bias = 0.0
   if frequency_bias is not None:
     bias = static_nonnegative_float("frequency_bias", frequency_bias, example=1.0)
@@ -207,6 +210,26 @@ def _options(
     delayed_apply=bool(delayed_apply),
     random_positions=bool(random_positions),
     frequency_bias=bias,
+    shared_rows=shared_rows,
+  )
+
+
+# random_positions= this string: every worker draws the same row frequency for
+# a block-row's chunks (message.Drawn).
+SHARED_ROWS = "shared_rows"
+
+
+def _check_random_positions(random_positions: Any) -> bool:
+  """Whether ``random_positions`` asks for shared rows; refused unless a bool or that."""
+  if not isinstance(random_positions, str):
+    return False
+  if random_positions == SHARED_ROWS:
+    return True
+  raise ValueError(
+    f"random_positions={random_positions!r}; use False (the top-k and its indices), True "
+    f"(positions drawn per worker and chunk) or {SHARED_ROWS!r} (each block-row's row "
+    "frequency drawn once for every worker, so normalize='orth' runs on a matrix 8 "
+    "times shorter)."
   )
 
 
@@ -294,7 +317,14 @@ def _message_format(count, grads, tensors: _Tensors, opts: _Options) -> message.
   if opts.random_positions:
     block_shapes = [plan.block_shape for plan in tensors.plans]
     positions = message.drawn(
-      count, opts.axis_name, grads, tensors.site_axes, block_shapes, ks, opts.frequency_bias
+      count,
+      opts.axis_name,
+      grads,
+      tensors.site_axes,
+      block_shapes,
+      ks,
+      opts.frequency_bias,
+      opts.shared_rows,
     )
   else:
     positions = message.TopK(ks)
@@ -375,7 +405,17 @@ def scale_by_demo(
       carries only the values: with ``quantize_1bit``, one bit per value. The
       error feedback removes what was sent, as with the top-k. With
       ``delayed_apply`` the message in flight is decoded with the positions
-      drawn at the step that made it. Static.
+      drawn at the step that made it. ``"shared_rows"``: the same, but each
+      step draws one row frequency per block-row (a strip of ``c1`` rows)
+      for every worker, from a key no worker's index enters, while each
+      worker still draws each chunk's column frequencies; each chunk's
+      position keeps its distribution. The aggregate's strips are then
+      single cosines, so ``dj.demo(normalize="orth")`` orthogonalizes a
+      matrix ``c1`` times shorter, about ``c1**2`` times fewer flops
+      (:func:`distro_jax.orthogonalize_shared_rows`), and each step moves a
+      matrix along at most ``rows / c1`` directions. Needs ``compression_topk``
+      at most the chunk's column length and params kept whole on each
+      worker's devices. Static.
     frequency_bias: with ``random_positions``, how much the draw prefers a
       chunk's low frequencies: DCT coefficient ``(i, j)`` is drawn with
       probability proportional to ``((1 + i) (1 + j)) ** -frequency_bias``
@@ -421,13 +461,28 @@ def scale_by_demo(
     random_positions,
     frequency_bias,
   )
+  return _demo_stage(learning_rate, opts, orthogonalize=None)
 
+
+def _demo_stage(
+  learning_rate: optax.ScalarOrSchedule, opts: _Options, orthogonalize: Any
+) -> optax.GradientTransformationExtraArgs:
+  """:func:`scale_by_demo` with its options checked.
+
+  ``orthogonalize``: with shared rows, a ``normalize`` spec whose matrices
+  (:func:`distro_jax.unit_rms.orthogonalizes`) this stage returns
+  orthogonalized, where it still knows each strip's cosine; ``None`` returns
+  every ``Q`` as decoded.
+  """
+  axis_name = opts.axis_name
   decay = opts.decay
 
   def init_fn(params):
     return _init(params, opts)
 
-  def update_carried(updates, state, params, *, contribute=None, gathered=None, **extra_args):
+  def update_carried(
+    updates, state, params, *, contribute=None, gathered=None, orthogonal_marks=(), **extra_args
+  ):
     del extra_args  # Other transformations' arguments, passed along by optax.chain.
     num_workers = exchange.bound_axis_size(axis_name)
     grads, treedef = jax.tree.flatten(updates)
@@ -446,6 +501,7 @@ def scale_by_demo(
     finite, send = _verdict(compressed.selection, tensors.site_axes, contribute)
     received, pending = schedule.exchange(fmt, compressed.selection, send, state, gathered)
     q_blocks = decode.aggregate(received, compressed.kept, tensors.plans, fmt.basis, axis_name)
+    q_blocks = _orthogonalized(q_blocks, received, orthogonal_marks)
     directions = decode.to_params(q_blocks, tensors.plans, tensors.shapes, grads, tensors.site_axes)
     contributors = decode.contributors(received, tensors.site_axes)
     momenta = schedule.next_momentum(
@@ -456,10 +512,32 @@ def scale_by_demo(
     return treedef.unflatten(directions), new_state
 
   def update_fn(updates, state, params=None, **extra_args):
-    dense_step.warn_if_dense(jax.tree.leaves(updates), axis_name)
-    return _without_empty(update_carried, updates, state, params, **extra_args)
+    leaves = jax.tree.leaves(updates)
+    dense_step.warn_if_dense(leaves, axis_name)
+    update = update_carried
+    if orthogonalize is not None and opts.shared_rows:
+      modes = unit_rms.normalize_modes(orthogonalize, updates)
+      marks = [unit_rms.orthogonalizes(m, np.shape(g)) for m, g in zip(modes, leaves)]
+      update = functools.partial(update, orthogonal_marks=wire.CarriedLeaves(leaves).pick(marks))
+    return _without_empty(update, updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _orthogonalized(
+  q_blocks: list[jax.Array], received: message.Received, marks: Any
+) -> list[jax.Array]:
+  """Each marked tensor's ``Q`` orthogonalized through its shared rows, the rest as they are."""
+  out = list(q_blocks)
+  for i, mark in enumerate(marks):
+    if not mark:
+      continue
+    *lead, a, _, b, c2 = q_blocks[i].shape
+    # Every sender drew the same row for a block-row, so the first sender's
+    # first position of each block-row names it (whether or not it counts).
+    idx = received.tensors[i][0][0].reshape(*lead, a, b, -1)
+    out[i] = orthogonal.orthogonalize_shared_rows(q_blocks[i], idx[..., 0, 0] // c2)
+  return out
 
 
 def _skip_when_nothing_received(
@@ -499,12 +577,14 @@ def _skip_when_nothing_received(
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
-def _normalization(normalize: Any, axis_name: Hashable | None) -> optax.GradientTransformation:
+def _normalization(
+  normalize: Any, axis_name: Hashable | None, orthogonalized: bool = False
+) -> optax.GradientTransformation:
   """The normalize stage: how ``Q`` becomes a step (``sign``, or :mod:`distro_jax.unit_rms`'s)."""
   unit_rms.check_normalize(normalize)
   if normalize == "sign":
     return optax.scale_by_sign()
-  return unit_rms.scale_by_normalize(normalize, axis_name)
+  return unit_rms.scale_by_normalize(normalize, axis_name, orthogonalized)
 
 
 def demo(
@@ -554,8 +634,9 @@ def demo(
       one bool for a subtree), or a function of the params that returns one. ``None`` (the
       default) overlaps every param. See :func:`distro`. Static.
     random_positions: send the values at positions drawn from a seed every
-      worker knows, instead of the largest and their indices (see
-      :func:`scale_by_demo`). Static.
+      worker knows, instead of the largest and their indices; or
+      ``"shared_rows"``, the same with each block-row's row frequency shared
+      by every worker (see :func:`scale_by_demo`). Static.
     frequency_bias: with ``random_positions``, the draw's preference for low
       frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
     normalize: how ``Q`` becomes a step: ``"sign"`` (DeMo's: every entry
@@ -585,24 +666,25 @@ def demo(
     >>> updates, state = tx.update({"w": jnp.ones((64, 64))}, state, params)
     >>> params = optax.apply_updates(params, updates)
   """
-  return distro(
-    optax.chain(
-      _normalization(normalize, axis_name),
-      optax.add_decayed_weights(weight_decay),
-      optax.scale_by_learning_rate(learning_rate),
-    ),
-    learning_rate,
+  # With shared rows the exchange orthogonalizes the matrices itself, on
+  # the shorter matrix whose cosines only it knows; the step then scales them.
+  orthogonalize = normalize if _check_random_positions(random_positions) else None
+  inner = optax.chain(
+    _normalization(normalize, axis_name, orthogonalized=orthogonalize is not None),
+    optax.add_decayed_weights(weight_decay),
+    optax.scale_by_learning_rate(learning_rate),
+  )
+  options = dict(
     compression_decay=compression_decay,
     compression_topk=compression_topk,
     compression_chunk=compression_chunk,
     quantize_1bit=quantize_1bit,
     use_dct=use_dct,
     axis_name=axis_name,
-    delayed_apply=delayed_apply,
-    synchronous=synchronous,
     random_positions=random_positions,
     frequency_bias=frequency_bias,
   )
+  return _distro(inner, learning_rate, delayed_apply, synchronous, options, orthogonalize)
 
 
 def distro(
@@ -658,8 +740,9 @@ def distro(
       one bool for a subtree), or a function of the params that returns one. ``None`` (the
       default) overlaps every param. See :func:`distro`. Static.
     random_positions: send the values at positions drawn from a seed every
-      worker knows, instead of the largest and their indices (see
-      :func:`scale_by_demo`). Static.
+      worker knows, instead of the largest and their indices; or
+      ``"shared_rows"``, the same with each block-row's row frequency shared
+      by every worker (see :func:`scale_by_demo`). Static.
     frequency_bias: with ``random_positions``, the draw's preference for low
       frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
 
@@ -690,9 +773,22 @@ def distro(
     random_positions=random_positions,
     frequency_bias=frequency_bias,
   )
+  return _distro(inner, learning_rate, delayed_apply, synchronous, options, None)
+
+
+def _distro(
+  inner: optax.GradientTransformation,
+  learning_rate: optax.ScalarOrSchedule,
+  delayed_apply: bool,
+  synchronous: Any,
+  options: dict[str, Any],
+  orthogonalize: Any,
+) -> optax.GradientTransformationExtraArgs:
+  """:func:`distro`; with shared rows its exchange orthogonalizes (:func:`_demo_stage`)."""
   if synchronous is None:
+    opts = _options(learning_rate, delayed_apply=delayed_apply, **options)
     return _skip_when_nothing_received(
-      optax.chain(scale_by_demo(learning_rate, delayed_apply=delayed_apply, **options), inner),
+      optax.chain(_demo_stage(learning_rate, opts, orthogonalize), inner),
       delayed_apply=delayed_apply,
     )
   if not delayed_apply:
@@ -706,8 +802,8 @@ def distro(
   # message of the step before. Every tensor's compression and aggregate are
   # its own, so a tensor trains as it would in a run with its group's mode.
   groups = {
-    _SYNCHRONOUS: distro(inner, learning_rate, delayed_apply=False, **options),
-    _OVERLAPPED: distro(inner, learning_rate, delayed_apply=True, **options),
+    _SYNCHRONOUS: _distro(inner, learning_rate, False, None, options, orthogonalize),
+    _OVERLAPPED: _distro(inner, learning_rate, True, None, options, orthogonalize),
   }
   return optax.multi_transform(groups, functools.partial(_overlap_labels, synchronous))
 
@@ -769,8 +865,9 @@ def distro_adamw(
       one bool for a subtree), or a function of the params that returns one. ``None`` (the
       default) overlaps every param. See :func:`distro`. Static.
     random_positions: send the values at positions drawn from a seed every
-      worker knows, instead of the largest and their indices (see
-      :func:`scale_by_demo`). Static.
+      worker knows, instead of the largest and their indices; or
+      ``"shared_rows"``, the same with each block-row's row frequency shared
+      by every worker (see :func:`scale_by_demo`). Static.
     frequency_bias: with ``random_positions``, the draw's preference for low
       frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
 

@@ -24,6 +24,7 @@ MODULES = [
   # Each of these three compiles DeMo updates: 3 s or so.
   pytest.param("distro_jax.lookahead", marks=pytest.mark.slow),
   "distro_jax.message",
+  "distro_jax.orthogonal",
   "distro_jax.overlap",
   "distro_jax.sparseloco",
   pytest.param("distro_jax.transforms", marks=pytest.mark.slow),

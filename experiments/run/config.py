@@ -96,6 +96,12 @@ class TrainConfig:
     "Send the values at --compression_topk positions per chunk drawn from a seed every "
     "worker shares, instead of the largest and their indices (no index bits).",
   )
+  shared_rows: bool = _field(
+    False,
+    "With --random_positions, draw each block-row's row frequency once for every worker "
+    "(a chunk's column frequency stays its own), so --normalize=orth runs on matrices "
+    "8x shorter.",
+  )
   frequency_bias: float = _field(
     0.0,
     "With --random_positions, draw DCT coefficient (i, j) of a chunk with probability "

@@ -433,7 +433,7 @@ def _compression(cfg: TrainConfig, axes: Axes) -> dict[str, Any]:
     "compression_chunk": cfg.compression_chunk,
     "quantize_1bit": cfg.quantize_1bit,
     "use_dct": cfg.use_dct,
-    "random_positions": cfg.random_positions,
+    "random_positions": "shared_rows" if cfg.shared_rows else cfg.random_positions,
     "frequency_bias": cfg.frequency_bias or None,
     "axis_name": axes.replica,
     "delayed_apply": cfg.delayed_apply,
@@ -875,6 +875,11 @@ def _check_compression(cfg: TrainConfig) -> None:
       f"--frequency_bias={cfg.frequency_bias:g} shapes the draw of --random_positions; add "
       "--random_positions, or drop --frequency_bias."
     )
+  if cfg.shared_rows and not cfg.random_positions:
+    raise ConfigError(
+      "--shared_rows shares the row frequencies of --random_positions' draw; add "
+      "--random_positions (method option rand), or drop --shared_rows."
+    )
 
 
 def _check_demo(cfg: TrainConfig) -> None:
@@ -893,6 +898,7 @@ _COMPRESSION_OPTIONS = (
   Option(r"1bit", "quantize_1bit", lambda m: True, "1bit"),
   Option(r"nodct", "use_dct", lambda m: False, "nodct"),
   Option(r"rand", "random_positions", lambda m: True, "rand"),
+  Option(r"rows", "shared_rows", lambda m: True, "rows"),
   Option(r"fb(\d+(?:\.\d+)?)", "frequency_bias", lambda m: float(m.group(1)), "fbB"),
   Option(r"stateless", "compression_decay", lambda m: 0.0, "stateless"),
   Option(r"delayed", "delayed_apply", lambda m: True, "delayed"),
