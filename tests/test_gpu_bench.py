@@ -52,6 +52,13 @@ def test_methods_are_chosen_by_name_with_the_baseline_always_in():
     gpu_bench._chosen(["dj.demo (top-k 3)"])
 
 
+def test_bench_update_times_any_method_compare_takes_and_refuses_others():
+  rows = bench_update._registry_rows(["demo-k1-c16-1bit-rand-rows-fb1-orth"], {})
+  assert list(rows) == ["demo-k1-c16-1bit-rand-rows-fb1-orth"]
+  with pytest.raises(ValueError, match="(?s)Unknown method .demo-k1-nonsense.*as compare takes it"):
+    bench_update._registry_rows(["demo-k1-nonsense"], {})
+
+
 def test_importing_it_defines_no_flags():
   assert "presets" not in flags.FLAGS and "train_rounds" not in flags.FLAGS
 

@@ -12,7 +12,8 @@ values; every method ``compare`` runs by default (``adamw``, ``muon``,
 ``demo``, ``demo-k8-1bit``, ``demo-k2-1bit``, the recommended
 ``demo-k1-c8-1bit-rand-fb1-orth``, ``diloco``, ``sparseloco``), built by the
 method registry as ``compare`` builds them (their recipes for ``small``,
-clipping included), and the recommended message with the sign step. DiLoCo
+clipping included), and the recommended message with the sign step and
+with shared rows (``demo-k1-c8-1bit-rand-rows-fb1-orth``). DiLoCo
 and SparseLoCo step locally between exchanges: their row is a local step, a
 second row times the same method synchronizing at every step, and a third is
 the per-step cost over a round of H steps, ``((H - 1) local + 1
@@ -111,6 +112,9 @@ K8_NAME = "dj.demo (top-k 8, 1-bit)"
 # shows what the orthogonalization costs.
 ORTH_NAME = "demo-k1-c8-1bit-rand-fb1-orth"
 DRAWN_NAME = "demo-k1-c8-1bit-rand-fb1"
+# The same message with each block-row's row frequency shared by the workers,
+# whose orthogonalization runs on matrices 8 times shorter.
+ROWS_ORTH_NAME = "demo-k1-c8-1bit-rand-rows-fb1-orth"
 # What a row of a method with local steps names: its synchronizing step.
 SYNC_STEP = "{} (synchronizing step)"
 
@@ -139,7 +143,7 @@ def compare_update(name: str) -> tuple[optax.GradientTransformation, int]:
 def _compare_names() -> tuple[str, ...]:
   from experiments.run.methods import DEFAULT_COMPARISON
 
-  return (*DEFAULT_COMPARISON, DRAWN_NAME)
+  return (*DEFAULT_COMPARISON, DRAWN_NAME, ROWS_ORTH_NAME)
 
 
 def methods(learning_rate: float = 1e-3) -> dict[str, optax.GradientTransformation]:
@@ -147,7 +151,8 @@ def methods(learning_rate: float = 1e-3) -> dict[str, optax.GradientTransformati
 
   DeMo's defaults and Psyche's top-k 8 with 1-bit values as ``dj.demo`` builds
   them; then every method ``compare`` runs by default, as it builds them
-  (:func:`compare_update`), and the recommended drawn message with the sign.
+  (:func:`compare_update`), and the recommended drawn message with the sign
+  and with shared rows.
   A method with local steps (DiLoCo, SparseLoCo) has a second row: the same
   method synchronizing at every step, whose time is that of its 1-in-H
   synchronizing step (:func:`local_steps`).
@@ -161,6 +166,22 @@ def methods(learning_rate: float = 1e-3) -> dict[str, optax.GradientTransformati
     rows[name], every = compare_update(name)
     if every > 1:
       rows[SYNC_STEP.format(name)], _ = compare_update(f"{name}-h1")
+  return rows
+
+
+def _registry_rows(names: Sequence[str], every: dict[str, Any]) -> dict[str, Any]:
+  """Rows for methods beyond :func:`methods`' that ``compare`` takes, built as it builds them."""
+  from experiments.run.config import ConfigError
+
+  rows = {}
+  for name in names:
+    try:
+      rows[name], _ = compare_update(name)
+    except ConfigError as e:
+      raise ValueError(
+        f"Unknown method {name!r} ({e}); choose from {sorted(every)} or name a method "
+        "as compare takes it."
+      ) from None
   return rows
 
 
@@ -364,9 +385,7 @@ def run(
 
   every = methods()
   if only is not None:
-    unknown = sorted(set(only) - set(every))
-    if unknown:
-      raise ValueError(f"Unknown methods {unknown}; choose from {sorted(every)}.")
+    every.update(_registry_rows(sorted(set(only) - set(every)), every))
     every = {n: tx for n, tx in every.items() if n == BASELINE or n in only}
   timed: dict[str, tuple[Callable[..., Any], Any, bool]] = {}
   first_s: dict[str, float] = {}
@@ -454,8 +473,8 @@ def main() -> None:
   only = flags.DEFINE_list(
     "methods",
     None,
-    "Rows to time (AdamW + grad pmean always is), e.g. 'dj.demo (defaults)' or "
-    f"{ORTH_NAME}; all by default.",
+    "Rows to time (AdamW + grad pmean always is), e.g. 'dj.demo (defaults)', "
+    f"{ORTH_NAME} or any other method compare takes; all of its rows by default.",
   )
   parts = flags.DEFINE_bool("parts", True, "Also time DeMo's parts (transform, top-k, ...).")
 
