@@ -81,6 +81,8 @@ _MESSAGE = dict(
 )
 
 
+# Four 8-worker programs compiled: 11 s here, so the whole suite runs it and the quick loop not.
+@pytest.mark.slow
 @pytest.mark.parametrize("delayed_apply", [False, True], ids=["exchange", "delayed"])
 def test_demo_matches_the_unfused_orthogonalized_step_with_identical_replicas(delayed_apply):
   init, grads = random_problem(_SHAPES, workers=8, steps=3, seed=0)
