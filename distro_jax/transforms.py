@@ -228,8 +228,8 @@ def _check_random_positions(random_positions: Any) -> bool:
   raise ValueError(
     f"random_positions={random_positions!r}; use False (the top-k and its indices), True "
     f"(positions drawn per worker and chunk) or {SHARED_ROWS!r} (each block-row's row "
-    "frequency drawn once for every worker, so normalize='orth' runs on a matrix 8 "
-    "times shorter)."
+    "frequency drawn once for every worker, so normalize='orth' runs on a matrix as many "
+    "times shorter as a chunk has rows)."
   )
 
 

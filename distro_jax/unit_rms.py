@@ -211,7 +211,7 @@ def normalized_step(
     return _per_layer_step(q, mode, tuple(sharded_over))
   if mode == "sign":
     return jnp.sign(q)
-  if mode == "orth" and q.ndim == 2 and not orthogonalized:
+  if orthogonalizes(mode, q.shape) and not orthogonalized:
     sharded_over = tuple(sharded_over)
     if sharded_over:
       raise ValueError(

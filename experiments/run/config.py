@@ -100,7 +100,7 @@ class TrainConfig:
     False,
     "With --random_positions, draw each block-row's row frequency once for every worker "
     "(a chunk's column frequency stays its own), so --normalize=orth runs on matrices "
-    "8x shorter.",
+    "as many times shorter as a chunk has rows (8 with --compression_chunk=8).",
   )
   frequency_bias: float = _field(
     0.0,
