@@ -13,7 +13,7 @@ one pass, the workers folded in in the same order, so the mean has the same
 bits).
 """
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from distro_jax import codec, dct, exchange, kernels
 from distro_jax.message import Received
 
-__all__ = ["aggregate", "contributors", "to_params"]
+__all__ = ["aggregate", "contributors", "shared_rows", "to_params"]
 
 
 def _only_message(received: Received, tensor: int, like: jax.Array) -> jax.Array:
@@ -49,7 +49,8 @@ def aggregate(
   plans: list[dct.ChunkPlan],
   basis: dct.Basis,
   axis_name: Hashable | None,
-) -> list[jax.Array]:
+  skip: Sequence[bool] = (),
+) -> list[jax.Array | None]:
   """Each tensor's aggregate, through the inverse basis, in its block view.
 
   Args:
@@ -61,9 +62,12 @@ def aggregate(
     axis_name: the workers' axis; with ``None`` the one message is its own
       mean (with an axis bound, even of size 1, the all-gather types the
       aggregate as identical on every worker; that path is kept).
+    skip: per tensor, True to leave it out (its caller reads the messages
+      another way, e.g. :func:`shared_rows`); empty for none.
 
   Returns:
-    Per tensor, ``Q`` in its block view, float32, the same on every worker.
+    Per tensor, ``Q`` in its block view, float32, the same on every worker;
+    ``None`` for a tensor skipped.
 
   Example:
     Two workers, both sending coefficient 0 of one 1x4 chunk, one also 3:
@@ -79,19 +83,68 @@ def aggregate(
     >>> q[0].reshape(-1).tolist()  # each over the workers that chose it
     [2.0, 0.0, 0.0, 4.0]
   """
+  skipped = set(i for i, s in enumerate(skip) if s)
   if axis_name is None:
     return [
-      basis.inverse(_only_message(received, i, m), plan)
+      None if i in skipped else basis.inverse(_only_message(received, i, m), plan)
       for i, (m, plan) in enumerate(zip(like, plans))
     ]
-  out = [_fused(received, i, plan, basis, m) for i, (plan, m) in enumerate(zip(plans, like))]
-  rest = [i for i, q in enumerate(out) if q is None]
+  out = [
+    None if i in skipped else _fused(received, i, plan, basis, m)
+    for i, (plan, m) in enumerate(zip(plans, like))
+  ]
+  rest = [i for i, q in enumerate(out) if q is None and i not in skipped]
   means = codec.aggregate_blocks(
     [received.tensors[i] for i in rest], [plans[i].block_shape for i in rest], received.valid
   )
   for i, (mean, _) in zip(rest, means):
     out[i] = basis.inverse(mean, plans[i])
   return out
+
+
+def shared_rows(
+  received: Received, tensor: int, plan: dct.ChunkPlan, basis: dct.Basis
+) -> tuple[jax.Array, jax.Array]:
+  """A shared-rows tensor's aggregate as ``(directions, y)``: ``Q``'s strip ``a`` is ``d_a y_a^T``.
+
+  With ``random_positions="shared_rows"`` every coefficient of a block-row
+  lies in one row of its chunk, the same for every worker. Each strip of
+  ``c1`` rows of ``Q`` is then one basis vector ``d_a`` (that row's DCT
+  cosine, or a unit vector for the identity basis) times a row ``y_a``: the
+  mean of the coefficients along the row, through the inverse 1-D transform.
+  This reads ``y`` from the messages directly, a matrix ``c1`` times shorter
+  than ``Q``, so a caller that only needs ``Q`` through ``y`` (the
+  orthogonalized step) never builds ``Q``.
+
+  Args:
+    received: every worker's message.
+    tensor: the tensor's position in the message.
+    plan: its :class:`~distro_jax.dct.ChunkPlan`, block view ``(*lead, A, c1, B, c2)``.
+    basis: the basis the coefficients are in.
+
+  Returns:
+    ``directions`` float32 ``(*lead, A, c1)``, each strip's unit vector
+    ``d_a``, and ``y`` float32 ``(*lead, A, B * c2)``.
+  """
+  *lead, a, c1, b, c2 = plan.block_shape
+  idx, val = received.tensors[tensor]
+  num_workers = idx.shape[0]
+  idx = idx.astype(jnp.int32).reshape(num_workers, *lead, a, b, -1)
+  # Every sender drew the same row for a block-row, so the first sender's
+  # first position of each block-row names it (whether or not it counts).
+  rows = idx[0, ..., 0, 0] // c2
+  ((mean, _),) = codec.aggregate_blocks(
+    [(idx % c2, val.reshape(idx.shape))], [(*lead, a, 1, b, c2)], received.valid
+  )
+  mean = mean.reshape(*lead, a, b, c2)
+  if basis is dct.DCT_BASIS:
+    d = dct.dct_basis(c1)
+    # y_j = sum_c z_c D[c, j] as a weighted sum, elementwise: exact float32 on
+    # every backend, where a contraction could run at lower precision.
+    mean = jnp.sum(mean[..., :, None] * dct.dct_basis(c2), axis=-2)
+  else:
+    d = jnp.eye(c1, dtype=jnp.float32)
+  return d[rows], mean.reshape(*lead, a, b * c2)
 
 
 def contributors(received: Received, site_axes: list[Hashable]) -> jax.Array:

@@ -112,6 +112,26 @@ def orthogonalize_shared_rows(q_blocks: jax.Array, rows: jax.Array, steps: int =
   # A weighted sum over each strip's rows, elementwise: exact float32 on
   # every backend, where a contraction could run at lower precision.
   y = jnp.sum(cosines[..., :, :, None, None] * q_blocks.astype(jnp.float32), axis=-3)
-  y = y.reshape(-1, a, b * c2)
-  p = jax.vmap(lambda m: orthogonalize(m, steps))(y).reshape(*lead, a, 1, b, c2)
-  return cosines[..., :, :, None, None] * p
+  return orthogonalize_strips(cosines, y.reshape(*lead, a, b * c2), c2, steps)
+
+
+def orthogonalize_strips(directions: jax.Array, y: jax.Array, c2: int, steps: int = 5) -> jax.Array:
+  """:func:`orthogonalize` of ``Q = R^T Y``, given ``R``'s rows and ``Y``, in ``Q``'s block view.
+
+  Strip ``a`` of ``Q`` is ``directions[a] y[a]^T``; with the directions of
+  unit length this is :func:`orthogonalize_shared_rows` after its projection
+  (and what :func:`distro_jax.decode.shared_rows` reads from the messages).
+
+  Args:
+    directions: float32 ``(*lead, A, c1)``, each strip's unit vector.
+    y: float32 ``(*lead, A, N)``, each strip's row, ``N = B * c2``.
+    c2: the chunk's length along the rows.
+    steps: Newton-Schulz steps; Muon takes 5.
+
+  Returns:
+    Float32 ``(*lead, A, c1, B, c2)``: each matrix orthogonalized, in the block view.
+  """
+  *lead, a, n = y.shape
+  flat = y.astype(jnp.float32).reshape(-1, a, n)
+  p = jax.vmap(lambda m: orthogonalize(m, steps))(flat).reshape(*lead, a, 1, n // c2, c2)
+  return directions[..., :, :, None, None] * p

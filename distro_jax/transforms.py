@@ -500,8 +500,10 @@ def _demo_stage(
     compressed = compress.compress(grads, momentum_blocks, tensors.plans, fmt, tensors.lr, decay)
     finite, send = _verdict(compressed.selection, tensors.site_axes, contribute)
     received, pending = schedule.exchange(fmt, compressed.selection, send, state, gathered)
-    q_blocks = decode.aggregate(received, compressed.kept, tensors.plans, fmt.basis, axis_name)
-    q_blocks = _orthogonalized(q_blocks, received, orthogonal_marks)
+    q_blocks = decode.aggregate(
+      received, compressed.kept, tensors.plans, fmt.basis, axis_name, skip=orthogonal_marks
+    )
+    q_blocks = _orthogonalized(q_blocks, received, tensors.plans, fmt.basis, orthogonal_marks)
     directions = decode.to_params(q_blocks, tensors.plans, tensors.shapes, grads, tensors.site_axes)
     contributors = decode.contributors(received, tensors.site_axes)
     momenta = schedule.next_momentum(
@@ -525,18 +527,23 @@ def _demo_stage(
 
 
 def _orthogonalized(
-  q_blocks: list[jax.Array], received: message.Received, marks: Any
+  q_blocks: list[jax.Array | None],
+  received: message.Received,
+  plans: list[dct.ChunkPlan],
+  basis: dct.Basis,
+  marks: Any,
 ) -> list[jax.Array]:
-  """Each marked tensor's ``Q`` orthogonalized through its shared rows, the rest as they are."""
+  """Each marked tensor's ``Q`` orthogonalized through its shared rows, the rest as decoded.
+
+  A marked tensor was not decoded whole (``aggregate``'s ``skip``): its
+  shorter matrix comes from the messages (:func:`distro_jax.decode.shared_rows`),
+  so the step never holds the dense aggregate it would project.
+  """
   out = list(q_blocks)
   for i, mark in enumerate(marks):
-    if not mark:
-      continue
-    *lead, a, _, b, c2 = q_blocks[i].shape
-    # Every sender drew the same row for a block-row, so the first sender's
-    # first position of each block-row names it (whether or not it counts).
-    idx = received.tensors[i][0][0].reshape(*lead, a, b, -1)
-    out[i] = orthogonal.orthogonalize_shared_rows(q_blocks[i], idx[..., 0, 0] // c2)
+    if mark:
+      directions, y = decode.shared_rows(received, i, plans[i], basis)
+      out[i] = orthogonal.orthogonalize_strips(directions, y, plans[i].block_shape[-1])
   return out
 
 

@@ -82,14 +82,24 @@ _MESSAGE = dict(
 )
 
 
-# Four 8-worker programs compiled: 11 s here, so the whole suite runs it and the quick loop not.
+# Six 8-worker programs compiled: 16 s here, so the whole suite runs it and the quick loop not.
 @pytest.mark.slow
-@pytest.mark.parametrize("delayed_apply", [False, True], ids=["exchange", "delayed"])
-def test_demo_matches_the_unfused_orthogonalized_step_with_identical_replicas(delayed_apply):
+@pytest.mark.parametrize(
+  "delayed_apply,use_dct",
+  [(False, True), (True, True), (False, False)],
+  ids=["exchange", "delayed", "no-dct"],
+)
+def test_demo_matches_the_unfused_orthogonalized_step_with_identical_replicas(
+  delayed_apply, use_dct
+):
+  # The fused step reads each strip's row straight from the messages; the
+  # unfused one decodes Q whole and orthogonalizes it. Without the DCT a
+  # strip's direction is a unit vector, not a cosine.
   init, grads = random_problem(_SHAPES, workers=8, steps=3, seed=0)
   mesh = mesh_of(8)
   lr = 1e-2
-  fused = dj.demo(lr, normalize=_NORMALIZE, delayed_apply=delayed_apply, **_MESSAGE)
+  message_ = dict(_MESSAGE, use_dct=use_dct)
+  fused = dj.demo(lr, normalize=_NORMALIZE, delayed_apply=delayed_apply, **message_)
   # dj.distro does not fuse: its exchange returns Q and the chain orthogonalizes it whole.
   unfused = dj.distro(
     optax.chain(
@@ -97,7 +107,7 @@ def test_demo_matches_the_unfused_orthogonalized_step_with_identical_replicas(de
     ),
     lr,
     delayed_apply=delayed_apply,
-    **_MESSAGE,
+    **message_,
   )
   # trajectory's step checks after every step that each device holds the same bits.
   got, _ = trajectory(fused, init, grads, mesh)
