@@ -83,7 +83,7 @@ def aggregate(
     >>> q[0].reshape(-1).tolist()  # each over the workers that chose it
     [2.0, 0.0, 0.0, 4.0]
   """
-  skipped = set(i for i, s in enumerate(skip) if s)
+  skipped = {i for i, s in enumerate(skip) if s}
   if axis_name is None:
     return [
       None if i in skipped else basis.inverse(_only_message(received, i, m), plan)

@@ -145,3 +145,28 @@ def test_the_method_option_reaches_the_transformation_and_needs_the_draw():
   assert fields["shared_rows"] is True and fields["random_positions"] is True
   with pytest.raises(ConfigError, match="add --random_positions"):
     checks.resolve(TrainConfig(preset="tiny", steps=4, workers=1, shared_rows=True))
+
+
+@pytest.mark.parametrize("use_dct", [True, False], ids=["dct", "no-dct"])
+def test_one_worker_without_an_axis_matches_the_unfused_step(use_dct):
+  # axis_name=None: no collective, the worker's own message is the aggregate.
+  message_ = dict(_MESSAGE, use_dct=use_dct, axis_name=None)
+  lr = 1e-2
+  fused = dj.demo(lr, normalize="orth", **message_)
+  unfused = dj.distro(
+    optax.chain(dj.unit_rms.scale_by_normalize("orth", None), optax.scale_by_learning_rate(lr)),
+    lr,
+    **message_,
+  )
+  rng = np.random.default_rng(0)
+  init = {"w": jnp.asarray(rng.normal(size=(64, 96)), jnp.float32)}
+  grads = [{"w": jnp.asarray(rng.normal(size=(64, 96)), jnp.float32)} for _ in range(3)]
+  ends = []
+  for tx in (fused, unfused):
+    params, state = init, tx.init(init)
+    for g in grads:
+      updates, state = tx.update(g, state, params)
+      params = optax.apply_updates(params, updates)
+    ends.append(np.asarray(params["w"]))
+  np.testing.assert_allclose(ends[0], ends[1], atol=1e-3 * lr)
+  assert np.abs(ends[0] - np.asarray(init["w"])).max() > 0.5 * lr
