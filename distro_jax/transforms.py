@@ -410,10 +410,11 @@ def scale_by_demo(
       for every worker, from a key no worker's index enters, while each
       worker still draws each chunk's column frequencies; each chunk's
       position keeps its distribution. The aggregate's strips are then
-      single cosines, so ``dj.demo(normalize="orth")`` orthogonalizes a
-      matrix ``c1`` times shorter, about ``c1**2`` times fewer flops
-      (:func:`distro_jax.orthogonalize_shared_rows`), and each step moves a
-      matrix along at most ``rows / c1`` directions. Needs ``compression_topk``
+      single cosines (unit vectors with ``use_dct=False``), so
+      ``dj.demo(normalize="orth")`` orthogonalizes a matrix ``c1`` times
+      shorter, read straight from the messages, about ``c1**2`` times fewer
+      flops (:func:`distro_jax.orthogonalize_shared_rows`'s step), and each
+      step moves a matrix along at most ``rows / c1`` directions. Needs ``compression_topk``
       at most the chunk's column length and params kept whole on each
       worker's devices. Static.
     frequency_bias: with ``random_positions``, how much the draw prefers a
