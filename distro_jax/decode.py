@@ -103,9 +103,9 @@ def aggregate(
 
 
 def shared_rows(
-  received: Received, tensor: int, plan: dct.ChunkPlan, basis: dct.Basis
-) -> tuple[jax.Array, jax.Array]:
-  """A shared-rows tensor's aggregate as ``(directions, y)``: ``Q``'s strip ``a`` is ``d_a y_a^T``.
+  received: Received, tensors: Sequence[int], plans: list[dct.ChunkPlan], basis: dct.Basis
+) -> list[tuple[jax.Array, jax.Array]]:
+  """Shared-rows tensors' aggregates as ``(directions, y)``: ``Q``'s strip ``a`` is ``d_a y_a^T``.
 
   With ``random_positions="shared_rows"`` every coefficient of a block-row
   lies in one row of its chunk, the same for every worker. Each strip of
@@ -114,37 +114,45 @@ def shared_rows(
   mean of the coefficients along the row, through the inverse 1-D transform.
   This reads ``y`` from the messages directly, a matrix ``c1`` times shorter
   than ``Q``, so a caller that only needs ``Q`` through ``y`` (the
-  orthogonalized step) never builds ``Q``.
+  orthogonalized step) never builds ``Q``. The means of all ``tensors`` come
+  from one :func:`distro_jax.codec.aggregate_blocks` call, as
+  :func:`aggregate`'s do.
 
   Args:
     received: every worker's message.
-    tensor: the tensor's position in the message.
-    plan: its :class:`~distro_jax.dct.ChunkPlan`, block view ``(*lead, A, c1, B, c2)``.
+    tensors: the positions in the message of the tensors to read.
+    plans: every tensor's :class:`~distro_jax.dct.ChunkPlan` (block views
+      ``(*lead, A, c1, B, c2)``), indexed by position.
     basis: the basis the coefficients are in.
 
   Returns:
-    ``directions`` float32 ``(*lead, A, c1)``, each strip's unit vector
-    ``d_a``, and ``y`` float32 ``(*lead, A, B * c2)``.
+    Per tensor of ``tensors``, ``directions`` float32 ``(*lead, A, c1)``,
+    each strip's unit vector ``d_a``, and ``y`` float32 ``(*lead, A, B * c2)``.
   """
-  *lead, a, c1, b, c2 = plan.block_shape
-  idx, val = received.tensors[tensor]
-  num_workers = idx.shape[0]
-  idx = idx.astype(jnp.int32).reshape(num_workers, *lead, a, b, -1)
-  # Every sender drew the same row for a block-row, so the first sender's
-  # first position of each block-row names it (whether or not it counts).
-  rows = idx[0, ..., 0, 0] // c2
-  ((mean, _),) = codec.aggregate_blocks(
-    [(idx % c2, val.reshape(idx.shape))], [(*lead, a, 1, b, c2)], received.valid
-  )
-  mean = mean.reshape(*lead, a, b, c2)
-  if basis is dct.DCT_BASIS:
-    d = dct.dct_basis(c1)
-    # y_j = sum_c z_c D[c, j] as a weighted sum, elementwise: exact float32 on
-    # every backend, where a contraction could run at lower precision.
-    mean = jnp.sum(mean[..., :, None] * dct.dct_basis(c2), axis=-2)
-  else:
-    d = jnp.eye(c1, dtype=jnp.float32)
-  return d[rows], mean.reshape(*lead, a, b * c2)
+  rows, selections, row_blocks = [], [], []
+  for i in tensors:
+    *lead, a, _, b, c2 = plans[i].block_shape
+    idx, val = received.tensors[i]
+    idx = idx.astype(jnp.int32).reshape(idx.shape[0], *lead, a, b, -1)
+    # Every sender drew the same row for a block-row, so the first sender's
+    # first position of each block-row names it (whether or not it counts).
+    rows.append(idx[0, ..., 0, 0] // c2)
+    selections.append((idx % c2, val.reshape(idx.shape)))
+    row_blocks.append((*lead, a, 1, b, c2))
+  means = codec.aggregate_blocks(selections, row_blocks, received.valid)
+  out = []
+  for i, r, (mean, _) in zip(tensors, rows, means):
+    *lead, a, c1, b, c2 = plans[i].block_shape
+    mean = mean.reshape(*lead, a, b, c2)
+    if basis is dct.DCT_BASIS:
+      directions = dct.dct_basis(c1)[r]
+      # y_j = sum_c z_c D[c, j] as a weighted sum, elementwise: exact float32 on
+      # every backend, where a contraction could run at lower precision.
+      mean = jnp.sum(mean[..., :, None] * dct.dct_basis(c2), axis=-2)
+    else:
+      directions = jnp.eye(c1, dtype=jnp.float32)[r]
+    out.append((directions, mean.reshape(*lead, a, b * c2)))
+  return out
 
 
 def contributors(received: Received, site_axes: list[Hashable]) -> jax.Array:

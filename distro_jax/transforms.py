@@ -541,10 +541,9 @@ def _orthogonalized(
   so the step never holds the dense aggregate it would project.
   """
   out = list(q_blocks)
-  for i, mark in enumerate(marks):
-    if mark:
-      directions, y = decode.shared_rows(received, i, plans[i], basis)
-      out[i] = orthogonal.orthogonalize_strips(directions, y, plans[i].block_shape[-1])
+  marked = [i for i, mark in enumerate(marks) if mark]
+  for i, (directions, y) in zip(marked, decode.shared_rows(received, marked, plans, basis)):
+    out[i] = orthogonal.orthogonalize_strips(directions, y, plans[i].block_shape[-1])
   return out
 
 
