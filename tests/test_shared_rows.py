@@ -83,6 +83,25 @@ _MESSAGE = dict(
 )
 
 
+def _fused_and_unfused(lr, normalize, axis_name="data", **options):
+  """``dj.demo`` with shared rows, and the same exchange with ``Q`` orthogonalized whole.
+
+  ``dj.distro`` does not fuse: its exchange returns ``Q`` and the chain's
+  normalize stage orthogonalizes it, which is the definition the fused step
+  is held to.
+  """
+  message_ = dict(_MESSAGE, axis_name=axis_name, **options)
+  fused = dj.demo(lr, normalize=normalize, **message_)
+  unfused = dj.distro(
+    optax.chain(
+      dj.unit_rms.scale_by_normalize(normalize, axis_name), optax.scale_by_learning_rate(lr)
+    ),
+    lr,
+    **message_,
+  )
+  return fused, unfused
+
+
 # Six 8-worker programs compiled: 16 s here, so the whole suite runs it and the quick loop not.
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -99,17 +118,7 @@ def test_demo_matches_the_unfused_orthogonalized_step_with_identical_replicas(
   init, grads = random_problem(_SHAPES, workers=8, steps=3, seed=0)
   mesh = mesh_of(8)
   lr = 1e-2
-  message_ = dict(_MESSAGE, use_dct=use_dct)
-  fused = dj.demo(lr, normalize=_NORMALIZE, delayed_apply=delayed_apply, **message_)
-  # dj.distro does not fuse: its exchange returns Q and the chain orthogonalizes it whole.
-  unfused = dj.distro(
-    optax.chain(
-      dj.unit_rms.scale_by_normalize(_NORMALIZE, "data"), optax.scale_by_learning_rate(lr)
-    ),
-    lr,
-    delayed_apply=delayed_apply,
-    **message_,
-  )
+  fused, unfused = _fused_and_unfused(lr, _NORMALIZE, delayed_apply=delayed_apply, use_dct=use_dct)
   # trajectory's step checks after every step that each device holds the same bits.
   got, _ = trajectory(fused, init, grads, mesh)
   want, _ = trajectory(unfused, init, grads, mesh)
@@ -151,23 +160,15 @@ def test_the_method_option_reaches_the_transformation_and_needs_the_draw():
 @pytest.mark.parametrize("use_dct", [True, False], ids=["dct", "no-dct"])
 def test_one_worker_without_an_axis_matches_the_unfused_step(use_dct):
   # axis_name=None: no collective, the worker's own message is the aggregate.
-  message_ = dict(_MESSAGE, use_dct=use_dct, axis_name=None)
   lr = 1e-2
-  fused = dj.demo(lr, normalize="orth", **message_)
-  unfused = dj.distro(
-    optax.chain(dj.unit_rms.scale_by_normalize("orth", None), optax.scale_by_learning_rate(lr)),
-    lr,
-    **message_,
-  )
-  rng = np.random.default_rng(0)
-  init = {"w": jnp.asarray(rng.normal(size=(64, 96)), jnp.float32)}
-  grads = [{"w": jnp.asarray(rng.normal(size=(64, 96)), jnp.float32)} for _ in range(3)]
+  fused, unfused = _fused_and_unfused(lr, "orth", axis_name=None, use_dct=use_dct)
+  init, grads = random_problem({"w": (64, 96)}, workers=1, steps=3, seed=0)
   ends = []
   for tx in (fused, unfused):
     update = jax.jit(tx.update)  # one compile, not an op-by-op dispatch per step
     params, state = init, tx.init(init)
     for g in grads:
-      updates, state = update(g, state, params)
+      updates, state = update({"w": g["w"][0]}, state, params)
       params = optax.apply_updates(params, updates)
     ends.append(np.asarray(params["w"]))
   np.testing.assert_allclose(ends[0], ends[1], atol=1e-3 * lr)
