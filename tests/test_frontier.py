@@ -213,3 +213,43 @@ def test_a_horizon_that_would_reread_its_data_is_named_before_anything_trains(ca
     "validation loss also measures memorization; fewer steps, or more data (python -m "
     "experiments.fetch_corpus), reads it once"
   ]
+
+
+def _timed_run(run_dir, seconds_per_step, steps=3):
+  """A finished run whose metrics say each step of 8 x 32 tokens took ``seconds_per_step``."""
+  run_dir.mkdir(parents=True)
+  config = {"batch_size": 8, "seq_len": 32, "learning_rate": 3e-3}
+  dataclasses.replace(_SUMMARY, steps=steps, config=config).save(run_dir / "summary.json")
+  lines = [
+    {"step": s, "loss": 1.0, "wall_time": 0.0, "bytes_sent": 0.0, "lr": 0.1}
+    | {"tokens_per_s": 8 * 32 / seconds_per_step}
+    for s in range(1, steps + 1)
+  ]
+  (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_the_plan_cost_counts_what_is_left_and_times_it_by_the_finished_runs(tmp_path):
+  _timed_run(tmp_path / "steps300" / "adamw" / "learning_rate-0.003", 0.5)
+  _timed_run(tmp_path / "steps300" / "muon" / "learning_rate-0.003", 2.0)
+  assert frontier.step_seconds(str(tmp_path / "steps300" / "muon" / "learning_rate-0.003")) == 2.0
+  base = TrainConfig(**TINY)
+
+  def plan(names):
+    cfgs = []
+    for name in names:
+      for lr in (3e-3, 6e-3):
+        out = str(tmp_path / "steps300" / name / f"learning_rate-{lr}")
+        cfg = dataclasses.replace(base, steps=300, out_dir=out)
+        cfgs.append((name, 300, {"learning_rate": lr}, cfg))
+    return cfgs
+
+  done = {str(tmp_path / "steps300" / "adamw" / "learning_rate-0.003"): _SUMMARY}
+  line = frontier.plan_cost(plan(["adamw", "muon"]), done, 1, str(tmp_path))
+  # Three runs of 300 steps: adamw's at 0.5 s a step, muon's two at 2.0 s.
+  assert line.startswith("plan: 3 runs to train (1 read back), 900 steps"), line
+  assert f"about {(300 * 0.5 + 600 * 2.0) / 3600:.1f} h" in line and "untimed" not in line
+  # A method with no finished run is taken at the slowest, and named; seeds add reruns.
+  line = frontier.plan_cost(plan(["demo"]), {}, 3, str(tmp_path))
+  assert line.startswith("plan: 4 runs to train (0 read back), 1,200 steps"), line
+  assert "about 0.7 h" in line and "untimed, taken at the slowest, 2.00 s: demo" in line
+  assert "no time estimate" in frontier.plan_cost(plan(["demo"]), {}, 1, str(tmp_path / "empty"))

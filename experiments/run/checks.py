@@ -229,6 +229,21 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       f"--normalize={cfg.normalize} shapes DeMo's step from its aggregate; it needs "
       f"--optimizer={_supporting('supports_normalize')}, not {method.name}. Drop --normalize."
     )
+  if cfg.aggregate_momentum and not method.supports_normalize:
+    raise ConfigError(
+      f"--aggregate_momentum={cfg.aggregate_momentum} is a momentum on DeMo's decoded "
+      f"aggregate; it needs --optimizer={_supporting('supports_normalize')}, not "
+      f"{method.name}. Drop --aggregate_momentum."
+    )
+  if not 0.0 <= cfg.aggregate_momentum < 1.0:
+    raise ConfigError(
+      f"--aggregate_momentum={cfg.aggregate_momentum} must be in [0, 1); e.g. 0.95, Muon's."
+    )
+  if cfg.aggregate_momentum and cfg.shared_rows:
+    raise ConfigError(
+      "--aggregate_momentum needs the decoded aggregate, which --shared_rows orthogonalizes "
+      "inside the exchange; drop one of the two."
+    )
   if cfg.compression_groups and not method.supports_compression_groups:
     raise ConfigError(
       "--compression_groups gives groups of params DeMo messages of their own sizes; it "
@@ -291,7 +306,16 @@ def _fill(cfg: TrainConfig, method: Any, saved: Mapping[str, Any]) -> TrainConfi
   rec = method.recipe_for(cfg.preset, cfg.steps)
   fill = {
     f: getattr(rec, f)
-    for f in ("learning_rate", "compression_decay", "warmup_steps", "clip_norm", "weight_decay")
+    for f in (
+      "learning_rate",
+      "compression_decay",
+      "warmup_steps",
+      "clip_norm",
+      "weight_decay",
+      "adam_b1",
+      "adam_b2",
+      "adam_eps",
+    )
     if getattr(cfg, f) is None
   }
   fields = {f.name: f for f in dataclasses.fields(TrainConfig)}

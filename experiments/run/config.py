@@ -113,6 +113,11 @@ class TrainConfig:
     "by the learning rate), 'rms' (each tensor scaled to unit RMS) or 'orth' (each hidden "
     "matrix orthogonalized as Muon does, then at unit RMS; the rest at unit RMS).",
   )
+  aggregate_momentum: float = _field(
+    0.0,
+    "DeMo: a Nesterov momentum of this decay on the decoded aggregate, before --normalize "
+    "(Muon's momentum, the same on every worker); 0 keeps none.",
+  )
   compression_groups: str = _field(
     "",
     "DeMo: message sizes per group of params, 'REGEX=CHUNK:TOPK;...': the params whose "
@@ -201,6 +206,22 @@ class TrainConfig:
     None, "Gradient clipping by global norm; 0 disables (default: recipe)."
   )
   weight_decay: float | None = _field(None, "Decoupled weight decay (default: recipe).")
+  adam_b1: float | None = _field(
+    None,
+    "Adam's first-moment decay wherever AdamW steps: the adamw baseline, Muon's Adam part "
+    "(embedding, head, norms), and the local steps of DiLoCo and SparseLoCo (default: recipe).",
+  )
+  adam_b2: float | None = _field(
+    None, "Adam's second-moment decay, wherever AdamW steps as --adam_b1 (default: recipe)."
+  )
+  adam_eps: float | None = _field(
+    None, "Adam's epsilon, wherever AdamW steps as --adam_b1; Muon's too (default: recipe)."
+  )
+  muon_beta: float = _field(
+    0.95,
+    "Muon: the momentum decay of the hidden matrices (optax's Nesterov form); 0 steps with "
+    "the orthogonalized gradient itself.",
+  )
   seed: int = _field(0, "Seed for init and data order.")
   out_dir: str = _field("runs/latest", "Where metrics, plots and checkpoints go.")
   resume: bool = _field(False, "Continue from the latest checkpoint.")

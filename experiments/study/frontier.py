@@ -62,7 +62,17 @@ from experiments.run.launch import LaunchConfig, setup_devices
 from experiments.run.records import StepRecord, Summary, read_metrics
 from experiments.study import gaps, time_model
 
-__all__ = ["DEFAULT_METHODS", "Point", "best_points", "grid_points", "results", "run_frontier"]
+__all__ = [
+  "DEFAULT_METHODS",
+  "Point",
+  "best_points",
+  "grid_points",
+  "parse_grid_flag",
+  "plan_cost",
+  "results",
+  "run_frontier",
+  "step_seconds",
+]
 
 DEFAULT_METHODS = methods.DEFAULT_COMPARISON
 
@@ -204,6 +214,7 @@ def run_frontier(
     if summary := _cached(cfg):
       done[cfg.out_dir] = summary
   _warn_if_rereading(base, horizons)
+  print(f"[frontier] {plan_cost(plan, done, seeds, out_dir)}", file=sys.stderr, flush=True)
   points = []
 
   def run(name: str, horizon: int, settings: dict[str, Any], cfg: TrainConfig) -> None:
@@ -230,6 +241,53 @@ def run_frontier(
       run(name, horizon, settings, dataclasses.replace(cfg, seed=seed, out_dir=out))
   _write(points, out_dir, link_mbit)
   return points
+
+
+def step_seconds(run_dir: str) -> float | None:
+  """The median seconds a step of the finished run in ``run_dir`` took (its metrics' rates)."""
+  summary = Summary.load(os.path.join(run_dir, "summary.json"))
+  cfg = summary.config or {}
+  tokens = cfg.get("batch_size", 0) * cfg.get("seq_len", 0)
+  rates = [r.tokens_per_s for r in read_metrics(run_dir) if r.tokens_per_s]
+  return tokens / float(np.median(rates)) if tokens and rates else None
+
+
+def plan_cost(
+  plan: Sequence[tuple[str, int, dict, TrainConfig]],
+  done: Mapping[str, Summary],
+  seeds: int,
+  out_dir: str,
+) -> str:
+  """One line: the runs and steps a plan still has to train, and the time they should take.
+
+  A method's seconds per step are the median over its finished runs under
+  ``out_dir``; a method with none takes the slowest median of the others
+  (the plan's cost is then an estimate, and says so), and with no finished
+  run at all the time is left unknown.
+  """
+  todo = [(name, cfg.steps) for name, _, _, cfg in plan if cfg.out_dir not in done]
+  cached = len(plan) - len(todo)
+  # Each (method, horizon) reruns its best setting at seeds - 1 more seeds, some
+  # of them perhaps already finished: counted as to train, an upper bound.
+  todo += list(dict.fromkeys((n, h) for n, h, _, _ in plan)) * (seeds - 1)
+  rates: dict[str, list[float]] = {}
+  for p in read_runs(out_dir):
+    if (sec := step_seconds(p.out_dir)) is not None:
+      rates.setdefault(p.method, []).append(sec)
+  per_method = {name: float(np.median(v)) for name, v in rates.items()}
+  steps = sum(h for _, h in todo)
+  line = f"plan: {len(todo)} runs to train ({cached} read back), {steps:,} steps"
+  if not todo:
+    return line
+  if not per_method:
+    return line + "; no finished run under --out_dir to time a step by, so no time estimate"
+  slowest = max(per_method.values())
+  guessed = sorted({n for n, _ in todo if n not in per_method})
+  seconds = sum(h * per_method.get(n, slowest) for n, h in todo)
+  line += f", about {seconds / 3600:.1f} h at the finished runs' median step times"
+  if guessed:
+    line += f" (untimed, taken at the slowest, {slowest:.2f} s: {', '.join(guessed)})"
+  return line
 
 
 def _cached(cfg: TrainConfig) -> Summary | None:
@@ -627,7 +685,8 @@ def _plot(points: Sequence[Point], out_dir: str, link_mbit: float) -> None:
   plt.close(fig)
 
 
-def _parse_grid(text: str) -> dict[str, tuple[Any, ...]] | None:
+def parse_grid_flag(text: str) -> dict[str, tuple[Any, ...]] | None:
+  """``--grid``'s text as each field's values (``None`` for no text); see ``sweep.parse_grid``."""
   if not text:
     return None
   from experiments.study.sweep import parse_grid
@@ -672,7 +731,7 @@ def _main(
       own["methods"].value,
       horizons,
       base.out_dir,
-      grid=_parse_grid(own["grid"].value),
+      grid=parse_grid_flag(own["grid"].value),
       link_mbit=own["link_mbit"].value,
       seeds=own["seeds"].value,
     )
