@@ -4,9 +4,10 @@ DisTrO's promise is that only the compressed message leaves a worker. Three
 mistakes break it without an error of their own, and each is caught here:
 
 - **``axis_name=None`` in a ``jax.jit`` step over several devices.** Under
-  GSPMD, the gradient of a batch sharded over the devices is all-reduced in
-  full before the optimizer sees it, and the optimizer then runs as one
-  worker: a dense data-parallel step that exchanges no message at all.
+  GSPMD, the gradient of a batch sharded over the devices is all-reduced (or,
+  with FSDP-sharded params, reduce-scattered) in full before the optimizer
+  sees it, and the optimizer then runs as one worker: a dense data-parallel
+  step that exchanges no message at all.
 - **The gradient of replicated params inside ``jax.shard_map``.** Autodiff's
   transpose of replication is a ``psum``, so ``jax.grad`` with respect to the
   params all-reduces the whole gradient before DisTrO compresses it.
@@ -126,12 +127,14 @@ def warn_if_dense(grads: Sequence[Any], axis_name: Hashable | None) -> None:
   Called by the update of :func:`distro_jax.scale_by_demo` with the leaves of
   its gradient. Two cases warn:
 
-  - ``axis_name=None`` outside ``jax.shard_map``, where every gradient leaf
-    is replicated over a step that spans more than one device: each device
-    holds the whole gradient, so XLA all-reduced it (or each device computed
-    it from the same rows). A genuinely single-device step, and a model
-    sharded over the devices (FSDP or tensor parallel, one worker), do not
-    warn.
+  - ``axis_name=None`` outside ``jax.shard_map``, in a step that spans more
+    than one device. If every gradient leaf is replicated, each device holds
+    the whole gradient, so XLA all-reduced it; if the gradient is partitioned
+    over the devices (FSDP), XLA reduce-scattered it across devices holding
+    different rows. Either way the step is dense data parallelism. The
+    sharding alone cannot tell FSDP from tensor parallelism over the same
+    rows, so one worker spread over several devices warns too; trace such a
+    step under :func:`quiet`. A single-device step does not warn.
   - ``axis_name`` bound by ``jax.shard_map``, where every gradient leaf is
     typed as identical on all workers: autodiff all-reduced it.
 
@@ -155,17 +158,28 @@ def warn_if_dense(grads: Sequence[Any], axis_name: Hashable | None) -> None:
     def decide(shardings: list[Any]) -> None:
       placed = [s for s in shardings if s is not None]
       devices = max((len(s.device_set) for s in placed), default=1)
-      whole = len(placed) == len(shardings) and all(s.is_fully_replicated for s in placed)
-      if devices > 1 and whole:
-        warnings.warn(
-          f"A DisTrO update with axis_name=None runs in a step over {devices} devices, each "
-          f"holding the whole gradient ({nbytes:,} bytes): XLA all-reduced it, a dense "
-          "data-parallel step in which no compressed message is exchanged. "
-          f"{_FIX} If one worker spread over these devices is what you mean, silence "
-          "this with warnings.filterwarnings('ignore', category=dj.DenseStepWarning).",
-          DenseStepWarning,
-          stacklevel=2,
+      if devices < 2:
+        return
+      # A gradient partitioned over the devices (FSDP, nanodo's default) was
+      # reduce-scattered across devices holding different rows: as dense as an
+      # all-reduce, so it warns too.
+      if len(placed) == len(shardings) and all(s.is_fully_replicated for s in placed):
+        how = f"each holding the whole gradient ({nbytes:,} bytes): XLA all-reduced it"
+      else:
+        how = (
+          f"with the gradient ({nbytes:,} bytes) partitioned over them, as FSDP does: XLA "
+          "reduce-scattered it across devices that hold different rows"
         )
+      warnings.warn(
+        f"A DisTrO update with axis_name=None runs in a step over {devices} devices, {how}, "
+        "a dense data-parallel step in which no compressed message is exchanged. "
+        f"{_FIX} If one worker spread over these devices is what you mean (one site's "
+        "FSDP, or tensor parallelism over the same rows), trace the step under "
+        "dj.dense_step.quiet(), or silence this with "
+        "warnings.filterwarnings('ignore', category=dj.DenseStepWarning).",
+        DenseStepWarning,
+        stacklevel=2,
+      )
 
     _when_placed(grads, decide)
   elif axis_name in manual and not any(exchange.varies_over(g, axis_name) for g in grads):

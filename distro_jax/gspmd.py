@@ -17,6 +17,13 @@ DisTrO by changing two lines: the gradient and the optimizer.
   DisTrO exchange is the only collective across the workers' axis, and
   returns the shared update, shaped like the params.
 
+Around them: :func:`workers_mesh` gives a trainer's mesh the workers' axis
+(its own axes then stay within each worker), :func:`reduce_over_workers`
+turns the per-worker aux of the loss into the whole batch's, and
+``per_worker(..., all_reduce=True)`` runs a dense optimizer on the
+gradients averaged over the workers: the all-reduce baseline through the
+same step, so a trainer switches between the two with one flag.
+
 Only the workers' axis is manual inside that ``shard_map``. Any other mesh
 axis (FSDP or tensor parallelism within a worker) stays with GSPMD, so the
 params keep whatever sharding the trainer gives them, and each worker
@@ -36,24 +43,42 @@ gains the workers' axis first.
 
 import sys
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax.core import meta
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distro_jax import dense_step, elastic, exchange, worker_state
 
+
+class _FlaxMeta:
+  """``flax.core.meta``, imported on first use: the core installs without flax."""
+
+  def __getattr__(self, name: str) -> Any:
+    try:
+      from flax.core import meta as flax_meta
+    except ImportError as e:
+      raise ImportError(
+        "dj.per_worker boxes each param's stack of worker copies as flax does, so it "
+        "needs flax: pip install 'distro_jax[experiments]' (or flax itself)."
+      ) from e
+    return getattr(flax_meta, name)
+
+
+meta = _FlaxMeta()
+
 __all__ = [
   "PerWorker",
   "abstract_per_worker",
   "per_worker",
+  "reduce_over_workers",
   "resize_per_worker",
   "worker_value_and_grad",
+  "workers_mesh",
 ]
 
 
@@ -137,18 +162,29 @@ def _check_no_clash(params: Any, axis_name: Hashable) -> None:
         "and sends only its message, so FSDP over the workers' axis would all-gather the "
         "params across the workers' links every step. Give FSDP an axis of its own: a 2-D "
         f"mesh whose other axis carries the params' partitioning, e.g. "
-        f"Mesh(devices.reshape(workers, fsdp), ('workers', {axis_name!r})) with "
+        f"dj.workers_mesh(workers, names=({axis_name!r},)), which is "
+        f"Mesh(devices.reshape(workers, fsdp), ('workers', {axis_name!r})), with "
         "dj.per_worker(tx, mesh, 'workers') and dj.worker_value_and_grad(..., 'workers'), "
         "keeps the model's names; dj.plan_fsdp(params, fsdp) plans a partitioning whose "
         "shards hold whole DeMo chunks (docs/porting.md, docs/fsdp.md)."
       )
 
 
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(2, n + 1) if n % d == 0]
+
+
 def _num_workers(mesh: Mesh, axis_name: Hashable) -> int:
   if axis_name not in mesh.axis_names:
+    n, first = mesh.devices.size, mesh.devices.shape[0]
     raise ValueError(
-      f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}; name the "
-      "workers' axis, e.g. jax.sharding.Mesh(jax.devices(), ('data',))."
+      f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names} ({n} devices). "
+      "DisTrO needs a workers' axis beside the mesh's own: dj.workers_mesh(W, mesh) splits "
+      f"the mesh's first axis into W workers, Mesh(mesh.devices.reshape(W, {first} // W, "
+      f"...), ({axis_name!r}, *mesh.axis_names)), so that the params' partitioning over "
+      f"{mesh.axis_names[0]!r} becomes FSDP within each worker. W is how many sites "
+      f"(hosts, slices) the slow links join, a divisor of {first}: one of "
+      f"{_divisors(first) or [1]} (docs/porting.md)."
     )
   explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]
   if explicit:
@@ -180,6 +216,71 @@ def _placed_stack(unit: Any, value: jax.Array, mesh: Mesh, axis_name: Hashable) 
     value, mesh, (axis_name, *(P.UNCONSTRAINED if n is None else n for n in names))
   )
   return _stacked_unit(unit, value, axis_name)
+
+
+def workers_mesh(
+  num_workers: int,
+  devices: Mesh | Sequence[Any] | np.ndarray | None = None,
+  axis_name: Hashable = "workers",
+  names: Sequence[Hashable] = ("data",),
+) -> Mesh:
+  """A mesh with a workers' axis in front: the devices split into ``num_workers`` sites.
+
+  Each worker is a block of consecutive devices, so with ``jax.devices()``
+  (ordered by process) and W a multiple of the process count, no worker
+  spans two hosts. The other axes stay within each worker: a model whose
+  params are partitioned over ``"data"`` is then FSDP within a worker, and
+  DisTrO's message is all that crosses ``axis_name``. The axes are ``Auto``,
+  as GSPMD's jit path needs.
+
+  Args:
+    num_workers: W, how many sites the slow links join: one per host
+      (``jax.process_count()``), one per TPU slice, or in a simulation any
+      divisor of the device count.
+    devices: the devices (default ``jax.devices()``), reshaped to
+      ``(W, n // W)`` and named ``(axis_name, *names)``; or a trainer's own
+      ``Mesh``, whose first axis is split into W blocks and which keeps its
+      axis names after ``axis_name`` (``names`` is then unused).
+    axis_name: the workers' axis.
+    names: the names of the axes within a worker, one per axis of
+      ``devices`` when that is an array.
+
+  Returns:
+    A ``jax.sharding.Mesh`` of shape ``(W, ...)``.
+
+  Raises:
+    ValueError: W is not a positive divisor of the devices along the first
+      axis, or ``axis_name`` is already an axis of the mesh.
+
+  Example:
+    >>> import jax, distro_jax as dj
+    >>> mesh = dj.workers_mesh(1)
+    >>> mesh.axis_names, mesh.devices.shape == (1, jax.device_count())
+    (('workers', 'data'), True)
+  """
+  if isinstance(devices, Mesh):
+    array, names = devices.devices, devices.axis_names
+  else:
+    array = np.asarray(jax.devices() if devices is None else devices, dtype=object)
+    names = tuple(names)
+    if array.ndim != len(names):
+      raise ValueError(
+        f"devices has {array.ndim} axes but names {names} names {len(names)}; give one name "
+        "per axis of devices (a flat list of devices takes one, e.g. ('data',))."
+      )
+  if axis_name in names:
+    raise ValueError(
+      f"{axis_name!r} is already an axis of the mesh {tuple(names)}; dj.workers_mesh adds the "
+      "workers' axis, so pass the mesh without it, or name the workers' axis otherwise."
+    )
+  first = array.shape[0]
+  if not isinstance(num_workers, int | np.integer) or num_workers < 1 or first % num_workers:
+    raise ValueError(
+      f"num_workers={num_workers!r} does not split the {first} devices along the mesh's first "
+      f"axis into equal workers; use one of {[1, *_divisors(first)]}."
+    )
+  shape = (int(num_workers), first // int(num_workers), *array.shape[1:])
+  return Mesh(array.reshape(shape), (axis_name, *names))
 
 
 def worker_value_and_grad(
@@ -261,6 +362,65 @@ def worker_value_and_grad(
   return wrapped
 
 
+def _key_name(key: Any) -> Any:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  return key
+
+
+def reduce_over_workers(tree: Any, summed: Sequence[str] = ()) -> Any:
+  """Per-worker values stacked on a leading axis, reduced to the whole batch's.
+
+  For the ``aux`` of :func:`worker_value_and_grad`, one value per worker: a
+  leaf is averaged over the workers (a mean over rows, a loss, a rate), or
+  summed where a key or attribute on its path is named in ``summed`` (a
+  count of tokens or examples). With equal slices of the batch, that is what
+  the same aux of the whole batch would be.
+
+  Args:
+    tree: a pytree whose every leaf has the workers on its axis 0.
+    summed: names of dict keys or attributes (a ``flax.struct`` field, say)
+      whose leaves are summed.
+
+  Returns:
+    ``tree`` with axis 0 of every leaf reduced.
+
+  Raises:
+    ValueError: a leaf is a scalar (it has no workers' axis), or a name in
+      ``summed`` is on no leaf's path.
+
+  Example:
+    >>> import jax.numpy as jnp, distro_jax as dj
+    >>> aux = {"ntokens": jnp.array([8.0, 8.0]), "perplexity": jnp.array([3.0, 5.0])}
+    >>> dj.reduce_over_workers(aux, summed=("ntokens",))
+    {'ntokens': Array(16., dtype=float32), 'perplexity': Array(4., dtype=float32)}
+  """
+  if isinstance(summed, str):
+    summed = (summed,)
+  seen: set[str] = set()
+
+  def reduce(path: Any, x: Any) -> Any:
+    if np.ndim(x) == 0:
+      raise ValueError(
+        f"aux{jax.tree_util.keystr(path)} is a scalar; dj.reduce_over_workers reduces values "
+        "stacked one per worker on axis 0, as dj.worker_value_and_grad returns its aux."
+      )
+    names = {_key_name(k) for k in path} & set(summed)
+    seen.update(names)
+    return jnp.sum(x, axis=0) if names else jnp.mean(x, axis=0)
+
+  out = jax.tree_util.tree_map_with_path(reduce, tree)
+  missing = [name for name in summed if name not in seen]
+  if missing:
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    raise ValueError(
+      f"summed names {missing}, on no leaf's path; the leaves are {paths}. Name the dict "
+      "keys or attributes of the counts to sum."
+    )
+  return out
+
+
 def _shapes(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
@@ -276,44 +436,221 @@ class PerWorker(optax.GradientTransformationExtraArgs):
     inner: the wrapped optimizer.
     mesh: the device mesh.
     axis_name: the workers' axis.
+    all_reduce: whether the gradients are averaged over the workers before
+      ``inner`` (the dense baseline), so that all of its state is shared.
   """
 
   inner: optax.GradientTransformation
   mesh: Mesh
   axis_name: Hashable
+  all_reduce: bool
 
   def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
-    """:func:`worker_value_and_grad` on this optimizer's mesh and workers' axis."""
-    return worker_value_and_grad(fun, self.mesh, self.axis_name, has_aux=has_aux)
+    """:func:`worker_value_and_grad` on this optimizer's mesh and workers' axis.
+
+    With ``all_reduce``, the gradients come averaged over the workers (an
+    all-reduce across them), shaped and boxed like the params, as
+    ``jax.value_and_grad`` of the whole batch gives them; the value and the
+    aux are as :func:`worker_value_and_grad` returns them, so the rest of the
+    step reads the same under either optimizer.
+    """
+    value_and_grad = worker_value_and_grad(fun, self.mesh, self.axis_name, has_aux=has_aux)
+    if not self.all_reduce:
+      return value_and_grad
+
+    def averaged(params: Any, *args: Any, **kwargs: Any) -> Any:
+      out, grads = value_and_grad(params, *args, **kwargs)
+      units, treedef = _units(grads)
+      # Boxed as the params are: a param without a box gets a plain gradient.
+      boxed = [_is_unit(p) for p in _units(params)[0]]
+      means = [_worker_mean(u) if b else jnp.mean(_value(u), axis=0) for u, b in zip(units, boxed)]
+      return out, treedef.unflatten(means)
+
+    return averaged
 
   def per_worker_leaves(self, params: Any) -> list[bool]:
     """For each array of ``inner``'s state, whether it differs by worker (cached per shape).
 
-    Found by tracing one update (:func:`distro_jax.worker_state_specs`).
+    Found by tracing one update (:func:`distro_jax.worker_state_specs`); with
+    ``all_reduce`` every leaf is shared, since every worker feeds ``inner``
+    the same gradients.
     """
     shapes = _shapes(_plain(params))
     key = (jax.tree.structure(shapes), tuple((s.shape, s.dtype) for s in jax.tree.leaves(shapes)))
     if key not in self._flags:
-      specs = worker_state.worker_state_specs(self.inner, shapes, self.mesh, self.axis_name)
-      self._flags[key] = [
-        self.axis_name in _axes_of(tuple(s)) for s in jax.tree.leaves(specs, is_leaf=_is_spec)
-      ]
+      if self.all_reduce:
+        flags = [False] * len(jax.tree.leaves(jax.eval_shape(self.inner.init, shapes)))
+      else:
+        specs = worker_state.worker_state_specs(self.inner, shapes, self.mesh, self.axis_name)
+        flags = [
+          self.axis_name in _axes_of(tuple(s)) for s in jax.tree.leaves(specs, is_leaf=_is_spec)
+        ]
+      self._flags[key] = flags
     return self._flags[key]
 
 
+def _worker_mean(unit: Any) -> Any:
+  """A stack of one value per worker, averaged over the workers and boxed as its param is."""
+  value = jnp.mean(_value(unit), axis=0)
+  if isinstance(unit, meta.Partitioned):
+    return unit.replace(value=value, names=tuple(unit.names)[1:])
+  if isinstance(unit, meta.AxisMetadata):
+    return unit.replace_boxed(value)
+  variable = _variable_type()
+  if variable is not None and isinstance(unit, variable):
+    names = unit.get_metadata().get("out_sharding")
+    return unit.replace(value) if names is None else unit.replace(value, out_sharding=names[1:])
+  return value
+
+
+def _differs_error(paths: Sequence[str], axis_name: Hashable) -> ValueError:
+  return ValueError(
+    f"The update of {', '.join(paths[:3])} differs from worker to worker, so the replicas "
+    f"would drift apart: the optimizer exchanges nothing over {axis_name!r}. Build it with "
+    f"axis_name={axis_name!r} (dj.demo(lr, axis_name={axis_name!r})), or, for the all-reduce "
+    f"baseline with a dense optimizer (AdamW), pass all_reduce=True to dj.per_worker, or "
+    f"chain dj.pmean_gradients({axis_name!r}) before it."
+  )
+
+
+class _Step(NamedTuple):
+  """What one traced update of :func:`per_worker` runs, for every worker at once."""
+
+  tx: optax.GradientTransformation
+  mesh: Mesh
+  axis_name: Hashable
+  all_reduce: bool
+  p_def: Any
+  t_def: Any
+  flags: list[bool]
+  paths: list[str]
+  extra_args: dict[str, Any]
+
+  def inner(self, g_leaves: list[Any], s_leaves: list[Any], p_leaves: list[Any]) -> Any:
+    """One worker's update: its own gradient and state (the stacks' one block), shared params."""
+    grads = self.p_def.unflatten([g[0] for g in g_leaves])
+    if self.all_reduce:
+      grads = jax.tree.map(lambda g: jax.lax.pmean(g, self.axis_name), grads)
+    state = self.t_def.unflatten([x[0] if f else x for x, f in zip(s_leaves, self.flags)])
+    params = self.p_def.unflatten(p_leaves)
+    updates, state = self.tx.update(grads, state, params, **self.extra_args)
+    return self.p_def.flatten_up_to(updates), self.t_def.flatten_up_to(state)
+
+  def differing(self, u_leaves: list[Any]) -> list[str]:
+    return [p for p, u in zip(self.paths, u_leaves) if exchange.varies_over(u, self.axis_name)]
+
+  def body(self, g_leaves: list[Any], s_leaves: list[Any], p_leaves: list[Any]) -> Any:
+    u_leaves, n_leaves = self.inner(g_leaves, s_leaves, p_leaves)
+    differing = self.differing(u_leaves)
+    if differing:
+      raise _differs_error(differing, self.axis_name)
+    shared_but_varying = [
+      i
+      for i, (x, f) in enumerate(zip(n_leaves, self.flags))
+      if not f and exchange.varies_over(x, self.axis_name)
+    ]
+    if shared_but_varying:
+      raise ValueError(
+        f"State leaves {shared_but_varying} were laid out as shared but differ between "
+        "workers after an update; the optimizer's state does not keep the types "
+        "dj.worker_state_specs found."
+      )
+    n_leaves = [
+      exchange.as_varying(x, (self.axis_name,))[None] if f else x
+      for x, f in zip(n_leaves, self.flags)
+    ]
+    return u_leaves, n_leaves
+
+  def in_specs(self, num_grads: int, num_params: int) -> tuple[Any, ...]:
+    s_specs = [P(self.axis_name) if f else P() for f in self.flags]
+    return [P(self.axis_name)] * num_grads, s_specs, [P()] * num_params
+
+  def run(self, g_leaves: list[Any], s_leaves: list[Any], p_leaves: list[Any]) -> Any:
+    """The update inside a ``jax.shard_map`` manual over the workers' axis only."""
+    specs = self.in_specs(len(g_leaves), len(p_leaves))
+    return jax.shard_map(
+      self.body,
+      mesh=self.mesh,
+      in_specs=specs,
+      out_specs=([P()] * len(p_leaves), specs[1]),
+      axis_names={self.axis_name},
+    )(g_leaves, s_leaves, p_leaves)
+
+  def diagnose(self, g_leaves: list[Any], s_leaves: list[Any], p_leaves: list[Any]) -> list[str]:
+    """The params whose update differs by worker, found with every mesh axis manual.
+
+    For an update that failed inside :meth:`run`: with other mesh axes left
+    to GSPMD, optax wrappers (``MultiSteps``' ``lax.cond``) can fail on an
+    update that differs by worker before the check in :meth:`body` sees it.
+    Traced abstractly; an empty list if this trace fails too.
+    """
+    found: list[str] = []
+
+    def probe(g_leaves, s_leaves, p_leaves):
+      found.extend(self.differing(self.inner(g_leaves, s_leaves, p_leaves)[0]))
+      return jnp.zeros(())
+
+    specs = self.in_specs(len(g_leaves), len(p_leaves))
+    probe_all = jax.shard_map(probe, mesh=self.mesh, in_specs=specs, out_specs=P())
+    args = _shapes((g_leaves, s_leaves, p_leaves))
+    try:
+      with dense_step.quiet():
+        jax.eval_shape(probe_all, *args)
+    except Exception:  # noqa: BLE001 - the caller re-raises the update's own error
+      return []
+    return found
+
+
+def _stack_init(
+  tx: optax.GradientTransformation, wrapper: PerWorker, params: Any, num_workers: int
+) -> Any:
+  """``tx.init(params)`` with every per-worker leaf stacked W times and boxed over the workers."""
+  mesh, axis_name = wrapper.mesh, wrapper.axis_name
+  _check_no_clash(params, axis_name)
+  flags = wrapper.per_worker_leaves(params)
+  units, treedef = _units(tx.init(params))
+  if len(units) != len(flags):
+    raise ValueError(
+      "The optimizer state holds a box or variable with more than one array; "
+      "dj.per_worker lays out one array per box."
+    )
+  out = []
+  for unit, stacked in zip(units, flags):
+    value = jnp.asarray(_value(unit))
+    if stacked:
+      value = jnp.broadcast_to(value[None], (num_workers, *value.shape))
+      out.append(_placed_stack(unit, value, mesh, axis_name))
+    elif isinstance(value, jax.core.Tracer):
+      out.append(unit)  # placed by the caller's out_shardings, or by GSPMD
+    else:
+      out.append(_rebox(unit, jax.device_put(value, _unit_sharding(unit, mesh, value.ndim))))
+  return treedef.unflatten(out)
+
+
 def per_worker(
-  tx: optax.GradientTransformation, mesh: Mesh, axis_name: Hashable = "data"
+  tx: optax.GradientTransformation,
+  mesh: Mesh,
+  axis_name: Hashable = "data",
+  *,
+  all_reduce: bool = False,
 ) -> PerWorker:
   """``tx`` for the stacked per-worker gradients of :func:`worker_value_and_grad`, in a jit step.
 
   ``tx`` is a DisTrO optimizer built with ``axis_name`` (``dj.demo(lr,
   axis_name=...)``), alone or inside ``optax`` wrappers (``MultiSteps``,
-  ``inject_hyperparams``, ``chain``, ``masked``). The wrapper's update takes
+  ``inject_hyperparams``, ``chain``, ``masked``, ``multi_transform``). Put
+  the wrappers inside ``per_worker``, not around it: they then see one
+  worker's gradient, as they would without DisTrO. The wrapper's update takes
   the gradients with their leading worker axis, runs ``tx.update`` for every
   worker at once inside a ``jax.shard_map`` over ``axis_name`` (manual over
   that axis only), and returns the update that every worker computed alike,
   shaped like the params. The only collectives across ``axis_name`` are the
   ones ``tx`` makes: DisTrO's message.
+
+  With ``all_reduce=True``, ``tx`` is a dense optimizer (``optax.adamw``,
+  inside the same wrappers) and the gradients are averaged over the workers
+  first: the all-reduce baseline through the same step, gradient line and
+  checkpoints, so a trainer switches between the two with one flag.
 
   Its state is ``tx``'s, leaf for leaf: a leaf that differs by worker is
   stacked on a leading axis of size W and boxed to be placed over
@@ -323,9 +660,12 @@ def per_worker(
   (:func:`distro_jax.worker_state_specs`), once per params shape.
 
   Args:
-    tx: the optimizer, built with ``axis_name``.
-    mesh: the device mesh; ``axis_name`` is one of its axes.
+    tx: the optimizer, built with ``axis_name`` (with ``all_reduce``, a
+      dense one).
+    mesh: the device mesh; ``axis_name`` is one of its axes
+      (:func:`workers_mesh` builds one).
     axis_name: the workers' axis.
+    all_reduce: average the gradients over the workers before ``tx``.
 
   Returns:
     A :class:`PerWorker`, an ``optax.GradientTransformationExtraArgs``. Its
@@ -336,8 +676,8 @@ def per_worker(
     ValueError: at ``update``, gradients without the worker axis (the
       gradient of the whole batch), a state built for another worker count,
       or a ``tx`` whose update differs between workers (built without
-      ``axis_name``); at ``init`` and ``update``, params partitioned over
-      ``axis_name``.
+      ``axis_name``, or dense without ``all_reduce``); at ``init`` and
+      ``update``, params partitioned over ``axis_name``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, distro_jax as dj
@@ -352,27 +692,6 @@ def per_worker(
     >>> updates, state = tx.update(grads, state, params)
   """
   num_workers = _num_workers(mesh, axis_name)
-
-  def init_fn(params):
-    _check_no_clash(params, axis_name)
-    flags = wrapper.per_worker_leaves(params)
-    units, treedef = _units(tx.init(params))
-    if len(units) != len(flags):
-      raise ValueError(
-        "The optimizer state holds a box or variable with more than one array; "
-        "dj.per_worker lays out one array per box."
-      )
-    out = []
-    for unit, stacked in zip(units, flags):
-      value = jnp.asarray(_value(unit))
-      if stacked:
-        value = jnp.broadcast_to(value[None], (num_workers, *value.shape))
-        out.append(_placed_stack(unit, value, mesh, axis_name))
-      elif isinstance(value, jax.core.Tracer):
-        out.append(unit)  # placed by the caller's out_shardings, or by GSPMD
-      else:
-        out.append(_rebox(unit, jax.device_put(value, _unit_sharding(unit, mesh, value.ndim))))
-    return treedef.unflatten(out)
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
@@ -393,7 +712,10 @@ def per_worker(
       jax.tree_util.keystr(p)
       for p, _ in jax.tree_util.tree_flatten_with_path(p_def.unflatten(p_leaves))[0]
     ]
-    _check_gradient_shapes(paths, g_leaves, p_leaves, num_workers, axis_name)
+    # With all_reduce, the averaged gradients of value_and_grad are the dense step's own.
+    averaged = all_reduce and all(np.shape(g) == np.shape(p) for g, p in zip(g_leaves, p_leaves))
+    if not averaged:
+      _check_gradient_shapes(paths, g_leaves, p_leaves, num_workers, axis_name)
     flags = wrapper.per_worker_leaves(plain_params)
     s_leaves, s_def = jax.tree.flatten(state)
     template, t_def = jax.tree.flatten(jax.eval_shape(tx.init, _shapes(plain_params)))
@@ -406,53 +728,46 @@ def per_worker(
     dense_step.warn_if_replicated_per_worker(
       [x for x, f in zip(s_leaves, flags) if f], axis_name, num_workers
     )
-
-    def body(g_leaves, s_leaves, p_leaves):
-      grads = p_def.unflatten([g[0] for g in g_leaves])
-      inner = t_def.unflatten([x[0] if f else x for x, f in zip(s_leaves, flags)])
-      new_updates, new_state = tx.update(grads, inner, p_def.unflatten(p_leaves), **extra_args)
-      u_leaves = p_def.flatten_up_to(new_updates)
-      differing = [path for path, u in zip(paths, u_leaves) if exchange.varies_over(u, axis_name)]
+    if averaged:
+      new_updates, new_state = tx.update(
+        p_def.unflatten(g_leaves), t_def.unflatten(s_leaves), plain_params, **extra_args
+      )
+      u_leaves, n_leaves = p_def.flatten_up_to(new_updates), t_def.flatten_up_to(new_state)
+      return jax.tree.structure(params).unflatten(u_leaves), s_def.unflatten(n_leaves)
+    step = _Step(tx, mesh, axis_name, all_reduce, p_def, t_def, flags, paths, extra_args)
+    try:
+      u_leaves, n_leaves = step.run(g_leaves, s_leaves, p_leaves)
+    except ValueError:
+      raise
+    except Exception as e:
+      differing = step.diagnose(g_leaves, s_leaves, p_leaves)
       if differing:
-        raise ValueError(
-          f"The update of {', '.join(differing[:3])} differs from worker to worker, so the "
-          "replicas would drift apart: the optimizer exchanges nothing over "
-          f"{axis_name!r}. Build it with axis_name={axis_name!r} (dj.demo(lr, "
-          f"axis_name={axis_name!r})), or chain dj.pmean_gradients({axis_name!r}) before a "
-          "dense optimizer for the all-reduce baseline."
-        )
-      n_leaves = t_def.flatten_up_to(new_state)
-      shared_but_varying = [
-        i
-        for i, (x, f) in enumerate(zip(n_leaves, flags))
-        if not f and exchange.varies_over(x, axis_name)
-      ]
-      if shared_but_varying:
-        raise ValueError(
-          f"State leaves {shared_but_varying} were laid out as shared but differ between "
-          "workers after an update; the optimizer's state does not keep the types "
-          "dj.worker_state_specs found."
-        )
-      n_leaves = [
-        exchange.as_varying(x, (axis_name,))[None] if f else x for x, f in zip(n_leaves, flags)
-      ]
-      return u_leaves, n_leaves
-
-    s_specs = [P(axis_name) if f else P() for f in flags]
-    run = jax.shard_map(
-      body,
-      mesh=mesh,
-      in_specs=([P(axis_name)] * len(g_leaves), s_specs, [P()] * len(p_leaves)),
-      out_specs=([P()] * len(p_leaves), s_specs),
-      axis_names={axis_name},
-    )
-    u_leaves, n_leaves = run(g_leaves, s_leaves, p_leaves)
+        raise _differs_error(differing, axis_name) from e
+      raise
     return jax.tree.structure(params).unflatten(u_leaves), s_def.unflatten(n_leaves)
+
+  def init_fn(params):
+    # optax.MultiSteps around this wrapper accumulates the stacked gradients
+    # into zeros shaped like the params, and fails in optax's own tree.map (or
+    # feeds this update params-shaped values): name the fix before it does.
+    if isinstance(sys._getframe(1).f_locals.get("self"), optax.MultiSteps):
+      raise ValueError(_multi_steps_around(axis_name))
+    return _stack_init(tx, wrapper, params, num_workers)
 
   wrapper = PerWorker(init_fn, update_fn)
   wrapper.inner, wrapper.mesh, wrapper.axis_name = tx, mesh, axis_name
+  wrapper.all_reduce = bool(all_reduce)
   wrapper._flags = {}
   return wrapper
+
+
+def _multi_steps_around(axis_name: Hashable) -> str:
+  return (
+    "optax.MultiSteps is wrapped around dj.per_worker, so it would accumulate every "
+    "worker's stacked gradients into zeros shaped like the params. Put it inside, where it "
+    "accumulates each worker's own gradient: dj.per_worker(optax.MultiSteps(tx, k), mesh, "
+    f"{axis_name!r}); its gradient_step and mini_step still read from the state."
+  )
 
 
 def _check_gradient_shapes(
@@ -463,7 +778,9 @@ def _check_gradient_shapes(
     if np.shape(g) != (num_workers, *np.shape(p)):
       hint = (
         "That is the gradient of the whole batch, which GSPMD all-reduces across the "
-        "workers (a dense step). "
+        "workers (a dense step), or an optax wrapper around dj.per_worker fed it values "
+        "shaped like the params (optax.MultiSteps' accumulator): put such wrappers inside, "
+        f"dj.per_worker(optax.MultiSteps(tx, k), mesh, {axis_name!r}). "
         if np.shape(g) == np.shape(p)
         else ""
       )
@@ -502,6 +819,13 @@ def _rebox(unit: Any, value: Any) -> Any:
   return value
 
 
+def _is_train_state(x: Any) -> bool:
+  """A ``flax`` ``TrainState`` (or alike) whose optimizer is a :class:`PerWorker`."""
+  return isinstance(getattr(x, "tx", None), PerWorker) and all(
+    hasattr(x, a) for a in ("params", "opt_state", "replace")
+  )
+
+
 def _check_wrapper(tx: Any) -> PerWorker:
   if not isinstance(tx, PerWorker):
     raise TypeError(
@@ -511,7 +835,7 @@ def _check_wrapper(tx: Any) -> PerWorker:
   return tx
 
 
-def abstract_per_worker(tx: PerWorker, params: Any) -> Any:
+def abstract_per_worker(tx: Any, params: Any = None) -> Any:
   """The restore target of a :func:`per_worker` state saved on any number of workers.
 
   Shared leaves are ``jax.ShapeDtypeStruct`` placed as their boxes say;
@@ -522,12 +846,23 @@ def abstract_per_worker(tx: PerWorker, params: Any) -> Any:
   every saved worker's state on its host until then.
 
   Args:
-    tx: the :class:`PerWorker` of this run (with a ``TrainState``, ``state.tx``).
-    params: the params (arrays or ``jax.ShapeDtypeStruct``, boxed or not).
+    tx: the :class:`PerWorker` of this run; or a flax ``TrainState`` whose
+      ``tx`` is one, alone.
+    params: the params (arrays or ``jax.ShapeDtypeStruct``, boxed or not);
+      none with a ``TrainState``.
 
   Returns:
-    A tree with the structure of ``tx.init(params)``.
+    A tree with the structure of ``tx.init(params)``; for a ``TrainState``,
+    the state with that tree as its ``opt_state`` (the rest of a restore
+    target as it is).
   """
+  if params is None and _is_train_state(tx):
+    return tx.replace(opt_state=abstract_per_worker(tx.tx, tx.params))
+  if params is None:
+    raise TypeError(
+      "dj.abstract_per_worker takes (tx, params), or a TrainState whose tx is the optimizer "
+      "dj.per_worker returned, alone."
+    )
   tx = _check_wrapper(tx)
   units, treedef = _units(jax.eval_shape(tx.init, params))
   out = []
@@ -542,9 +877,9 @@ def abstract_per_worker(tx: PerWorker, params: Any) -> Any:
 
 
 def resize_per_worker(
-  tx: PerWorker,
-  state: Any,
-  params: Any,
+  tx: Any,
+  state: Any = None,
+  params: Any = None,
   *,
   keep: Sequence[int] | None = None,
   leaving: str = "drop",
@@ -558,16 +893,18 @@ def resize_per_worker(
   (``leaving``). Shared leaves carry over; W is read from the state's shapes.
 
   Args:
-    tx: the :class:`PerWorker` of this run, built on the new mesh (with a
-      ``TrainState``, ``state.tx``).
+    tx: the :class:`PerWorker` of this run, built on the new mesh; or a
+      flax ``TrainState`` whose ``tx`` is one and whose ``opt_state`` is the
+      state of W workers, alone.
     state: the state of W workers (as :func:`abstract_per_worker` restores
-      it, or on devices).
-    params: the shared params of this run.
+      it, or on devices); none with a ``TrainState``.
+    params: the shared params of this run; none with a ``TrainState``.
     keep: the old workers that stay, in their new order.
     leaving: ``"drop"`` or ``"fold"``, for a leaving worker's residual.
 
   Returns:
-    The state in the layout of ``tx.init(params)``, placed as its boxes say.
+    The state in the layout of ``tx.init(params)``, placed as its boxes say;
+    for a ``TrainState``, the train state with it as its ``opt_state``.
 
   Example:
     >>> import jax, jax.numpy as jnp, distro_jax as dj
@@ -579,6 +916,14 @@ def resize_per_worker(
     >>> state[0].momentum["w"].value.shape
     (1, 8, 8)
   """
+  if state is None and params is None and _is_train_state(tx):
+    opt_state = resize_per_worker(tx.tx, tx.opt_state, tx.params, keep=keep, leaving=leaving)
+    return tx.replace(opt_state=opt_state)
+  if state is None or params is None:
+    raise TypeError(
+      "dj.resize_per_worker takes (tx, state, params), or a TrainState whose tx is the "
+      "optimizer dj.per_worker returned, alone."
+    )
   tx = _check_wrapper(tx)
   plain_params = _plain(params)
   flags = tx.per_worker_leaves(plain_params)
@@ -586,6 +931,15 @@ def resize_per_worker(
   template, t_def = jax.tree.flatten(jax.eval_shape(tx.inner.init, _shapes(plain_params)))
   if len(s_leaves) != len(template):
     raise ValueError("the state is not this optimizer's: its leaves do not match tx.init's.")
+  units, treedef = _units(jax.eval_shape(tx.init, params))
+  if not any(flags):
+    # All shared (all_reduce, or a stateless inner): nothing depends on the worker count.
+    return treedef.unflatten(
+      [
+        _rebox(u, jax.device_put(elastic._on(tx.mesh, x), _unit_sharding(u, tx.mesh, np.ndim(x))))
+        for u, x in zip(units, s_leaves)
+      ]
+    )
   # dj.resize_worker_state works on the per-worker layout of dj.worker_state,
   # the W workers' blocks concatenated along axis 0, which a reshape gives.
   host = [elastic._on(tx.mesh, x) for x in s_leaves]
@@ -601,7 +955,6 @@ def resize_per_worker(
     leaving=leaving,
   )
   num_workers = tx.mesh.shape[tx.axis_name]
-  units, treedef = _units(jax.eval_shape(tx.init, params))
   out = []
   for unit, x, t, stacked in zip(units, t_def.flatten_up_to(resized), template, flags):
     if stacked:

@@ -5,9 +5,9 @@ Written here for docs/porting.md, which walks its port to DeMo
 diff between them). Its shape is nanodo's: a linen model whose kernels carry
 FSDP partitioning over the mesh axis ``"data"``, a ``TrainState`` placed by
 ``nn.get_sharding`` of its abstract value, ``optax.MultiSteps`` around every
-optimizer, one ``jax.jit`` step with ``in_shardings`` and ``out_shardings``
-whose loss closes over the batch, metrics from the step, and an orbax
-checkpoint of the whole state.
+optimizer (picked by the config), one ``jax.jit`` step with ``in_shardings``
+and ``out_shardings`` whose loss closes over the batch, metrics from the step,
+and an orbax checkpoint of the whole state.
 """
 
 import dataclasses
@@ -35,6 +35,7 @@ class Config:
   num_train_steps: int = 30
   grad_accumulation_steps: int = 2
   clip_by_global_norm: float = 1.0
+  optimizer: str = "adamw"
 
 
 class Mlp(nn.Module):
@@ -72,13 +73,22 @@ def get_learning_rate_schedule(c):
   )
 
 
+def get_base_optimizer(c):
+  # As nanodo: the config picks the optimizer.
+  lr = get_learning_rate_schedule(c)
+  if c.optimizer == "adamw":
+    return optax.adamw(lr, b2=0.98, weight_decay=0.1)
+  if c.optimizer == "lion":
+    return optax.lion(lr, b2=0.99, weight_decay=0.1)
+  raise ValueError(f"unknown optimizer {c.optimizer!r}")
+
+
 def get_optimizer(c):
-  tx = optax.adamw(get_learning_rate_schedule(c), b2=0.98, weight_decay=0.1)
-  tx = optax.chain(optax.clip_by_global_norm(c.clip_by_global_norm), tx)
+  tx = optax.chain(optax.clip_by_global_norm(c.clip_by_global_norm), get_base_optimizer(c))
   return optax.MultiSteps(tx, c.grad_accumulation_steps)
 
 
-def make_mesh(devices):
+def make_mesh(c, devices):
   return Mesh(np.asarray(devices), ("data",))
 
 

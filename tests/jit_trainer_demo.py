@@ -1,11 +1,13 @@
 """The trainer of ``jit_trainer_adamw.py``, ported to DeMo: the "after" of docs/porting.md.
 
-The mesh gains a workers' axis, and the ``"data"`` axis that the model's
-kernels are partitioned over becomes FSDP within each worker. The step takes
-per-worker gradients with ``dj.worker_value_and_grad`` and the optimizer is
-``dj.per_worker`` around ``MultiSteps(chain(clip, dj.demo))``; nothing else in
-the step changes. A checkpoint restores on another worker count.
-``tests/test_porting.py`` counts the changed lines.
+The mesh gains a workers' axis (``dj.workers_mesh`` from the config's worker
+count), and the ``"data"`` axis that the model's kernels are partitioned over
+becomes FSDP within each worker. The step takes per-worker gradients with the
+optimizer's ``value_and_grad``; the optimizer is ``dj.per_worker`` around the
+same ``MultiSteps(chain(clip, base))``, where the config's ``optimizer`` picks
+DeMo or, all-reduced over the workers, the dense ones it picked before. A checkpoint
+restores on another worker count. ``tests/test_porting.py`` counts the
+changed lines.
 """
 
 import dataclasses
@@ -35,6 +37,8 @@ class Config:
   num_train_steps: int = 30
   grad_accumulation_steps: int = 2
   clip_by_global_norm: float = 1.0
+  optimizer: str = "adamw"
+  workers: int = 4
 
 
 class Mlp(nn.Module):
@@ -72,14 +76,25 @@ def get_learning_rate_schedule(c):
   )
 
 
-def get_optimizer(c, mesh):
-  tx = dj.demo(get_learning_rate_schedule(c), weight_decay=0.1, axis_name="workers")
-  tx = optax.chain(optax.clip_by_global_norm(c.clip_by_global_norm), tx)
-  return dj.per_worker(optax.MultiSteps(tx, c.grad_accumulation_steps), mesh, "workers")
+def get_base_optimizer(c):
+  # As nanodo: the config picks the optimizer.
+  lr = get_learning_rate_schedule(c)
+  if c.optimizer == "demo":
+    return dj.demo(lr, weight_decay=0.1, axis_name="workers")
+  if c.optimizer == "adamw":
+    return optax.adamw(lr, b2=0.98, weight_decay=0.1)
+  if c.optimizer == "lion":
+    return optax.lion(lr, b2=0.99, weight_decay=0.1)
+  raise ValueError(f"unknown optimizer {c.optimizer!r}")
 
 
-def make_mesh(devices):
-  return Mesh(np.asarray(devices), ("workers", "data"))
+def get_optimizer(c):
+  tx = optax.chain(optax.clip_by_global_norm(c.clip_by_global_norm), get_base_optimizer(c))
+  return optax.MultiSteps(tx, c.grad_accumulation_steps)
+
+
+def make_mesh(c, devices):
+  return dj.workers_mesh(c.workers, Mesh(np.asarray(devices), ("data",)))
 
 
 def init_train_state(c, rng, mesh):
@@ -88,7 +103,8 @@ def init_train_state(c, rng, mesh):
 
   def init(rng):
     params = model.init(rng, jnp.zeros((1, c.features)))["params"]
-    return TrainState.create(apply_fn=model.apply, params=params, tx=get_optimizer(c, mesh))
+    tx = dj.per_worker(get_optimizer(c), mesh, "workers", all_reduce=c.optimizer != "demo")
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
   shardings = nn.get_sharding(jax.eval_shape(init, rng), mesh)
   return jax.jit(init, out_shardings=shardings)(rng), shardings
@@ -98,7 +114,7 @@ def train_step(state, batch, mesh):
   batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P(("workers", "data"))))
   grad_fn = state.tx.value_and_grad(lambda p, b: get_loss_fn(b, state.apply_fn)(p), has_aux=True)
   (loss, aux), grads = grad_fn(state.params, batch)
-  aux = jax.tree.map(jnp.sum, aux)  # per worker, stacked: sum the token counts
+  aux = dj.reduce_over_workers(aux, summed=("ntokens",))  # one per worker: sum the counts
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -138,10 +154,10 @@ def restore_checkpoint(directory, state):
   """The latest checkpoint, restored onto the layout of ``state`` (built for this run)."""
   with ocp.CheckpointManager(directory) as mngr:
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    target = target.replace(opt_state=dj.abstract_per_worker(state.tx, state.params))
+    target = dj.abstract_per_worker(target)  # per-worker leaves restored whole, on the host
     args = ocp.args.Composite(state=ocp.args.StandardRestore(target))
     state = mngr.restore(mngr.latest_step(), args=args)["state"]
-  return state.replace(opt_state=dj.resize_per_worker(state.tx, state.opt_state, state.params))
+  return dj.resize_per_worker(state)  # for this run's workers
 
 
 def train(c, mesh, batches, state=None, rng=None):

@@ -70,10 +70,11 @@ def test_a_single_device_step_does_not_warn():
   _no_warning(_jit_step(tx), PARAMS, tx.init(PARAMS), _batch())
 
 
-@pytest.mark.slow  # compiles a DeMo step: about 3 s here
-def test_one_worker_sharded_over_the_devices_does_not_warn(mesh):
-  # FSDP over all devices with one DeMo worker: the gradient is reduce-scattered
-  # as FSDP does, and no device holds it whole.
+@pytest.mark.slow  # compiles two DeMo steps: about 3 s here
+def test_one_worker_sharded_over_the_devices_warns_unless_quiet(mesh):
+  # FSDP over all devices with one DeMo worker (nanodo's default sharding): the
+  # gradient is reduce-scattered across devices holding different rows, as
+  # dense as an all-reduce (issue 67). One site's FSDP on purpose traces quiet.
   tx = dj.demo(0.1, compression_chunk=2, axis_name=None)
   params = {"w": jax.device_put(PARAMS["w"], NamedSharding(mesh, P("data")))}
   batch = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
@@ -83,7 +84,10 @@ def test_one_worker_sharded_over_the_devices_does_not_warn(mesh):
     updates, state = tx.update(jax.grad(loss)(params, batch), state, params)
     return optax.apply_updates(params, updates), state
 
-  _no_warning(jax.jit(step), params, tx.init(params), batch)
+  with pytest.warns(dj.DenseStepWarning, match="partitioned over them.*reduce-scattered"):
+    _compile(jax.jit(step), params, tx.init(params), batch)
+  with dj.dense_step.quiet():
+    _no_warning(jax.jit(step), params, tx.init(params), batch)
 
 
 def _shard_map_step(tx, mesh, value_and_grad):

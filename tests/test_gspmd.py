@@ -328,3 +328,89 @@ def test_flax_nnx_optimizer_steps_as_plain_params():
   assert_identical_on_every_device(nnx.state(model, nnx.Param))
   momentum = optimizer.opt_state[0].momentum["hidden"]["kernel"]
   assert momentum[...].shape == (WORKERS, 16, 8)
+
+
+def test_workers_mesh_splits_the_trainers_own_mesh():
+  # nanodo's mesh, split into 4 workers: its axis stays, within each worker.
+  own = Mesh(np.asarray(jax.devices()), ("data",))
+  mesh = dj.workers_mesh(4, own)
+  assert mesh.axis_names == ("workers", "data")
+  assert mesh.devices.shape == (4, 2)
+  assert [d.id for d in mesh.devices[1]] == [d.id for d in own.devices[2:4]]  # consecutive
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+  flat = dj.workers_mesh(2, jax.devices()[:6], names=("fsdp",))
+  assert flat.axis_names == ("workers", "fsdp") and flat.devices.shape == (2, 3)
+  with pytest.raises(
+    ValueError, match=r"num_workers=3 does not split the 8 devices.*\[1, 2, 4, 8\]"
+  ):
+    dj.workers_mesh(3, own)
+  with pytest.raises(ValueError, match="'data' is already an axis"):
+    dj.workers_mesh(2, own, axis_name="data")
+
+
+def test_a_mesh_without_the_workers_axis_suggests_one_from_its_devices():
+  # nanodo's own 1-D mesh: the fix keeps its "data" axis as FSDP within a worker.
+  mesh = Mesh(np.asarray(jax.devices()), ("data",))
+  with pytest.raises(ValueError) as caught:
+    dj.per_worker(_demo(), mesh, "workers")
+  message = str(caught.value)
+  assert "dj.workers_mesh(W, mesh)" in message
+  assert "Mesh(mesh.devices.reshape(W, 8 // W, ...), ('workers', *mesh.axis_names))" in message
+  assert "[2, 4, 8]" in message and "('data',)" in message
+  assert "jax.sharding.Mesh(jax.devices(), ('data',))" not in message  # the mesh it already has
+  with pytest.raises(ValueError, match="dj.workers_mesh"):
+    dj.worker_value_and_grad(_loss, mesh, "workers")
+
+
+def test_reduce_over_workers_sums_the_named_counts_and_averages_the_rest():
+  from flax import struct
+
+  @struct.dataclass
+  class LossAuxData:  # nanodo's aux
+    ntokens: jax.Array
+    state: dict
+    log_perplexity: jax.Array
+
+  aux = LossAuxData(
+    ntokens=jnp.array([8.0, 8.0, 4.0]),
+    state={"acts": jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])},
+    log_perplexity=jnp.array([1.0, 2.0, 6.0]),
+  )
+  out = dj.reduce_over_workers(aux, summed=("ntokens",))
+  assert float(out.ntokens) == 20.0 and float(out.log_perplexity) == 3.0
+  np.testing.assert_array_equal(out.state["acts"], [3.0, 4.0])
+  with pytest.raises(ValueError, match=r"summed names \['ntoken'\].*ntokens"):
+    dj.reduce_over_workers(aux, summed=("ntoken",))
+  with pytest.raises(ValueError, match=r"aux\['n'\] is a scalar"):
+    dj.reduce_over_workers({"n": jnp.float32(1.0)})
+
+
+def test_all_reduce_runs_a_dense_optimizer_on_the_mean_gradient():
+  # The baseline through the same path: AdamW on the workers' mean gradient,
+  # all of its state shared (stored once), and an update every worker shares.
+  mesh = _auto_mesh((WORKERS,), ("data",))
+  tx = dj.per_worker(optax.MultiSteps(optax.adamw(0.1), 1), mesh, all_reduce=True)
+  init, grads = random_problem(SHAPES, WORKERS, steps=2, seed=3)
+  params = jax.device_put(init, NamedSharding(mesh, P()))
+  state = tx.init(params)
+  assert not any(isinstance(x, meta.Partitioned) for x in jax.tree.leaves(state, is_leaf=_boxed))
+  assert tx.per_worker_leaves(params) == [False] * len(jax.tree.leaves(state))
+  dense = optax.MultiSteps(optax.adamw(0.1), 1)
+  want_state = dense.init(init)
+  for g in grads:
+    updates, state = jax.jit(tx.update)(g, state, params)
+    mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), g)
+    want, want_state = dense.update(mean, want_state, init)
+    for name in SHAPES:
+      np.testing.assert_allclose(updates[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+  # Nothing depends on the worker count: the state resizes as it is.
+  on_2 = dj.per_worker(
+    optax.MultiSteps(optax.adamw(0.1), 1), _auto_mesh((2,), ("data",)), all_reduce=True
+  )
+  resized = dj.resize_per_worker(on_2, state, init)
+  for a, b in zip(jax.tree.leaves(resized), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+
+
+def _boxed(x):
+  return isinstance(x, meta.Partitioned)

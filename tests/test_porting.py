@@ -4,9 +4,12 @@
 The port must change at most 15 lines and hold no ``shard_map``, train within
 2% of the shard_map path's loss over 30 steps, move only the message (and a
 few logged scalars) across the workers' axis, keep every replica
-bit-identical, and restore its checkpoint on another worker count.
+bit-identical, run AdamW from the same config switch as the trainer before
+did, and restore its checkpoint on another worker count in both of orbax's
+styles. Every Python snippet of the guide runs, in order, in one namespace.
 """
 
+import dataclasses
 import difflib
 import inspect
 import re
@@ -26,8 +29,8 @@ from sharded_step import bits
 import distro_jax as dj
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "porting.md"
-C = after.Config()
-WORKERS, FSDP = 4, 2
+C = dataclasses.replace(after.Config(), optimizer="demo")
+WORKERS, FSDP = C.workers, 2
 
 
 def _code(module):
@@ -53,6 +56,27 @@ def test_the_port_changes_at_most_15_lines_and_holds_no_shard_map():
   assert "shard_map" not in inspect.getsource(after)
 
 
+def _snippets():
+  return re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
+
+
+def _run_snippets():
+  """The guide's Python snippets run in order, as a reader pastes them; their namespace."""
+  namespace = {"__name__": "porting_md"}
+  for code in _snippets():
+    exec(compile(code, str(DOCS), "exec"), namespace)
+  return namespace
+
+
+def test_the_guides_snippets_run():
+  # Each snippet asserts what the guide says of it (the mesh, the two
+  # optimizers' state layouts, the metric reduction); the restore one is
+  # called on a trained state by test_the_port_end_to_end.
+  assert len(_snippets()) == 4
+  namespace = _run_snippets()
+  assert callable(namespace["_restore_ckpt"]) and callable(namespace["get_optimizer"])
+
+
 def test_the_docs_show_the_port_as_it_is():
   blocks = re.findall(r"```diff\n(.*?)```", DOCS.read_text(), re.S)
   assert blocks, "docs/porting.md shows the port as a ```diff block"
@@ -71,14 +95,15 @@ def _batches(steps, seed=0):
   return out
 
 
-def _sites(workers, fsdp):
-  return np.asarray(jax.devices()[: workers * fsdp]).reshape(workers, fsdp)
+def _mesh(c, fsdp=FSDP):
+  """The ported trainer's mesh: ``c.workers`` workers of ``fsdp`` devices."""
+  return after.make_mesh(c, jax.devices()[: c.workers * fsdp])
 
 
 def _shard_map_losses(batches, rng):
   """The same trainer on the library's shard_map path: one device per worker, no FSDP."""
   mesh = jax.make_mesh((WORKERS,), ("workers",), devices=jax.devices()[:WORKERS])
-  inner = after.get_optimizer(C, after.make_mesh(_sites(WORKERS, FSDP))).inner
+  inner = after.get_optimizer(C)
   model = after.Mlp(C)
   params = jax.tree.map(
     lambda p: p.unbox() if hasattr(p, "unbox") else p,
@@ -152,10 +177,60 @@ def _momentum(state):
   return jax.tree.leaves(state.opt_state.inner_opt_state[1][0].momentum)
 
 
+def _assert_legacy_restore(state, directory):
+  """The guide's copy of nanodo's legacy orbax restore, on this worker count and on 2."""
+  namespace = _run_snippets()
+  manager = namespace["_get_ckpt_manager"]
+  with manager(directory) as mngr:
+    mngr.save(int(state.step), {"state": state})
+    mngr.wait_until_finished()
+  fresh, _ = after.init_train_state(C, jax.random.key(1), _mesh(C))
+  with manager(directory) as mngr:
+    restored = namespace["_restore_ckpt"](mngr, fresh)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(a, b)
+  on_2 = dataclasses.replace(C, workers=2)
+  fresh, _ = after.init_train_state(on_2, jax.random.key(1), _mesh(on_2))
+  with manager(directory) as mngr:
+    restored = namespace["_restore_ckpt"](mngr, fresh)
+  for a, b in zip(_momentum(restored), _momentum(state)):
+    assert a.shape[0] == 2 and a.sharding.spec[0] == "workers"
+    np.testing.assert_array_equal(a, np.asarray(b)[:2])
+
+
+def _assert_the_switch_runs_adamw_as_before(batches, adamw):
+  """The ported tree with optimizer="adamw": the trainer before, all-reduced over the workers."""
+  switch = dataclasses.replace(C, optimizer="adamw")
+  mesh = _mesh(switch)
+  state, shardings = after.init_train_state(switch, jax.random.key(0), mesh)
+  assert not any(state.tx.per_worker_leaves(state.params))  # all of AdamW's state is shared
+  step = after.make_train_step(mesh, shardings).lower(state, batches[0]).compile()
+  crossing = [
+    (kind, n)
+    for axes, b in dj.collective_bytes_by_axes(step.as_text(), mesh).items()
+    if "workers" in axes
+    for kind, _, n in b.ops
+  ]
+  # The dense baseline: each device's FSDP half of the float32 gradient, all-reduced.
+  grad_bytes = 4 * sum(np.size(x) for x in jax.tree.leaves(state.params))
+  assert {kind for kind, _ in crossing} == {"all-reduce"}, crossing
+  assert sum(n for _, n in crossing) >= grad_bytes // FSDP, crossing
+  history = []
+  for batch in batches:
+    state, metrics = step(state, batch)
+    history.append(jax.device_get(metrics))
+  for name in ("train_loss", "grads/norm", "train_ntokens"):
+    np.testing.assert_allclose(
+      [float(m[name]) for m in history], [float(m[name]) for m in adamw], rtol=1e-6, err_msg=name
+    )
+
+
 def _assert_restores_on_another_worker_count(state, directory):
   after.save_checkpoint(directory, state)
-  mesh = after.make_mesh(_sites(2, FSDP))
-  fresh, _ = after.init_train_state(C, jax.random.key(1), mesh)
+  on_2 = dataclasses.replace(C, workers=2)
+  mesh = _mesh(on_2)
+  fresh, _ = after.init_train_state(on_2, jax.random.key(1), mesh)
   restored = after.restore_checkpoint(directory, fresh)
   assert int(restored.step) == C.num_train_steps
   for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params)):
@@ -165,16 +240,16 @@ def _assert_restores_on_another_worker_count(state, directory):
     assert a.shape[0] == 2 and a.sharding.spec[0] == "workers"
     np.testing.assert_array_equal(a, np.asarray(b)[:2])
   assert int(restored.opt_state.gradient_step) == int(state.opt_state.gradient_step)
-  restored, history = after.train(C, mesh, _batches(1, seed=1), state=restored)
+  restored, history = after.train(on_2, mesh, _batches(1, seed=1), state=restored)
   assert np.isfinite(float(history[0]["train_loss"]))
   assert_replicas_identical(restored.params)
 
 
 # One test, so that the trained state is built once (a module fixture would be
 # built again by each pytest-xdist worker that runs one of its tests).
-@pytest.mark.slow  # four trainers compiled: about 90 s here, unloaded
+@pytest.mark.slow  # six trainers compiled: about 30 s here, unloaded
 def test_the_port_end_to_end(tmp_path):
-  mesh = after.make_mesh(_sites(WORKERS, FSDP))
+  mesh = _mesh(C)
   batches = _batches(C.num_train_steps)
   state, shardings = after.init_train_state(C, jax.random.key(0), mesh)
   # after.train's loop, on the step compiled once for both the run and its HLO.
@@ -185,6 +260,32 @@ def test_the_port_end_to_end(tmp_path):
     state, metrics = step(state, batch)
     history.append(jax.device_get(metrics))
   _assert_trains_as_the_shard_map_path(batches, state, history)
-  _assert_restores_on_another_worker_count(state, tmp_path)
-  _, adamw = before.train(C, before.make_mesh(jax.devices()), batches, rng=jax.random.key(0))
+  _assert_restores_on_another_worker_count(state, tmp_path / "standard")
+  _assert_legacy_restore(state, tmp_path / "legacy")
+  adamw_c = dataclasses.replace(C, optimizer="adamw")
+  _, adamw = before.train(
+    adamw_c, before.make_mesh(adamw_c, jax.devices()), batches, rng=jax.random.key(0)
+  )
   assert float(adamw[-1]["train_loss"]) < 0.8 * float(adamw[0]["train_loss"])  # "before" runs
+  _assert_the_switch_runs_adamw_as_before(batches, adamw)
+
+
+@pytest.mark.slow  # one DeMo step compiled: about 5 s here
+def test_a_batch_left_on_data_alone_crosses_the_workers():
+  # Why the port changes the batch constraint: split over "data" only, every
+  # worker holds a copy of the rows, and the gradient helper's cut then moves
+  # rows across the workers' links (docs/porting.md, "The batch").
+  mesh = _mesh(C)
+  state, shardings = after.init_train_state(C, jax.random.key(0), mesh)
+
+  def step(state, batch):
+    batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P("data")))
+    grad_fn = state.tx.value_and_grad(lambda p, b: after.get_loss_fn(b, state.apply_fn)(p)[0])
+    _, grads = grad_fn(state.params, batch)
+    return state.tx.update(grads, state.opt_state, state.params)
+
+  hlo = jax.jit(step).lower(state, _batches(1)[0]).compile().as_text()
+  by_axes = dj.collective_bytes_by_axes(hlo, mesh)
+  moved = [(kind, n) for kind, _, n in by_axes[("workers", "data")].ops]
+  assert moved and {kind for kind, _ in moved} == {"collective-permute"}, moved
+  assert sum(n for _, n in moved) == 2112  # the rows (2,048 bytes) and their labels
