@@ -1,4 +1,4 @@
-"""What a step would cost over real links: compute time plus the exchange's transfer time.
+"""What a step would cost over real links: compute, the exchange's transfer, and its latency.
 
 The model is deliberately simple and stated in full, so that a reader can
 check it:
@@ -12,12 +12,26 @@ check it:
   are the headline (``step_seconds``, ``hours_to_train``); asymmetric consumer
   links favour the relay.
 - A step takes ``compute + max(up_bytes / up_rate, down_bytes / down_rate)``:
-  no latency, no TCP overhead, and no overlap of communication with compute,
-  except for an overlapped exchange (``delayed_apply``): the share ``f`` of
-  the bytes that its all-gather moves while the next forward and backward
-  pass runs costs ``max(compute, f * transfer) + (1 - f) * transfer``, the
-  rest (a partial overlap's synchronous message) waits as before. Whether
-  XLA does overlap them on a given backend is not modelled.
+  no TCP overhead, and no overlap of communication with compute, except for
+  an overlapped exchange (``delayed_apply``): the share ``f`` of the bytes
+  that its all-gather moves while the next forward and backward pass runs
+  costs ``max(compute, f * transfer) + (1 - f) * transfer``, the rest (a
+  partial overlap's synchronous message) waits as before. Whether XLA does
+  overlap them on a given backend is not modelled.
+- Latency, when a link has a round trip (``Link.rtt_s``) and a loss rate
+  (``Link.loss``), adds the time of the step's dependent hops
+  (:func:`latency_seconds`): a hop is one step of a ring collective, which
+  gloo sends at once, with no handshake, so it waits one one-way trip
+  (``rtt / 2``); a chunk larger than TCP's initial window waits one more
+  round trip per extra window (slow start restarts after an idle
+  compute phase); and a hop any of whose segments is dropped waits a
+  retransmission timeout (``rtt`` + Linux's 200 ms floor). The hops come from
+  :mod:`experiments.netlab.round_trips`, which counts them in a compiled
+  step. Every link in :data:`DEFAULT_LINKS` has neither, so the projections
+  without hops are unchanged.
+- A link may also let a burst through at line rate (``Link.burst_bytes``:
+  netlab's ``tc tbf`` bucket is 64 KiB plus a frame); the bytes past it
+  move at the rate. 0 by default.
 - DiLoCo's all-reduce happens once every H steps; its time is amortized.
 
 ``compute`` is measured (the comparison's per-step time on this machine), or
@@ -27,6 +41,7 @@ for the DisTrO report's setting, taken from the report itself.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,15 +52,41 @@ from experiments.run import checks
 
 __all__ = [
   "DEFAULT_LINKS",
+  "INITIAL_WINDOW_SEGMENTS",
+  "MSS_BYTES",
   "REPORT",
+  "RTO_FLOOR_S",
+  "Hop",
   "Link",
+  "MeasuredCell",
   "collective_of",
+  "comparison_markdown",
+  "hop_seconds",
+  "latency_seconds",
   "link_bytes",
   "markdown",
+  "predicted_vs_measured",
   "project",
   "report_setting",
+  "retransmission_timeout_s",
+  "round_trips",
+  "slow_start_flights",
   "step_seconds",
 ]
+
+# TCP over Ethernet: 1,500-byte frames less 52 bytes of IP and TCP headers
+# (with timestamps, as Linux sends them).
+MSS_BYTES = 1448
+# Linux's initial congestion window (RFC 6928), and the window it restarts
+# from after an idle spell longer than the retransmission timeout
+# (net.ipv4.tcp_slow_start_after_idle, on by default): a step's exchange
+# follows its compute, which is longer than that.
+INITIAL_WINDOW_SEGMENTS = 10
+# Linux's TCP_RTO_MIN: the retransmission timeout is the smoothed round trip
+# plus at least this much. A lone segment lost (a scalar's hop) has no
+# duplicate ACKs behind it to trigger a fast retransmit, so it waits for a
+# timer of about this length (the timeout, or a tail-loss probe near it).
+RTO_FLOOR_S = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +97,26 @@ class Link:
     name: how tables show it.
     up_bits_per_s: upload rate.
     down_bits_per_s: download rate.
+    rtt_s: the round trip between two workers, seconds (0: a path of zero
+      length, the model without latency).
+    loss: the probability that a packet is lost end to end, in [0, 1).
+    burst_bytes: bytes a sender may put through at line rate after an idle
+      spell before the rate applies (a token bucket's size; 0: none).
   """
 
   name: str
   up_bits_per_s: float
   down_bits_per_s: float
+  rtt_s: float = 0.0
+  loss: float = 0.0
+  burst_bytes: float = 0.0
+
+  def __post_init__(self):
+    if self.rtt_s < 0 or not 0.0 <= self.loss < 1.0 or self.burst_bytes < 0:
+      raise ValueError(
+        f"link {self.name!r}: rtt_s must be >= 0, loss in [0, 1) and burst_bytes >= 0; got "
+        f"rtt_s={self.rtt_s}, loss={self.loss}, burst_bytes={self.burst_bytes}."
+      )
 
 
 DEFAULT_LINKS = (
@@ -132,14 +188,86 @@ def link_bytes(
   raise ValueError(f"unknown topology {topology!r}; use 'ring' or 'relay'.")
 
 
+@dataclasses.dataclass(frozen=True)
+class Hop:
+  """One dependent transfer of a step: nothing after it starts before it ends.
+
+  A ring collective over W workers is a chain of them (W - 1 for an
+  all-gather, 2 (W - 1) for an all-reduce): in each, every worker sends a
+  chunk to its neighbour and waits for its other neighbour's.
+
+  Attributes:
+    segments: TCP segments sent during the hop, every sender together: the
+      hop is late if any of them is lost.
+    flights: congestion windows the largest sender's chunk takes
+      (:func:`slow_start_flights`); each one past the first waits a round trip
+      for the ACKs that open the next.
+  """
+
+  segments: int = 1
+  flights: int = 1
+
+
+def slow_start_flights(segments: int, initial_window: int = INITIAL_WINDOW_SEGMENTS) -> int:
+  """Windows TCP takes to send ``segments`` from its initial window, doubling each round trip.
+
+  Example:
+    >>> [slow_start_flights(n) for n in (2, 10, 16, 31)]
+    [1, 1, 2, 3]
+  """
+  if segments <= initial_window:
+    return 1
+  # After f windows, initial_window * (2**f - 1) segments have left.
+  return math.ceil(math.log2(segments / initial_window + 1))
+
+
+def retransmission_timeout_s(rtt_s: float) -> float:
+  """What a lost segment with nothing behind it costs: the round trip plus Linux's floor."""
+  return rtt_s + RTO_FLOOR_S
+
+
+def hop_seconds(hop: Hop, link: Link) -> float:
+  """Expected time of one hop over ``link``, less its bytes' transfer time.
+
+  ``rtt / 2`` (gloo sends a ring step's chunk as soon as it has it, with no
+  handshake, so a step waits one one-way trip), plus a round trip per extra
+  slow-start window, plus, with probability ``1 - (1 - loss) ** segments``,
+  a retransmission timeout.
+
+  Example:
+    >>> link = Link("far", 10e6, 10e6, rtt_s=0.1, loss=0.01)
+    >>> round(hop_seconds(Hop(segments=1), link), 4)  # 0.05 + 0.01 * 0.3
+    0.053
+  """
+  if link.rtt_s == 0 and link.loss == 0:
+    return 0.0
+  late = 1.0 - (1.0 - link.loss) ** hop.segments
+  return (
+    link.rtt_s / 2 + (hop.flights - 1) * link.rtt_s + late * retransmission_timeout_s(link.rtt_s)
+  )
+
+
+def round_trips(hops: Sequence[Hop]) -> float:
+  """The round trips a chain of hops waits for: half one per hop, one per extra window."""
+  return sum(0.5 + h.flights - 1 for h in hops)
+
+
+def latency_seconds(hops: Sequence[Hop], link: Link) -> float:
+  """The expected time of a chain of dependent hops over ``link`` (0 on a link without latency)."""
+  return sum(hop_seconds(h, link) for h in hops)
+
+
 def step_seconds(
   compute_seconds: float,
   up_bytes: float,
   down_bytes: float,
   link: Link,
   overlapped_share: float = 0.0,
+  *,
+  hops: Sequence[Hop] = (),
+  hidden_hops: Sequence[Hop] = (),
 ) -> float:
-  """One step's time: compute, then the transfer, except its overlapped share.
+  """One step's time: compute, then the transfer, except its overlapped share, then latency.
 
   Args:
     compute_seconds: the step's compute.
@@ -149,16 +277,115 @@ def step_seconds(
     overlapped_share: the share of the bytes that moves during the next
       step's compute (1 for ``delayed_apply``, the overlapped message's share
       for a partial overlap, 0 otherwise).
+    hops: the dependent hops the step waits for (its collectives and its
+      host's cross-process calls; :mod:`experiments.netlab.round_trips`).
+    hidden_hops: the hops of the overlapped exchange, which run beside the
+      compute.
 
   Returns:
-    ``max(compute, f * transfer) + (1 - f) * transfer`` seconds, with
-    ``transfer = max(up / up_rate, down / down_rate)``.
+    ``max(compute, f * transfer + hidden latency) + (1 - f) * transfer +
+    latency`` seconds, with ``transfer = max(up / up_rate, down / down_rate)``
+    (the bytes past ``link.burst_bytes``) and the latencies of
+    :func:`latency_seconds`. On a link without latency (``rtt_s`` and
+    ``loss`` 0) this is the model without latency, to the bit.
   """
   if not 0.0 <= overlapped_share <= 1.0:
     raise ValueError(f"overlapped_share must be in [0, 1], got {overlapped_share}.")
+  up_bytes = max(0.0, up_bytes - link.burst_bytes) if link.burst_bytes else up_bytes
+  down_bytes = max(0.0, down_bytes - link.burst_bytes) if link.burst_bytes else down_bytes
   transfer = max(up_bytes * 8 / link.up_bits_per_s, down_bytes * 8 / link.down_bits_per_s)
   hidden = overlapped_share * transfer
-  return max(compute_seconds, hidden) + transfer - hidden
+  exposed_latency = latency_seconds(hops, link)
+  hidden_latency = latency_seconds(hidden_hops, link)
+  return max(compute_seconds, hidden + hidden_latency) + transfer - hidden + exposed_latency
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredCell:
+  """A step time measured over real links, with what the model needs to predict it.
+
+  Attributes:
+    label: how the table names it (method, message, links).
+    link: the link, with its round trip and loss.
+    workers: W.
+    collective: ``"all-gather"`` or ``"all-reduce"``.
+    operand_bytes: what a worker puts into it (the message, or the gradient).
+    compute_s: the same step measured on clean links (no shaping, no delay),
+      used as the compute.
+    measured_s: the step measured on ``link``.
+    overlapped_share: as in :func:`step_seconds`.
+    hops: the dependent hops the step waits for.
+    hidden_hops: the overlapped exchange's hops.
+    source: where the measurement is recorded.
+  """
+
+  label: str
+  link: Link
+  workers: int
+  collective: str
+  operand_bytes: float
+  compute_s: float
+  measured_s: float
+  overlapped_share: float = 0.0
+  hops: tuple[Hop, ...] = ()
+  hidden_hops: tuple[Hop, ...] = ()
+  source: str = ""
+
+
+def predicted_vs_measured(cells: Sequence[MeasuredCell]) -> list[dict[str, Any]]:
+  """The model's step next to the measured one, for each cell.
+
+  Args:
+    cells: measured cells.
+
+  Returns:
+    One dict per cell: ``label``, ``rtt_s``, ``loss``, ``round_trips`` (of
+    the exposed hops, :func:`round_trips`; None where the cell gives no
+    hops), ``compute_s``, ``transfer_s`` (the part not overlapped),
+    ``latency_s`` (exposed), ``predicted_s``, ``measured_s``, ``error``
+    (``predicted / measured - 1``) and ``source``.
+  """
+  rows = []
+  for c in cells:
+    up, down = link_bytes(c.collective, c.operand_bytes, c.workers, "ring")
+    predicted = step_seconds(
+      c.compute_s, up, down, c.link, c.overlapped_share, hops=c.hops, hidden_hops=c.hidden_hops
+    )
+    no_latency = dataclasses.replace(c.link, rtt_s=0.0, loss=0.0)
+    transfer = step_seconds(0.0, up, down, no_latency, 0.0)
+    rows.append(
+      {
+        "label": c.label,
+        "rtt_s": c.link.rtt_s,
+        "loss": c.link.loss,
+        "round_trips": round_trips(c.hops) if c.hops else None,
+        "compute_s": c.compute_s,
+        "transfer_s": transfer * (1 - c.overlapped_share),
+        "latency_s": latency_seconds(c.hops, c.link),
+        "predicted_s": predicted,
+        "measured_s": c.measured_s,
+        "error": predicted / c.measured_s - 1,
+        "source": c.source,
+      }
+    )
+  return rows
+
+
+def comparison_markdown(rows: Sequence[dict[str, Any]]) -> str:
+  """A markdown table of :func:`predicted_vs_measured` rows."""
+  lines = [
+    "| cell | round trip | loss | exposed round trips | clean (compute) | transfer "
+    "| latency | predicted | measured | error |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for r in rows:
+    trips = "" if r["round_trips"] is None else f"{r['round_trips']:g}"
+    lines.append(
+      f"| {r['label']} | {r['rtt_s'] * 1e3:.0f} ms | {r['loss']:.0%} | {trips} | "
+      f"{r['compute_s']:.3f} s | {r['transfer_s']:.3f} s | {r['latency_s']:.3f} s | "
+      f"{r['predicted_s']:.3f} s | {r['measured_s']:.3f} s | {r['error']:+.1%} |"
+    )
+  return "\n".join(lines)
 
 
 def _projection(

@@ -1,0 +1,251 @@
+"""Round trips per step, counted from compiled programs, and the time model's latency term."""
+
+import ast
+import collections
+import dataclasses
+import doctest
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from experiments.netlab import round_trips
+from experiments.study import time_model
+from experiments.study.time_model import Hop, Link
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _mesh(workers):
+  devices = np.array(jax.devices()[:workers]).reshape(workers, 1)
+  return jax.sharding.Mesh(devices, ("replica", "fsdp"))
+
+
+def _compiled_text(body, workers, operand_shape):
+  """HLO of ``body`` under shard_map over ``workers`` single-device processes."""
+  mesh = _mesh(workers)
+  fn = jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=P("replica"), out_specs=P(), check_vma=False)
+  )
+  arg = jax.ShapeDtypeStruct(
+    (workers, *operand_shape), jnp.float32, sharding=NamedSharding(mesh, P("replica"))
+  )
+  return fn.lower(arg).compile().as_text(), mesh
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_an_all_gather_over_w_processes_is_w_minus_1_hops(workers):
+  text, mesh = _compiled_text(
+    lambda x: jax.lax.all_gather(x, "replica", tiled=True), workers, (100,)
+  )
+  (found,) = round_trips.collectives_in(text, mesh, program="p")
+  assert (found.kind, found.operands, found.operand_bytes) == ("all-gather", 1, 400)
+  hops = round_trips.hops_of(found, workers)
+  assert len(hops) == workers - 1
+  # Every process forwards its 400 B (one segment) in each hop.
+  assert hops[0] == Hop(segments=workers, flights=1)
+  assert time_model.round_trips(hops) == (workers - 1) / 2
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_a_tuple_all_reduce_is_one_ring_per_operand(workers):
+  def two_psums(x):
+    return jax.lax.psum(jnp.sum(x), "replica"), jax.lax.psum(jnp.max(x), "replica")
+
+  text, mesh = _compiled_text(lambda x: jnp.stack(two_psums(x)), workers, (3,))
+  found = round_trips.collectives_in(text, mesh, program="p")
+  assert sum(c.operands for c in found if c.kind == "all-reduce") == 2
+  hops = [h for c in found for h in round_trips.hops_of(c, workers)]
+  assert len(hops) == 2 * 2 * (workers - 1)
+  # A scalar's ring carries one segment, from one process at a time.
+  assert set(hops) == {Hop(segments=1, flights=1)}
+
+
+def test_a_collective_in_a_branch_runs_once_every_h_steps():
+  mesh = _mesh(4)
+
+  def body(x, step):
+    return jax.lax.cond(step % 5 == 0, lambda v: jax.lax.psum(v, "replica"), lambda v: v * 4.0, x)
+
+  fn = jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=(P("replica"), P()), out_specs=P(), check_vma=False)
+  )
+  arg = jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=NamedSharding(mesh, P("replica")))
+  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+  text = fn.lower(arg, step).compile().as_text()
+  (found,) = round_trips.collectives_in(text, mesh, program="p", every=5)
+  assert found.every == 5
+  count = round_trips.StepCount("x", 4, (found,))
+  assert count.hops() == [] and count.round_trips == 0
+
+
+@functools.cache
+def _count(method):
+  return round_trips.count(method, 4)
+
+
+def _shape(count):
+  return sorted((c.kind, c.operands, c.program, c.hidden, c.every) for c in count.collectives)
+
+
+def test_the_plain_demo_step_counts_nine_round_trips_on_four_processes():
+  counted = _count("demo-k8-1bit")
+  message = next(
+    c for c in counted.collectives if c.program == "train_step" and c.kind == "all-gather"
+  )
+  expected = round_trips.demo_step(message.operand_bytes, 4)
+  assert _shape(counted) == _shape(expected)
+  # The message's ring (3 hops), the loss's two psums (2 x 6) and the step
+  # number's check (3): 18 one-way hops.
+  assert len(counted.hops()) == 18 and counted.round_trips == 9
+  assert counted.hops(hidden=True) == []
+  assert collections.Counter(counted.hops()) == collections.Counter(expected.hops())
+
+
+def test_the_overlapped_demo_step_hides_only_the_message():
+  counted = _count("demo-k8-1bit-delayed")
+  programs = {(c.program, c.kind, c.hidden) for c in counted.collectives}
+  assert programs == {
+    ("exchange", "all-gather", True),
+    ("apply", "all-reduce", False),
+    ("host", "all-gather", False),
+  }
+  message = next(c for c in counted.collectives if c.program == "exchange")
+  assert _shape(counted) == _shape(round_trips.demo_step(message.operand_bytes, overlapped=True))
+  assert counted.round_trips == 7.5 and counted.hidden_round_trips == 1.5
+
+
+def test_the_step_numbers_check_is_one_all_gather_of_four_bytes():
+  (check,) = round_trips.step_check_collectives(4)
+  assert (check.kind, check.operands, check.operand_bytes, check.program) == (
+    "all-gather",
+    1,
+    4,
+    "host",
+  )
+
+
+def test_a_larger_message_needs_more_slow_start_windows():
+  step = round_trips.demo_step(454).with_message(22_567)
+  message = round_trips.hops_of(step.collectives[0], 4)
+  # 16 segments from a 10-segment window: two windows, so a round trip more per hop.
+  assert message == [Hop(segments=64, flights=2)] * 3
+  assert step.round_trips == 9 + 3
+
+
+@pytest.mark.parametrize(
+  ("where", "text"),
+  [(c.where, key) for c, key in zip(round_trips.HOST_CALLS, ("device_put", "make_array_from"))],
+)
+def test_the_host_calls_point_at_their_functions(where, text):
+  path, name = where.split("::")
+  source = (ROOT / path).read_text()
+  (fn,) = [
+    n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == name
+  ]
+  assert text in ast.get_source_segment(source, fn), (
+    f"{where} no longer holds {text!r}: update HOST_CALLS and docs/netlab.md (Round trips per step)"
+  )
+
+
+# The time model's latency term.
+
+LINKS = [
+  Link("a", 10e6, 100e6),
+  Link("b", 1e9, 1e9),
+  Link("c", 8e6, 8e6),
+]
+
+
+def _old_step_seconds(compute, up, down, link, share):
+  """The model before latency, as it was written."""
+  transfer = max(up * 8 / link.up_bits_per_s, down * 8 / link.down_bits_per_s)
+  hidden = share * transfer
+  return max(compute, hidden) + transfer - hidden
+
+
+@pytest.mark.parametrize("link", LINKS, ids=lambda link: link.name)
+def test_at_zero_latency_the_model_is_the_old_one_to_the_bit(link):
+  hops = [Hop(segments=64, flights=2)] * 3
+  for compute in (0.0, 0.2, 1.7):
+    for up, down in ((0.0, 0.0), (1e6, 1e6), (3.3e5, 7.1e6)):
+      for share in (0.0, 0.4, 1.0):
+        old = _old_step_seconds(compute, up, down, link, share)
+        assert time_model.step_seconds(compute, up, down, link, share) == old
+        # Hops cost nothing on a path of zero length.
+        assert time_model.step_seconds(compute, up, down, link, share, hops=hops) == old
+
+
+def test_projections_without_latency_are_unchanged():
+  rows = [{"method": "m", "optimizer": "demo", "payload_bytes_per_step": 1e5, "step_seconds": 0.5}]
+  (row,) = time_model.project(rows, [LINKS[0]], steps=100, workers=4)
+  up, down = time_model.link_bytes("all-gather", 1e5, 4)
+  assert row["step_seconds"] == _old_step_seconds(0.5, up, down, LINKS[0], 0.0)
+
+
+def test_the_latency_term_arithmetic():
+  far = Link("far", 10e6, 10e6, rtt_s=0.1, loss=0.01)
+  # A lone segment: a one-way trip, and 1% of a 0.3 s retransmission timeout.
+  assert time_model.hop_seconds(Hop(), far) == pytest.approx(0.05 + 0.01 * 0.3)
+  # 64 segments in flight: any lost delays the hop; a second window, a round trip.
+  late = 1 - 0.99**64
+  assert time_model.hop_seconds(Hop(segments=64, flights=2), far) == pytest.approx(
+    0.05 + 0.1 + late * 0.3
+  )
+  lossless = dataclasses.replace(far, loss=0.0)
+  assert time_model.latency_seconds([Hop()] * 18, lossless) == pytest.approx(0.9)
+  # The step: compute, the transfer at the rate, then the hops.
+  hops = [Hop()] * 18
+  assert time_model.step_seconds(1.0, 1.25e6, 1.25e6, lossless, hops=hops) == pytest.approx(
+    1.0 + 1.0 + 0.9
+  )
+  # Hidden hops cost nothing until they outlast the compute.
+  assert time_model.step_seconds(1.0, 0, 0, lossless, 1.0, hidden_hops=hops) == pytest.approx(1.0)
+  assert time_model.step_seconds(0.5, 0, 0, lossless, 1.0, hidden_hops=hops) == pytest.approx(0.9)
+
+
+def test_a_burst_passes_at_line_rate():
+  bucket = Link("tbf", 8e6, 8e6, burst_bytes=1e5)  # 1 MB/s past 100 KB
+  assert time_model.step_seconds(0.0, 5e4, 5e4, bucket) == 0.0
+  assert time_model.step_seconds(0.0, 1.1e6, 1.1e6, bucket) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+  "kwargs", [{"rtt_s": -0.1}, {"loss": 1.0}, {"loss": -0.01}, {"burst_bytes": -1}]
+)
+def test_a_link_refuses_impossible_latency(kwargs):
+  with pytest.raises(ValueError, match="rtt_s must be >= 0"):
+    Link("x", 1e6, 1e6, **kwargs)
+
+
+def test_predicted_vs_measured_puts_them_side_by_side():
+  far = Link("far", 10e6, 10e6, rtt_s=0.1)
+  cell = time_model.MeasuredCell(
+    "x", far, 4, "all-gather", 1e4, compute_s=1.0, measured_s=2.0, hops=(Hop(),) * 10
+  )
+  (row,) = time_model.predicted_vs_measured([cell])
+  transfer = 3e4 * 8 / 10e6
+  assert row["predicted_s"] == pytest.approx(1.0 + transfer + 0.5)
+  assert row["error"] == pytest.approx(row["predicted_s"] / 2.0 - 1)
+  assert row["round_trips"] == 5
+  table = time_model.comparison_markdown([row])
+  assert "| x | 100 ms | 0% | 5 |" in table and f"{row['error']:+.1%}" in table
+
+
+def test_the_recorded_far_cells_are_within_20_percent():
+  rows = time_model.predicted_vs_measured(round_trips.recorded_cells())
+  far = [r for r in rows if r["rtt_s"] > 0]
+  assert len(far) == 3
+  assert all(abs(r["error"]) < 0.2 for r in far), [(r["label"], r["error"]) for r in far]
+  assert all(r["source"] for r in rows)
+
+
+@pytest.mark.parametrize("module", [time_model, round_trips])
+def test_docstring_examples(module):
+  result = doctest.testmod(module)
+  assert result.attempted > 0 and result.failed == 0
