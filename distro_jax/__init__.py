@@ -17,6 +17,7 @@ from distro_jax import (
   pallas_kernels,
   wire,
 )
+from distro_jax.aggregate_momentum import MuonMomentumState, scale_by_muon_momentum
 from distro_jax.dense_step import DenseStepWarning
 from distro_jax.diloco import DilocoState, diloco, inner_params
 from distro_jax.elastic import (
@@ -39,8 +40,10 @@ from distro_jax.gspmd import (
   PerWorker,
   abstract_per_worker,
   per_worker,
+  reduce_over_workers,
   resize_per_worker,
   worker_value_and_grad,
+  workers_mesh,
 )
 from distro_jax.hlo_bytes import (
   CollectiveBytes,
@@ -82,6 +85,7 @@ __all__ = [
   "DeviceBytes",
   "DilocoState",
   "FsdpPlan",
+  "MuonMomentumState",
   "PerLayer",
   "PerWorker",
   "SparseLocoBytes",
@@ -114,9 +118,11 @@ __all__ = [
   "per_worker",
   "plan_fsdp",
   "pmean_gradients",
+  "reduce_over_workers",
   "resize_per_worker",
   "resize_worker_state",
   "scale_by_demo",
+  "scale_by_muon_momentum",
   "scale_to_unit_rms",
   "sparseloco",
   "sparseloco_bytes",
@@ -126,4 +132,5 @@ __all__ = [
   "worker_local",
   "worker_state_specs",
   "worker_value_and_grad",
+  "workers_mesh",
 ]

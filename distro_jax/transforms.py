@@ -40,6 +40,7 @@ from distro_jax import (
   unit_rms,
   wire,
 )
+from distro_jax.aggregate_momentum import scale_by_muon_momentum
 from distro_jax.hyperparams import (
   StaticFloat,
   StaticInt,
@@ -609,6 +610,7 @@ def demo(
   random_positions: bool = False,
   frequency_bias: float | None = None,
   normalize: Any = "sign",
+  aggregate_momentum: float = StaticFloat(0.0),
 ) -> optax.GradientTransformationExtraArgs:
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
 
@@ -653,10 +655,15 @@ def demo(
       :func:`distro_jax.orthogonalize`, then at unit RMS; other tensors at
       unit RMS). Or a tree of these like the params (or a prefix of it), or
       a function of the params that returns one, e.g. to keep an embedding
-      at ``"rms"``. With drawn positions ``"rms"`` trained better than the
-      sign at some seeds and as well at the others, and ``"orth"`` on the
-      hidden matrices better than ``"rms"``; with the top-k ``"rms"`` trained
-      worse (docs/results.md). Static.
+      at ``"rms"``. How each mode trained, with the top-k and with drawn
+      positions: docs/results.md. Static.
+    aggregate_momentum: the decay of Muon's Nesterov momentum
+      (:func:`distro_jax.scale_by_muon_momentum`) on the aggregate ``Q``
+      before ``normalize``, kept on what every worker decoded, so its state
+      is the same on every worker. The decoupled momentum cannot play that part: what a
+      worker sends leaves it, so with nothing dropped (top-k the whole chunk)
+      ``Q`` is this step's mean gradient times the rate whatever
+      ``compression_decay`` is. 0 (the default) keeps no such state.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -676,7 +683,24 @@ def demo(
   # With shared rows the exchange orthogonalizes the matrices itself, on
   # the shorter matrix whose cosines only it knows; the step then scales them.
   orthogonalize = normalize if _check_random_positions(random_positions) else None
+  momentum = unwrap_static(aggregate_momentum)
+  check_decay(
+    "aggregate_momentum",
+    momentum,
+    one_allowed=False,
+    hint="Use 0 for no momentum on the aggregate, or e.g. 0.95 (Muon's).",
+  )
+  # An injected (traced) momentum may be anything at run time, so it gets the state.
+  momentum_on = not isinstance(momentum, int | float) or momentum > 0
+  if momentum_on and orthogonalize is not None:
+    raise ValueError(
+      f"aggregate_momentum={momentum} needs the decoded aggregate, and with "
+      "random_positions='shared_rows' the exchange orthogonalizes it before any momentum "
+      "could act; use random_positions=True, or aggregate_momentum=0."
+    )
+  on_aggregate = [scale_by_muon_momentum(momentum)] if momentum_on else []
   inner = optax.chain(
+    *on_aggregate,
     _normalization(normalize, axis_name, orthogonalized=orthogonalize is not None),
     optax.add_decayed_weights(weight_decay),
     optax.scale_by_learning_rate(learning_rate),
@@ -744,8 +768,9 @@ def distro(
     synchronous: with ``delayed_apply``, the params whose messages are still
       exchanged in the step that computes them, as without the delay (a
       partial overlap): a tree of bools like the params (or a prefix of it,
-      one bool for a subtree), or a function of the params that returns one. ``None`` (the
-      default) overlaps every param. See :func:`distro`. Static.
+      one bool for a subtree), or a function of the params that returns one. ``None``
+      (the default) overlaps every param. The partial overlap is described
+      above. Static.
     random_positions: send the values at positions drawn from a seed every
       worker knows, instead of the largest and their indices; or
       ``"shared_rows"``, the same with each block-row's row frequency shared

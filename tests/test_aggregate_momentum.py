@@ -105,6 +105,9 @@ def test_the_registry_option_reaches_the_transformation():
       dict(optimizer="demo", aggregate_momentum=0.9, random_positions=True, shared_rows=True),
       "drop one of the two",
     ),
+    (dict(optimizer="adamw", muon_beta=0.0), "they need --optimizer=muon"),
+    (dict(optimizer="demo", muon_adam_learning_rate=1e-3), "they need --optimizer=muon"),
+    (dict(optimizer="muon", muon_beta=1.0), r"must be in \[0, 1\)"),
   ],
 )
 def test_settings_that_cannot_work_are_refused_with_the_fix(fields, match):

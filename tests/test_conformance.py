@@ -59,6 +59,17 @@ TRANSFORMATIONS: list[tuple[str, Factory]] = [
     ),
   ),
   ("distro_adamw", functools.partial(dj.distro_adamw, axis_name=None)),
+  (
+    "demo-random-1bit-orth-momentum",
+    functools.partial(
+      dj.demo,
+      random_positions=True,
+      quantize_1bit=True,
+      normalize="orth",
+      aggregate_momentum=0.95,
+      axis_name=None,
+    ),
+  ),
   ("scale_by_demo", functools.partial(dj.scale_by_demo, axis_name=None)),
   (
     "distro-adam-inner",
@@ -282,8 +293,8 @@ def test_tree_map_params_specs_place_the_state(name, factory):
 
 
 def _sets(factory, arg):
-  """Whether ``factory`` (a ``functools.partial``) binds ``arg`` to a plain int."""
-  return isinstance(getattr(factory, "keywords", {}).get(arg), int)
+  """Whether ``factory`` (a ``functools.partial``) binds ``arg`` to a plain number."""
+  return isinstance(getattr(factory, "keywords", {}).get(arg), int | float)
 
 
 def _is_spec(x):
@@ -409,12 +420,18 @@ def test_dtypes_are_kept(name, factory, dtype):
   assert jax.tree.map(jax.typeof, state0) == jax.tree.map(jax.typeof, state1)
 
 
+# Set by a factory, these stay as given: the sizes are structural, and a decay
+# set by hand is injected in the params' dtype unless it is static (bfloat16
+# would round 0.95 to 0.949 and 0.999 to 1, which the transformation refuses).
+_STATIC = ("compression_topk", "compression_chunk", "aggregate_momentum")
+
+
 @pytest.mark.parametrize("name, factory", EVERY)
 def test_inject_hyperparams_matches_the_plain_transformation(name, factory):
   params = _params()
   plain = _plain_three_steps(name)
   # The sizes fix the message's shape; set explicitly, they must stay static.
-  static = [a for a in ("compression_topk", "compression_chunk") if _sets(factory, a)]
+  static = [a for a in _STATIC if _sets(factory, a)]
   injected_tx = optax.inject_hyperparams(factory, static_args=static)(learning_rate=LR)
   injected, state = _steps(injected_tx, params, 3)
   for a, b in zip(plain, injected):
@@ -431,7 +448,7 @@ def test_inject_hyperparams_on_bfloat16_params(name, factory):
   # The injected rate is bfloat16's LR; a sign step flips where Python's LR
   # and it differ, so the plain run gets the same rate.
   plain, _ = _steps(factory(float(jnp.asarray(LR, jnp.bfloat16))), params, 3)
-  static = [a for a in ("compression_topk", "compression_chunk") if _sets(factory, a)]
+  static = [a for a in _STATIC if _sets(factory, a)]
   injected_tx = optax.inject_hyperparams(factory, static_args=static)(learning_rate=LR)
   injected, _ = _steps(injected_tx, params, 3)
   moved = 0.0

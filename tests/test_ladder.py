@@ -2,10 +2,14 @@
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from experiments.run import methods
-from experiments.run.config import ConfigError
+import distro_jax as dj
+from experiments.run import checks, methods
+from experiments.run.config import ConfigError, TrainConfig
 from experiments.run.records import Summary
 from experiments.study import frontier, ladder
 
@@ -62,3 +66,25 @@ def test_the_table_puts_each_rule_in_its_column_with_its_gap_to_the_best_dense(t
   assert "| whole |" not in table  # a rung with no finished run is left out
   assert ladder.write(points, str(tmp_path)) == table
   assert (tmp_path / "ladder.png").stat().st_size > 1000
+
+
+def test_muon_without_momentum_steps_along_this_steps_gradient_alone():
+  """``muon-beta0``, the ladder's reference for a step rule with no momentum."""
+  def second_step(name):
+    fields = methods.parse(name)[1]
+    cfg = checks.resolve(TrainConfig(preset="tiny", steps=10, workers=1, **fields))
+    tx = methods.get("muon").build(cfg, methods.Axes(None, None))
+    params = {"blocks": [{"mlp": {"w": jnp.zeros((16, 24))}}]}
+    state = tx.init(params)
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+      g = {"blocks": [{"mlp": {"w": jnp.asarray(rng.normal(size=(16, 24)), jnp.float32)}}]}
+      u, state = tx.update(g, state, params)
+    return np.asarray(jax.tree.leaves(u)[0]), np.asarray(jax.tree.leaves(g)[0])
+
+  u, g = second_step("muon-beta0")
+  direction = lambda x: x / np.linalg.norm(x)
+  want = -np.asarray(dj.orthogonalize(jnp.asarray(g)))
+  np.testing.assert_allclose(direction(u), direction(want), atol=1e-3)
+  with_momentum, _ = second_step("muon")
+  assert np.abs(direction(with_momentum) - direction(want)).max() > 1e-2

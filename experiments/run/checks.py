@@ -229,6 +229,20 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       f"--normalize={cfg.normalize} shapes DeMo's step from its aggregate; it needs "
       f"--optimizer={_supporting('supports_normalize')}, not {method.name}. Drop --normalize."
     )
+  steps_muon = method.name == "muon" or (
+    method.name == "sparseloco" and cfg.sparseloco_inner == "muon"
+  )
+  if not steps_muon and (cfg.muon_adam_learning_rate or cfg.muon_beta != 0.95):
+    raise ConfigError(
+      "--muon_beta and --muon_adam_learning_rate set Muon's momentum and its AdamW part's "
+      f"rate; they need --optimizer=muon (or sparseloco with --sparseloco_inner=muon), not "
+      f"{method.name}. Drop them."
+    )
+  if not 0.0 <= cfg.muon_beta < 1.0 or cfg.muon_adam_learning_rate < 0:
+    raise ConfigError(
+      f"--muon_beta={cfg.muon_beta} must be in [0, 1) (optax's default 0.95), and "
+      f"--muon_adam_learning_rate={cfg.muon_adam_learning_rate} 0 or more (0: --learning_rate)."
+    )
   if cfg.aggregate_momentum and not method.supports_normalize:
     raise ConfigError(
       f"--aggregate_momentum={cfg.aggregate_momentum} is a momentum on DeMo's decoded "

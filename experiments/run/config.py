@@ -217,6 +217,11 @@ class TrainConfig:
   adam_eps: float | None = _field(
     None, "Adam's epsilon, wherever AdamW steps as --adam_b1; Muon's too (default: recipe)."
   )
+  muon_adam_learning_rate: float = _field(
+    0.0,
+    "Muon: the peak rate of its AdamW part (embedding, head, norms), on the same schedule; "
+    "0 takes --learning_rate.",
+  )
   muon_beta: float = _field(
     0.95,
     "Muon: the momentum decay of the hidden matrices (optax's Nesterov form); 0 steps with "

@@ -95,6 +95,9 @@ class Recipe:
   compression_decay: float = 0.999
   clip_norm: float = 1.0
   weight_decay: float = 0.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.999
+  adam_eps: float = 1e-8
 
 
 class Axes(NamedTuple):
@@ -561,6 +564,7 @@ def _build_demo(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
       lr_schedule(cfg),
       weight_decay=cfg.weight_decay,
       normalize=demo_normalize(cfg.normalize, cfg.scan_layers, fsdp_split(cfg)),
+      aggregate_momentum=cfg.aggregate_momentum,
       **compression,
     )
 
@@ -601,7 +605,14 @@ def _build_distro_adamw(cfg: TrainConfig, axes: Axes) -> optax.GradientTransform
 
 
 def _clipped_adamw(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
-  return optax.chain(_clip(cfg, axes), optax.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay))
+  adamw = optax.adamw(
+    lr_schedule(cfg),
+    b1=cfg.adam_b1,
+    b2=cfg.adam_b2,
+    eps=cfg.adam_eps,
+    weight_decay=cfg.weight_decay,
+  )
+  return optax.chain(_clip(cfg, axes), adamw)
 
 
 def _all_reduced(cfg: TrainConfig, axes: Axes, tx: optax.GradientTransformation):
@@ -651,11 +662,23 @@ def _muon(cfg: TrainConfig) -> optax.GradientTransformation:
   hidden matrices, AdamW (optax's, Nesterov too) on the rest."""
   return optax.contrib.muon(
     lr_schedule(cfg),
+    beta=cfg.muon_beta,
+    eps=cfg.adam_eps,
     weight_decay=cfg.weight_decay,
+    adam_b1=cfg.adam_b1,
+    adam_b2=cfg.adam_b2,
     adam_weight_decay=cfg.weight_decay,
     muon_weight_dimension_numbers=muon_dimensions,
     consistent_rms=MUON_CONSISTENT_RMS,
+    adam_learning_rate=_muon_adam_schedule(cfg),
   )
+
+
+def _muon_adam_schedule(cfg: TrainConfig) -> optax.Schedule | None:
+  """The schedule of Muon's AdamW part: ``lr_schedule``'s at its own peak, or ``None`` (Muon's)."""
+  if not cfg.muon_adam_learning_rate:
+    return None
+  return lr_schedule(dataclasses.replace(cfg, learning_rate=cfg.muon_adam_learning_rate))
 
 
 # Muon clips the all-reduced gradient as AdamW does, then optax's Muon steps.
@@ -908,6 +931,7 @@ _DEMO_OPTIONS = (
   *_COMPRESSION_OPTIONS,
   Option(r"rms", "normalize", lambda m: "rms", "rms"),
   Option(r"orth", "normalize", lambda m: "orth", "orth"),
+  Option(r"am(0?\.\d+)", "aggregate_momentum", lambda m: float(m.group(1)), "amB"),
 )
 # The DisTrO report's 1.2B run used 4e-4 with 250 warmup steps.
 _REPORT_RECIPE = Recipe(learning_rate=4e-4, warmup_steps=250)
@@ -945,7 +969,7 @@ def _long_runs(recipe: Recipe, learning_rate: float) -> dict[str, tuple[int, Rec
 register(
   Method(
     name="demo",
-    description="DeMo: compressed momentum exchange, then sign (DESIGN.md section 1)",
+    description="DeMo: compressed momentum exchange, then sign (docs/design.md section 2)",
     build=_build_demo,
     message_bytes=_demo_message,
     collective=ALL_GATHER,
@@ -1063,6 +1087,7 @@ register(
     collective=ALL_REDUCE,
     recipe=_MUON_RECIPE,
     preset_recipes={"report-1.2b": _REPORT_RECIPE},
+    options=(Option(r"beta(0|0?\.\d+)", "muon_beta", _float, "beta0"),),
     supports_fsdp=False,
     supports_skip_nonfinite=True,
     tuning={"learning_rate": _MUON_RATES},
