@@ -56,7 +56,6 @@ from distro_jax.exchange import as_varying, varying_axes
 __all__ = [
   "TensorWire",
   "WireLayout",
-  "aggregate",
   "aggregate_blocks",
   "decode_message",
   "draw_positions",
@@ -64,17 +63,14 @@ __all__ = [
   "encode_message",
   "gather_blocks",
   "index_bits",
-  "index_dtype",
   "message_valid",
   "position_key",
   "scatter_blocks",
-  "select_topk",
   "select_topk_blocks",
   "select_topk_many",
   "shared_row_key",
   "unsharded",
   "worker_order",
-  "zero_selected",
   "zero_selected_blocks",
 ]
 
@@ -82,19 +78,6 @@ __all__ = [
 def index_bits(chunk_size: int) -> int:
   """Bits per index on the wire: ``ceil(log2(chunk_size))``, at least 1."""
   return bitpack.bits_for(chunk_size)
-
-
-def index_dtype(chunk_size: int) -> np.dtype:
-  """The narrowest unsigned integer dtype that indexes a chunk of this size.
-
-  The wire no longer uses it (indices travel at :func:`index_bits` bits); it
-  is the width the format had before, and what an unpacked index needs.
-  """
-  if chunk_size <= 1 << 8:
-    return np.dtype(np.uint8)
-  if chunk_size <= 1 << 16:
-    return np.dtype(np.uint16)
-  return np.dtype(np.uint32)
 
 
 class TensorWire(NamedTuple):
@@ -350,10 +333,6 @@ def _two_stage(block_shape: tuple[int, ...], k: int) -> bool:
   return c2 % _GROUP == 0 and c1 * c2 >= 32 * k
 
 
-def _ab(x_blocks: jax.Array) -> tuple[int, int]:
-  return x_blocks.shape[-4], x_blocks.shape[-2]
-
-
 def _rows(x_blocks: jax.Array) -> jax.Array:
   """The chunks of a block view as rows ``(*lead, A, B, c1 * c2)`` (a transposed copy)."""
   *lead, a, c1, b, c2 = x_blocks.shape
@@ -457,37 +436,6 @@ def select_topk_blocks(x_blocks: jax.Array, k: int) -> tuple[jax.Array, jax.Arra
 def zero_selected_blocks(x_blocks: jax.Array, idx: jax.Array) -> jax.Array:
   """Error feedback in place: what was sent leaves the buffer."""
   return scatter_blocks(x_blocks, idx, 0.0)
-
-
-def _rows_as_blocks(x: jax.Array) -> jax.Array:
-  """A ``(..., rows, chunk)`` array as a block view with one row per chunk."""
-  return x.reshape(*x.shape[:-1], 1, 1, 1, x.shape[-1])
-
-
-def select_topk(coeffs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """Keeps the ``k`` largest-magnitude coefficients of every row.
-
-  The rows-layout form of :func:`select_topk_blocks`, with the same choice and
-  order.
-
-  Args:
-    coeffs: float array ``(rows, chunk_size)``.
-    k: how many to keep, ``1 <= k <= chunk_size``.
-
-  Returns:
-    ``(indices, values)``, both ``(rows, k)``: int32 positions within the chunk,
-    and the coefficients found there.
-  """
-  rows = coeffs.shape[0]
-  idx, val = select_topk_blocks(_rows_as_blocks(coeffs), k)
-  return idx.reshape(rows, k), val.reshape(rows, k)
-
-
-def zero_selected(coeffs: jax.Array, idx: jax.Array) -> jax.Array:
-  """Error feedback in the rows layout: what was sent leaves the buffer."""
-  rows, k = idx.shape
-  out = zero_selected_blocks(_rows_as_blocks(coeffs), idx.reshape(rows, 1, 1, k))
-  return out.reshape(coeffs.shape)
 
 
 def unsharded(x: jax.Array) -> jax.Array:
@@ -849,12 +797,17 @@ def aggregate_blocks(
   block_shapes: list[tuple[int, ...]],
   valid_W: jax.Array | None = None,
 ) -> list[tuple[jax.Array, jax.Array]]:
-  """:func:`aggregate` for many tensors at once, straight into their block views.
+  """Mean over contributors, coefficient by coefficient, straight into block views.
 
-  One loop over the workers folds every tensor's contributions, each tensor in
-  its own canonical worker order (a hash of that tensor's part of the
-  messages), with the arithmetic of :func:`aggregate`, so the result is the
-  same to the bit.
+  A coefficient that several workers chose gets the mean of their values; one
+  that nobody chose is 0. Workers are folded in one at a time with a running
+  mean, ``mu <- mu + (v - mu) / n``, which returns ``v`` exactly when all
+  contributions equal ``v``. Each tensor takes them in its own canonical order
+  (:func:`worker_order`, a hash of that tensor's part of the messages), so the
+  result does not depend on how the workers are numbered, to the bit. Every
+  scatter writes each location at most once (one worker names an index at
+  most once per chunk), so no backend needs atomics. One loop over the
+  workers folds every tensor.
 
   Args:
     selections: per tensor, ``(indices, values)`` of shape ``(W, *lead, A, B,
@@ -919,36 +872,3 @@ def aggregate_blocks(
   init = jax.tree.map(lambda x: as_varying(x, axes), init)
   result = jax.lax.fori_loop(0, num_workers, fold, init)
   return [(mean, count.astype(jnp.int32)) for mean, count in result]
-
-
-def aggregate(
-  indices_WxRxK: jax.Array,
-  values_WxRxK: jax.Array,
-  chunk_size: int,
-  valid_W: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-  """Mean over contributors, coefficient by coefficient, into dense chunks.
-
-  A coefficient that several workers chose gets the mean of their values; one
-  that nobody chose is 0. Workers are folded in one at a time with a running
-  mean, ``mu <- mu + (v - mu) / n``, which returns ``v`` exactly when all
-  contributions equal ``v``. They are taken in a canonical order given by a
-  hash of their contents, so the result does not depend on how the workers are
-  numbered, to the bit. Every scatter writes each location at most once (one
-  worker names an index at most once per chunk), so no backend needs atomics.
-
-  Args:
-    indices_WxRxK: int chunk-local indices from each of W workers.
-    values_WxRxK: float values from each worker.
-    chunk_size: coefficients per chunk.
-    valid_W: optional bool per worker; a worker marked False is left out, as
-      if it had chosen nothing.
-
-  Returns:
-    ``(dense, contributors)``: float32 ``(rows, chunk_size)`` aggregate, and
-    int32 ``(rows, chunk_size)`` count of workers behind each coefficient.
-  """
-  _, rows, _ = indices_WxRxK.shape
-  shape = (rows, 1, 1, 1, chunk_size)
-  ((mean, count),) = aggregate_blocks([(indices_WxRxK, values_WxRxK)], [shape], valid_W)
-  return mean.reshape(rows, chunk_size), count.reshape(rows, chunk_size)

@@ -7,20 +7,17 @@ its leading axes as batch axes. Each of the last two axes is cut into chunks of
 the largest divisor that does not exceed the target, and every
 ``(c1, c2)`` block gets a separable 2-D DCT.
 
-Two layouts hold the coefficients:
-
-- **In place** (:func:`transform`, :func:`inverse`): the tensor's own shape,
-  each block's coefficients written over that block, coefficient ``(i, j)`` of
-  a block at the block's row ``i`` and column ``j``. DeMo's momentum lives in
-  this layout, so it has its param's shape and any sharding of the param that
-  does not cut a chunk applies to it unchanged. Both 1-D transforms are plain
-  matmuls over an axis of the block view ``(*batch, n1 // c1, c1, n2 // c2,
-  c2)`` (:func:`to_blocks`), with no transpose in between.
-- **Rows** (:func:`encode`, :func:`decode`): ``(rows, c1 * c2)``, one row per
-  chunk, rows ordered row-major over ``(*batch, n1 // c1, n2 // c2)`` and each
-  row flattened with the c1 axis first. Position ``i * c2 + j`` of a row is the
-  chunk-local index that the wire format carries. :func:`to_chunks` turns the
-  in-place layout into this one.
+The coefficients stay **in place**: DeMo's momentum has its param's shape,
+each block's coefficients written over that block, coefficient ``(i, j)`` of a
+block at the block's row ``i`` and column ``j``, so any sharding of the param
+that does not cut a chunk applies to it unchanged. The transform works on the
+block view ``(*batch, n1 // c1, c1, n2 // c2, c2)`` (:func:`to_blocks`, no
+data moved), where both 1-D transforms are plain matmuls over an axis with no
+transpose in between (:data:`DCT_BASIS`). A chunk-local index, as the wire
+carries it, is ``i * c2 + j``; :func:`to_chunks` lays a tensor out with one
+chunk per row in that order (row-major over ``(*batch, n1 // c1, n2 // c2)``),
+for reading a state chunk by chunk, or converting a momentum saved one chunk
+per row (the layout before this one).
 
 The transform is a pair of small matmuls with a precomputed basis, not an FFT:
 chunks are at most a few dozen long, where a dense basis is fastest on every
@@ -53,17 +50,13 @@ __all__ = [
   "basis",
   "chunk_length",
   "dct_basis",
-  "decode",
-  "encode",
   "from_blocks",
   "from_chunks",
   "in_place_zeros",
-  "inverse",
   "plan_chunks",
   "refuse_non_float",
   "to_blocks",
   "to_chunks",
-  "transform",
 ]
 
 
@@ -477,72 +470,12 @@ def basis(use_dct: bool) -> Basis:
   return DCT_BASIS if use_dct else IDENTITY_BASIS
 
 
-def transform(x: jax.Array, plan: ChunkPlan) -> jax.Array:
-  """Chunked 2-D DCT of ``x`` with every chunk's coefficients in the chunk's own place.
-
-  Args:
-    x: a tensor of shape ``plan.shape``, any float dtype.
-    plan: its :class:`ChunkPlan`.
-
-  Returns:
-    Float32 coefficients of shape ``plan.shape``. :func:`to_chunks` of them is
-    :func:`encode` of ``x``.
-
-  Example:
-    >>> import jax.numpy as jnp, distro_jax as dj
-    >>> plan = dj.dct.plan_chunks((128, 64), 64)
-    >>> y = dj.dct.transform(jnp.ones((128, 64)), plan)
-    >>> float(y[0, 0]), float(y[64, 0])  # each 64x64 block's DC term, at its corner
-    (64.0, 64.0)
-  """
-  return from_blocks(forward_blocks(to_blocks(x, plan), plan), plan)
-
-
-def inverse(y: jax.Array, plan: ChunkPlan) -> jax.Array:
-  """Inverse of :func:`transform`.
-
-  Args:
-    y: float32 in-place coefficients of shape ``plan.shape``.
-    plan: the :class:`ChunkPlan` they were made with.
-
-  Returns:
-    A float32 tensor of shape ``plan.shape``.
-  """
-  return from_blocks(inverse_blocks(to_blocks(y, plan), plan), plan)
-
-
-def encode(x: jax.Array, plan: ChunkPlan) -> jax.Array:
-  """Chunked 2-D DCT of ``x`` in the rows layout; arithmetic in float32.
-
-  Args:
-    x: a tensor of shape ``plan.shape``, any float dtype.
-    plan: its :class:`ChunkPlan`.
-
-  Returns:
-    Float32 coefficients of shape ``plan.coeff_shape``.
-  """
-  return to_chunks(transform(x, plan), plan)
-
-
-def decode(y: jax.Array, plan: ChunkPlan) -> jax.Array:
-  """Inverse of :func:`encode`.
-
-  Args:
-    y: float32 coefficients of shape ``plan.coeff_shape``.
-    plan: the :class:`ChunkPlan` they were made with.
-
-  Returns:
-    A float32 tensor of shape ``plan.shape``.
-  """
-  return inverse(from_chunks(y, plan), plan)
-
-
 def to_chunks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
   """Rearranges ``x`` into the rows layout, one chunk per row; no transform.
 
   On a tensor this is the no-DCT ablation's "coefficients"; on in-place
-  coefficients (DeMo's momentum, :func:`transform`) it gives the rows layout
-  of :func:`encode`.
+  coefficients (DeMo's momentum) it gives each chunk's coefficients as a row,
+  position ``i * c2 + j`` the chunk-local index the wire carries.
 
   Args:
     x: a tensor of shape ``plan.shape`` (or ``plan.state_shape``), any float dtype.

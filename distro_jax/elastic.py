@@ -31,8 +31,8 @@ Why the mean and not the sum: the workers' residuals are W estimates of one
 quantity (what the whole batch's momentum has not yet sent), and the
 exchange averages them. Splitting the leavers' sum over the stayers would
 inflate that average by W / W' (twice for 8 -> 4 workers). Why dropping is
-the default: in DeMo runs the fold trained no better (docs/elastic.md has the
-measurements: about even on average, 0.7% worse when half the workers left).
+the default: in DeMo runs the fold trained no better (the measurements are in
+docs/elastic.md).
 
 A state saved by W workers generally cannot be restored sharded over W'
 devices (``W * d0`` need not divide by W'), so :func:`abstract_state_of_workers`
@@ -52,7 +52,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distro_jax.worker_state import abstract_worker_state, init_worker_state, worker_state_specs
+from distro_jax.worker_state import (
+  abstract_worker_state,
+  init_worker_state,
+  is_spec,
+  worker_state_specs,
+)
 
 __all__ = [
   "LEAVING",
@@ -74,10 +79,6 @@ RESIDUAL_FIELDS = ("momentum", "error_feedback")
 IN_FLIGHT_FIELDS = ("pending",)
 # What happens to a leaving worker's residual.
 LEAVING = ("drop", "fold")
-
-
-def _is_spec(x: Any) -> bool:
-  return isinstance(x, P)
 
 
 def _axis0(spec: P) -> tuple[Hashable, ...]:
@@ -146,7 +147,7 @@ def _layout(tx, params, mesh, axis_name, param_specs, residual_fields):
   """Per leaf of the state, a :class:`_Leaf`, plus the new layout's abstract state."""
   specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
   abstract = abstract_worker_state(tx, params, mesh, axis_name, param_specs=param_specs)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
   leaves = [
     _Leaf(s, axis_name, mesh, _is_residual(p, residual_fields), _is_residual(p, IN_FLIGHT_FIELDS))
     for p, s in flat

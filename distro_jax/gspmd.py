@@ -425,10 +425,6 @@ def _shapes(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def _is_spec(x: Any) -> bool:
-  return isinstance(x, P)
-
-
 class PerWorker(optax.GradientTransformationExtraArgs):
   """The transformation :func:`per_worker` returns: ``init`` and ``update``, plus what it wraps.
 
@@ -482,9 +478,8 @@ class PerWorker(optax.GradientTransformationExtraArgs):
         flags = [False] * len(jax.tree.leaves(jax.eval_shape(self.inner.init, shapes)))
       else:
         specs = worker_state.worker_state_specs(self.inner, shapes, self.mesh, self.axis_name)
-        flags = [
-          self.axis_name in _axes_of(tuple(s)) for s in jax.tree.leaves(specs, is_leaf=_is_spec)
-        ]
+        leaves = jax.tree.leaves(specs, is_leaf=worker_state.is_spec)
+        flags = [self.axis_name in _axes_of(tuple(s)) for s in leaves]
       self._flags[key] = flags
     return self._flags[key]
 

@@ -4,7 +4,7 @@ With ``delayed_apply``, step t all-gathers the message compressed at step t-1
 and applies its aggregate, so the collective overlaps the forward and backward
 pass. Taken at the params as they are, though, step t's gradient misses the
 update that is still in flight, and a sign-momentum method run one step late
-oscillates (see DESIGN.md section 1a). Psyche's correction is a lookahead:
+oscillates (docs/design.md, section 4). Psyche's correction is a lookahead:
 take the gradient where the params will be once the update in flight lands,
 as the worker can guess it from what it holds, and move back before the
 update. :func:`gradient_point` computes that point from the optimizer state
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from distro_jax import codec, dct, exchange, unit_rms, wire
+from distro_jax import codec, dct, decode, exchange, message, unit_rms, wire
 from distro_jax.diloco import inner_params
 from distro_jax.hyperparams import static_positive_int
 from distro_jax.transforms import DemoState, delayed_states
@@ -129,24 +129,25 @@ def lookahead_update(
       "that made the state."
     )
   plans = wire.plan_tree(leaves, compression_chunk)
-  from_chunks = dct.decode if use_dct else dct.from_chunks
+  basis = dct.basis(use_dct)
+  momenta = [dct.to_blocks(m, plan) for m, plan in zip(carried.pick(all_momenta), plans)]
   if guess == "message":
-    tensors, valid = codec.decode_message(state.pending, layout)
+    # The pending message, read back and decoded as a receiver decodes the
+    # messages of one worker.
+    tensors, valid = codec.decode_message(state.pending[None], layout)
+    received = message.Received(tensors, valid)
+    q_blocks = decode.aggregate(received, momenta, plans, basis, axis_name=None)
+    valid = valid[0]
   else:
-    tensors, valid = [(None, None)] * len(leaves), codec.message_valid(state.pending, layout)
-  momenta = carried.pick(all_momenta)
+    q_blocks = [basis.inverse(m, plan) for m, plan in zip(momenta, plans)]
+    valid = codec.message_valid(state.pending, layout)
   # The update in flight is applied with the rate of the step that made it.
   lr = learning_rate(jnp.maximum(state.count - 1, 0)) if callable(learning_rate) else learning_rate
   step = jnp.where(valid, scale * jnp.asarray(lr, jnp.float32), 0.0)
   out = []
   modes = carried.pick(unit_rms.normalize_modes(normalize, params))
-  for (idx, val), m, plan, x, mode in zip(tensors, momenta, plans, leaves, modes):
-    if guess == "momentum":
-      coeffs = dct.to_chunks(m, plan)
-    else:
-      rows = jnp.arange(plan.rows)[:, None]
-      coeffs = jnp.zeros(plan.coeff_shape, jnp.float32).at[rows, idx].add(val, unique_indices=True)
-    q = from_chunks(coeffs, plan)
+  for q_block, plan, x, mode in zip(q_blocks, plans, leaves, modes):
+    q = dct.from_blocks(q_block, plan)
     # Without axis_name the tensor is whole here; with it, every other axis
     # that the param is split over holds another block of it (FSDP). The
     # param's typing decides, not q's: q is typed by the message, which

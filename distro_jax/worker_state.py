@@ -41,7 +41,8 @@ _PER_WORKER_SCALAR_FIX = (
 )
 
 
-def _is_spec(x: Any) -> bool:
+def is_spec(x: Any) -> bool:
+  """Whether ``x`` is a ``PartitionSpec``: the leaf of a tree of specs (a tuple, to jax.tree)."""
   return isinstance(x, P)
 
 
@@ -63,7 +64,7 @@ def _local_params(params: Any, mesh: Mesh, param_specs: Any) -> Any:
     lambda x, s: jax.ShapeDtypeStruct(NamedSharding(mesh, s).shard_shape(jnp.shape(x)), x.dtype),
     params,
     param_specs,
-    is_leaf=_is_spec,
+    is_leaf=is_spec,
   )
 
 
@@ -166,7 +167,7 @@ def _multi_steps_start(
   grad_like = jax.tree.map(
     lambda s: _leaf_spec(tuple(a for a in candidates if a == axis_name or a in _spec_axes(s))),
     param_specs,
-    is_leaf=_is_spec,
+    is_leaf=is_spec,
   )
   start = optax.MultiStepsState(
     mini_step=P(),
@@ -175,7 +176,7 @@ def _multi_steps_start(
     acc_grads=grad_like,
     skip_state=state_shape.skip_state,
   )
-  flat, treedef = jax.tree.flatten(start, is_leaf=_is_spec)
+  flat, treedef = jax.tree.flatten(start, is_leaf=is_spec)
   if treedef != jax.tree.structure(state_shape):
     return None
   return [_spec_axes(s) for s in flat]
@@ -265,7 +266,7 @@ def _found(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: A
 def _memo_key(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: Any) -> Any:
   """What the specs depend on, hashable; ``None`` when some part cannot be hashed."""
   leaves, treedef = jax.tree.flatten(params)
-  spec_leaves, spec_def = jax.tree.flatten(param_specs, is_leaf=_is_spec)
+  spec_leaves, spec_def = jax.tree.flatten(param_specs, is_leaf=is_spec)
   key = (
     tx,
     treedef,
@@ -289,7 +290,7 @@ def _find_specs(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_spe
     a
     for a in mesh.axis_names
     if a == axis_name
-    or any(a in _spec_axes(s) for s in jax.tree.leaves(param_specs, is_leaf=_is_spec))
+    or any(a in _spec_axes(s) for s in jax.tree.leaves(param_specs, is_leaf=is_spec))
   )
   state_shape, trace = _update_tracer(tx, abstract_params, mesh, axis_name, param_specs, candidates)
   leaves, treedef = jax.tree.flatten(state_shape)
@@ -351,7 +352,7 @@ def _find_specs(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_spe
 
 def _init_on_mesh(tx, mesh, param_specs, specs):
   """``tx.init`` on every device's own params, assembled into the layout of ``specs``."""
-  spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+  spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
 
   def local_init(p):
     leaves, treedef = jax.tree.flatten(tx.init(p))
@@ -361,7 +362,7 @@ def _init_on_mesh(tx, mesh, param_specs, specs):
 
 
 def _state_shardings(mesh: Mesh, specs: Any) -> Any:
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
 
 def init_worker_state(

@@ -24,3 +24,31 @@ def transformation(tx: optax.GradientTransformation) -> optax.GradientTransforma
 def gradient_point(learning_rate: Any = None, **lookahead: Any) -> Callable[[Any, Any], Any]:
   """``dj.gradient_point`` with its options fixed, as one program of (state, params)."""
   return jax.jit(functools.partial(dj.gradient_point, learning_rate=learning_rate, **lookahead))
+
+
+# Tests of the codec that need no tensor shape give each chunk a row: the
+# block view (rows, 1, 1, chunk) of one chunk per row, whose chunk-local
+# indices are the row's positions.
+
+
+def topk_rows(coeffs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """``dj.codec.select_topk_blocks`` of ``(rows, chunk)``: ``(indices, values)``, ``(rows, k)``."""
+  rows, chunk = coeffs.shape
+  idx, val = dj.codec.select_topk_blocks(coeffs.reshape(rows, 1, 1, chunk), k)
+  return idx.reshape(rows, k), val.reshape(rows, k)
+
+
+@functools.partial(jax.jit, static_argnames="chunk_size")
+def aggregate_rows(
+  indices: jax.Array, values: jax.Array, chunk_size: int, valid_W: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+  """``dj.codec.aggregate_blocks`` of ``(W, rows, k)`` selections: mean, count ``(rows, chunk)``."""
+  rows = indices.shape[1]
+  shape = (rows, 1, 1, chunk_size)
+  ((mean, count),) = dj.codec.aggregate_blocks([(indices, values)], [shape], valid_W)
+  return mean.reshape(rows, chunk_size), count.reshape(rows, chunk_size)
+
+
+def dct_rows(x: jax.Array, plan: dj.dct.ChunkPlan) -> jax.Array:
+  """``x``'s chunked DCT, one chunk's coefficients per row, each in chunk-local order."""
+  return dj.dct.to_chunks(dj.dct.DCT_BASIS.forward(dj.dct.to_blocks(x, plan), plan), plan)

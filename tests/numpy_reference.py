@@ -1,4 +1,4 @@
-"""Plain-NumPy DeMo, written from DESIGN.md section 1 alone, in float64.
+"""Plain-NumPy DeMo, written from docs/design.md (sections 1 to 3) alone, in float64.
 
 It works in the parameter domain, as the reference does (error feedback via
 an inverse DCT of the sparse payload), and shares no code with distro_jax, so

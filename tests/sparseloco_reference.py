@@ -1,4 +1,4 @@
-"""Plain-NumPy SparseLoCo, written from DESIGN.md section 1b and the quantizer's definition.
+"""Plain-NumPy SparseLoCo, written from docs/design.md section 6 and the quantizer's definition.
 
 Float64 throughout, in the parameter domain as Templar's code works (the error
 feedback is a param-shaped buffer; what was sent comes back through the

@@ -1,5 +1,6 @@
 """Top-k, the byte message, and mean-over-contributors aggregation."""
 
+import compiled
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,22 +12,7 @@ from distro_jax import codec
 # One program per call where JAX would compile one per operation (tests/compiled.py).
 encode_message = jax.jit(codec.encode_message, static_argnames="layout")
 decode_message = jax.jit(codec.decode_message, static_argnames="layout")
-aggregate = jax.jit(codec.aggregate, static_argnames="chunk_size")
-
-
-@pytest.mark.parametrize(
-  "chunk_size, dtype",
-  [
-    (7, np.uint8),
-    (256, np.uint8),
-    (257, np.uint16),
-    (4096, np.uint16),
-    (65536, np.uint16),
-    (65537, np.uint32),
-  ],
-)
-def test_index_dtype_is_narrowest_that_fits(chunk_size, dtype):
-  assert dj.codec.index_dtype(chunk_size) == dtype
+aggregate = compiled.aggregate_rows
 
 
 @pytest.mark.parametrize(
@@ -39,13 +25,16 @@ def test_indices_travel_at_ceil_log2_of_the_chunk_size(chunk_size, bits):
   assert layout.stream_bits == 5 * (3 * bits + 2)
 
 
-def test_select_topk_keeps_largest_magnitudes_and_zero_selected_removes_them():
-  y = jnp.asarray([[0.1, -5.0, 3.0, 0.2], [1.0, 1.0, -1.0, 0.0]])
-  idx, val = dj.codec.select_topk(y, 2)
-  np.testing.assert_array_equal(idx, [[1, 2], [0, 1]])  # ties: lower index first
-  np.testing.assert_array_equal(val, [[-5.0, 3.0], [1.0, 1.0]])
-  expected = np.asarray([[0.1, 0, 0, 0.2], [0, 0, -1.0, 0]], np.float32)
-  np.testing.assert_array_equal(codec.zero_selected(y, idx), expected)
+def test_topk_keeps_largest_magnitudes_of_each_chunk_and_error_feedback_zeroes_them():
+  # Two chunks of 2x2, side by side: chunk-local index i * 2 + j.
+  y = jnp.asarray([[0.1, -5.0, 1.0, 1.0], [3.0, 0.2, -1.0, 0.0]])
+  blocks = y.reshape(1, 2, 2, 2)
+  idx, val = dj.codec.select_topk_blocks(blocks, 2)
+  np.testing.assert_array_equal(idx, [[[1, 2], [0, 1]]])  # ties: lower index first
+  np.testing.assert_array_equal(val, [[[-5.0, 3.0], [1.0, 1.0]]])
+  expected = np.asarray([[0.1, 0, 0, 0], [0, 0.2, -1.0, 0]], np.float32)
+  kept = codec.zero_selected_blocks(blocks, idx)
+  np.testing.assert_array_equal(kept.reshape(2, 4), expected)
 
 
 def _layout(quantize_1bit, value_dtype="float32"):
@@ -289,7 +278,6 @@ def test_aggregate_is_bit_identical_under_worker_shuffles():
 def test_identical_payloads_aggregate_to_that_payload_exactly():
   rng = np.random.default_rng(5)
   idx, val = _random_payloads(rng, 1, 16, 12, 6)
-  aggregate = jax.jit(dj.codec.aggregate, static_argnums=2)
   one, _ = aggregate(idx, val, 12)
   for workers in (3, 7):
     many, _ = aggregate(jnp.repeat(idx, workers, 0), jnp.repeat(val, workers, 0), 12)
@@ -307,7 +295,7 @@ def test_aggregate_matches_brute_force_mean():
         total[r, j] += v
         count[r, j] += 1
   expected = np.where(count > 0, total / np.maximum(count, 1), 0)
-  dense, n = jax.jit(dj.codec.aggregate, static_argnums=2)(idx, val, 10)
+  dense, n = aggregate(idx, val, 10)
   np.testing.assert_allclose(dense, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(n, count)
 
@@ -323,7 +311,7 @@ def test_two_stage_topk_picks_exactly_what_a_full_top_k_picks():
     np.repeat(rng.normal(size=512), 8),  # ties inside groups
   ]
   y = jnp.asarray(np.stack(rows), jnp.float32)
-  select = jax.jit(dj.codec.select_topk, static_argnums=1)
+  select = jax.jit(compiled.topk_rows, static_argnums=1)
   for k in (1, 8, 32, 128):
     idx, val = select(y, k)
     _, ref = jax.lax.top_k(jnp.abs(y), k)
@@ -378,7 +366,7 @@ def test_one_bit_aggregate_is_the_same_to_the_bit_through_the_wire():
 
   @jax.jit
   def send(r):
-    i, v = codec.select_topk(r, 8)
+    i, v = compiled.topk_rows(r, 8)
     return i, jnp.where(v >= 0, 1.0, -1.0), encode_message([i], [v], layout)
 
   @jax.jit

@@ -2,6 +2,7 @@
 
 import functools
 
+import compiled
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import distro_jax as dj
-from distro_jax import wire
+from distro_jax import dct, wire
 
 SIZES = st.sampled_from([1, 2, 3, 5, 6, 7, 8, 12, 13, 16, 31, 36, 64, 97])
 SHAPES = st.lists(SIZES, min_size=0, max_size=4).map(tuple).filter(lambda s: np.prod(s) <= 20_000)
@@ -21,8 +22,9 @@ SETTINGS = settings(max_examples=15, deadline=None)
 
 
 def _selection(x, chunk, k):
-  plan = dj.dct.plan_chunks(x.shape, chunk)
-  idx, val = dj.codec.select_topk(dj.dct.encode(x, plan), min(k, plan.chunk_size))
+  plan = dct.plan_chunks(x.shape, chunk)
+  coeffs = dct.DCT_BASIS.forward(dct.to_blocks(x, plan), plan)
+  idx, val = dj.codec.select_topk_blocks(coeffs, min(k, plan.chunk_size))
   return plan, idx, val
 
 
@@ -32,8 +34,8 @@ def _round_trip(x, chunk):
   layout = wire.wire_layout(x, compression_topk=10**6, compression_chunk=chunk, quantize_1bit=False)
   message = dj.codec.encode_message([idx], [val], layout)
   (tensors, valid) = dj.codec.decode_message(message[None], layout)
-  dense, _ = dj.codec.aggregate(*tensors[0], plan.chunk_size, valid)
-  return dj.dct.decode(dense, plan)
+  ((dense, _),) = dj.codec.aggregate_blocks(tensors, [plan.block_shape], valid)
+  return dct.from_blocks(dct.DCT_BASIS.inverse(dense, plan), plan)
 
 
 @pytest.mark.slow
@@ -91,7 +93,7 @@ def test_worker_order_changes_the_aggregate_by_not_one_bit(workers, rows, chunk,
   val = rng.integers(-3, 4, size=(workers, rows, k)).astype(np.float32) * rng.choice([1, 0.1])
   perm = np.asarray(data.draw(st.permutations(range(workers))))
   # One program for both orders.
-  aggregate = jax.jit(dj.codec.aggregate, static_argnums=2)
+  aggregate = compiled.aggregate_rows
   a, na = aggregate(jnp.asarray(idx), jnp.asarray(val), chunk)
   b, nb = aggregate(jnp.asarray(idx[perm]), jnp.asarray(val[perm]), chunk)
   np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
@@ -118,8 +120,7 @@ def test_identical_payloads_aggregate_to_that_payload(workers, shape, chunk, k, 
 def _one_and_many(x, chunk, k, workers):
   """The aggregate of one worker's selection, and of ``workers`` copies of it."""
   plan, idx, val = _selection(x, chunk, k)
-  one, _ = dj.codec.aggregate(idx[None], val[None], plan.chunk_size)
-  many, count = dj.codec.aggregate(
-    jnp.repeat(idx[None], workers, 0), jnp.repeat(val[None], workers, 0), plan.chunk_size
-  )
+  ((one, _),) = dj.codec.aggregate_blocks([(idx[None], val[None])], [plan.block_shape])
+  copies = (jnp.repeat(idx[None], workers, 0), jnp.repeat(val[None], workers, 0))
+  ((many, count),) = dj.codec.aggregate_blocks([copies], [plan.block_shape])
   return one, many, count

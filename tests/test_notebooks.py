@@ -145,6 +145,8 @@ def test_first_code_cell_installs_only_when_missing():
       in (first_md)
     ), path.name
     assert "find_spec" in first_code and "pip" in first_code, path.name
+    # The notebooks import experiments/, whose packages (flax, grain, ...) are an extra.
+    assert 'f"distro_jax[experiments] @ git+{REPO_URL}"' in first_code, path.name
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))

@@ -1,4 +1,4 @@
-"""dj.demo against the plain-NumPy reference of DESIGN.md section 1."""
+"""dj.demo against the plain-NumPy reference of docs/design.md, section 2."""
 
 import functools
 

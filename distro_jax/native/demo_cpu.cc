@@ -596,7 +596,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DistroJaxDemoCompress, CompressImpl,
 
 // The receiving side for one tensor: every chunk's mean over the workers
 // that chose each coefficient (folded in distro_jax.codec.worker_order's
-// order with distro_jax.codec.aggregate's running mean, so the same bits),
+// order with distro_jax.codec.aggregate_blocks's running mean, so the same bits),
 // then its inverse DCT. The first stage of the inverse runs over the
 // coefficients sent only (at most workers * k of 4096).
 static ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> idx,
@@ -884,7 +884,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DistroJaxDemoCompress8, Compress8Impl,
 
 // The receiving side for a tensor of 8x8 chunks: every chunk's mean over the
 // workers that sent each coefficient (folded in distro_jax.codec.worker_order's
-// order with codec.aggregate's running mean, so the same bits), then its
+// order with codec.aggregate_blocks's running mean, so the same bits), then its
 // inverse DCT, D^T Z D, whose first stage reads only the coefficients sent.
 static ffi::Error Decode8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> idx,
                               ffi::Buffer<ffi::F32> val, ffi::Buffer<ffi::S32> valid,
