@@ -5,8 +5,11 @@ crosses processes is a chain of dependent transfers, and each waits for the
 distance. This counts them, for a method's fused train step and for the
 overlapped exchange's three programs (:mod:`experiments.run.threaded_step`),
 from the compiled HLO (:func:`distro_jax.collective_bytes_by_axes` finds the
-collectives that cross the workers' axis), and adds the calls the driver makes
-across processes outside the HLO (:data:`HOST_CALLS`, read from the trainer).
+collectives that cross the workers' axis). The calls the driver makes outside
+the HLO are listed in :data:`HOST_CALLS`, read from the trainer: since issue
+69 none crosses processes on the step's path (before, the step number's
+check did, :data:`STEP_CHECK`, and the step all-reduced its loss), so a DeMo
+step's only collective on the path is its message's all-gather.
 
 The model (``docs/netlab.md``, "Round trips per step"):
 
@@ -45,6 +48,7 @@ from experiments.study.time_model import Hop, Link, MeasuredCell
 __all__ = [
   "HOST_CALLS",
   "NETLAB_BURST_BYTES",
+  "STEP_CHECK",
   "Collective",
   "HostCall",
   "StepCount",
@@ -117,17 +121,19 @@ class HostCall:
 
 
 # Read from the trainer's loop and what it calls, each named by its file and
-# function. Only the step number's check crosses processes on the step's path.
+# function. None crosses processes on the step's path: the step number's
+# check (STEP_CHECK) and the loss's psums are gone since issue 69.
 HOST_CALLS = (
   HostCall(
-    "the step number placed on the mesh: jax.device_put(np.int32(step), replicated)",
-    "experiments/run/trainer.py::_run_claimed",
-    True,
-    True,
-    "every step. In a multi-process run JAX checks that every process passed the "
-    "same value (jax/_src/dispatch.py: multihost_utils.assert_equal), which "
-    "all-gathers it with a program of its own (process_allgather) and waits for "
-    "the result before the step is dispatched: one all-gather of 4 bytes",
+    "the step number placed on the mesh: jax.make_array_from_single_device_arrays",
+    "experiments/run/trainer.py::step_number",
+    False,
+    False,
+    "every step; each process puts the number on its own devices, with no check "
+    "across processes (jax.device_put of a host value checks that every process "
+    "passed the same one, an all-gather of 4 bytes waited for before the step: "
+    "STEP_CHECK). The processes agree by construction: one start, checked once a "
+    "run (trainer.py::_check_start_agreed), and the same loop",
   ),
   HostCall(
     "the batch placed: jax.make_array_from_process_local_data",
@@ -137,11 +143,22 @@ HOST_CALLS = (
     "every step; each process places its own rows, nothing is exchanged",
   ),
   HostCall(
-    "the previous step's loss read: float(metrics['loss'])",
-    "experiments/run/trainer.py::flush",
+    "the previous step's losses read: this process's devices' shards of metrics['loss']",
+    "experiments/run/trainer.py::_read",
     False,
     True,
-    "every step, one step late; a local read of a replicated result (its psum is in the HLO)",
+    "every step, one step late; the step returns each device's loss unreduced, so "
+    "a process reads its own workers' losses alone",
+  ),
+  HostCall(
+    "the workers' losses gathered for the log: multihost_utils.process_allgather",
+    "experiments/run/trainer.py::_write",
+    True,
+    False,
+    "in a multi-process run, once every --log_every steps (10 by default) and before "
+    "an evaluation, a checkpoint and the end: one all-gather of the losses read since "
+    "(4 bytes per worker and step); the log's mean is taken on the host "
+    "(records.logged_loss). In one process nothing is exchanged",
   ),
   HostCall(
     "the preemption check: multihost_utils.reached_preemption_sync_point",
@@ -189,6 +206,19 @@ HOST_CALLS = (
     False,
     "every --checkpoint_every steps only",
   ),
+)
+
+# What the step did before issue 69, where the recorded cells ran it: the step
+# number placed with jax.device_put, checked across processes every step.
+STEP_CHECK = HostCall(
+  "the step number placed on the mesh: jax.device_put(np.int32(step), replicated)",
+  "experiments/run/trainer.py::_run_claimed (before issue 69)",
+  True,
+  True,
+  "every step. In a multi-process run JAX checks that every process passed the "
+  "same value (jax/_src/dispatch.py: multihost_utils.assert_equal), which "
+  "all-gathers it with a program of its own (process_allgather) and waits for "
+  "the result before the step is dispatched: one all-gather of 4 bytes",
 )
 
 
@@ -332,7 +362,7 @@ def collectives_in(
 
 
 def step_check_collectives(workers: int) -> list[Collective]:
-  """The step number's check (``HOST_CALLS[0]``), compiled as JAX compiles it.
+  """The step number's check as the recorded cells ran it (:data:`STEP_CHECK`), as JAX compiles it.
 
   ``multihost_utils.process_allgather`` of a scalar makes an ``int32[W]``
   split over a ``("processes", "local_devices")`` mesh and jits an identity
@@ -350,7 +380,7 @@ def step_check_collectives(workers: int) -> list[Collective]:
   identity = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
   text = identity.lower(arg).compile().as_text()
   return [
-    dataclasses.replace(c, where=f"{HOST_CALLS[0].where} ({c.where})")
+    dataclasses.replace(c, where=f"{STEP_CHECK.where} ({c.where})")
     for c in collectives_in(text, mesh, program="host", axis="processes")
   ]
 
@@ -399,29 +429,38 @@ class StepCount:
     return dataclasses.replace(self, collectives=resized)
 
 
-def demo_step(message_bytes: int, workers: int = 4, *, overlapped: bool = False) -> StepCount:
+def demo_step(
+  message_bytes: int, workers: int = 4, *, overlapped: bool = False, as_recorded: bool = False
+) -> StepCount:
   """The count of a DeMo step as :func:`count` finds it (checked in ``tests/test_round_trips.py``).
 
-  The message's all-gather (in the exchange's own program when overlapped),
-  the loss's two f32 ``psum``\\ s (one tuple all-reduce: two chains), and the
-  step number's check. For the recorded cells, whose models are larger than
-  what a unit test compiles.
+  The message's all-gather (in the exchange's own program when overlapped)
+  and nothing else. ``as_recorded`` gives the step as the recorded cells ran
+  it, before issue 69: the loss's two f32 ``psum``\\ s as well (one tuple
+  all-reduce: two chains, in the apply program when overlapped) and the step
+  number's check (:data:`STEP_CHECK`). For the recorded cells, whose models
+  are larger than what a unit test compiles.
 
   Example:
-    >>> demo_step(1800).round_trips  # 3 hops + 2 x 6 hops + 3 hops, half a round trip each
+    >>> demo_step(1800).round_trips  # 3 hops, half a round trip each
+    1.5
+    >>> demo_step(1800, as_recorded=True).round_trips  # + 2 x 6 hops + 3 hops
     9.0
   """
-  return StepCount(
-    f"demo ({message_bytes} B message{', overlapped' if overlapped else ''})",
-    workers,
-    (
-      Collective(
-        "all-gather", 1, message_bytes, "exchange" if overlapped else "train_step", overlapped
-      ),
+  collectives = [
+    Collective(
+      "all-gather", 1, message_bytes, "exchange" if overlapped else "train_step", overlapped
+    )
+  ]
+  if as_recorded:
+    collectives += [
       Collective("all-reduce", 2, 4, "apply" if overlapped else "train_step"),
-      Collective("all-gather", 1, 4, "host", where=HOST_CALLS[0].where),
-    ),
-  )
+      Collective("all-gather", 1, 4, "host", where=STEP_CHECK.where),
+    ]
+  suffix = ", overlapped" if overlapped else ""
+  if as_recorded:
+    suffix += ", as recorded"
+  return StepCount(f"demo ({message_bytes} B message{suffix})", workers, tuple(collectives))
 
 
 def count(
@@ -442,7 +481,8 @@ def count(
     seq_len: tokens per sequence.
 
   Returns:
-    A :class:`StepCount`, the step number's check included.
+    A :class:`StepCount`: the collectives of the step's programs (no host
+    call crosses processes on the step's path, :data:`HOST_CALLS`).
   """
   import jax
   import jax.numpy as jnp
@@ -483,7 +523,7 @@ def count(
     found += collectives_in(
       text, program.mesh, program=name, axis=REPLICA, hidden=hidden, every=every
     )
-  return StepCount(method, workers, tuple(found + step_check_collectives(workers)))
+  return StepCount(method, workers, tuple(found))
 
 
 def markdown(counts: Sequence[StepCount]) -> str:
@@ -516,7 +556,7 @@ def _netlab_link(rate_mbit: float, rtt_s: float = 0.0, loss: float = 0.0) -> Lin
 
 
 def _demo_cell(label, link, workers, message, compute, measured, source, overlapped=False):
-  step = demo_step(message, workers, overlapped=overlapped)
+  step = demo_step(message, workers, overlapped=overlapped, as_recorded=True)
   return MeasuredCell(
     label,
     link,

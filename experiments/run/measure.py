@@ -9,20 +9,15 @@ so that the optimizer's share of a step comes out as a ratio of medians.
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import distro_jax as dj
-from experiments.run import steps
 from experiments.run.launch import REPLICA
 
 __all__ = ["HloBytes", "hlo_bytes", "params_digest", "time_step_parts"]
@@ -37,9 +32,10 @@ class HloBytes(NamedTuple):
     by_axes: by the mesh axes a collective crosses, ``"replica"``,
       ``"fsdp"``, ``"replica+fsdp"``, or ``"none"``.
     crossing: the collectives that cross ``"replica"``: the slow links.
-    exchange: ``crossing`` less the step's own loss average, per step (a
-      collective that runs once every H steps is divided by H): what the
-      optimizer sends.
+    exchange: ``crossing`` per step (a collective that runs once every H
+      steps is divided by H): what the optimizer sends, since the step
+      averages no loss across the workers (the host does,
+      ``records.logged_loss``).
   """
 
   total: int
@@ -49,16 +45,8 @@ class HloBytes(NamedTuple):
   exchange: float
 
 
-@functools.lru_cache(maxsize=8)  # a run started again in the same process compiles nothing
-def _metrics_collective_bytes(mesh: jax.sharding.Mesh, rows: P) -> int:
-  """Collective bytes of the train step's loss averaging, apart from the optimizer's."""
-  fn = jax.jit(jax.shard_map(steps.mean_finite_loss, mesh=mesh, in_specs=rows, out_specs=P()))
-  loss = jax.ShapeDtypeStruct((mesh.size,), jnp.float32, sharding=NamedSharding(mesh, rows))
-  return dj.collective_bytes(fn, loss).total
-
-
 def hlo_bytes(
-  hlo_text: str | Sequence[str], mesh: jax.sharding.Mesh, rows: P, exchange_every: int = 1
+  hlo_text: str | Sequence[str], mesh: jax.sharding.Mesh, exchange_every: int = 1
 ) -> HloBytes:
   """The collective bytes of a compiled train step, split as :class:`HloBytes` says.
 
@@ -67,7 +55,6 @@ def hlo_bytes(
       programs one step runs (an overlapped step on a thread of its own,
       :mod:`experiments.run.threaded_step`), counted together.
     mesh: the ``("replica", "fsdp")`` mesh it runs on.
-    rows: how the step's batch is split (``steps.rows_spec``).
     exchange_every: steps between the optimizer's exchanges (the registry's
       ``exchange_every``); its collective sits in a branch taken that often.
 
@@ -83,7 +70,8 @@ def hlo_bytes(
     for k, v in dj.collective_bytes_by_axes(text, mesh).items():
       by_axes["+".join(k) or "none"] += v.total
   crossing = sum(v for k, v in by_axes.items() if REPLICA in k.split("+"))
-  exchange = (crossing - _metrics_collective_bytes(mesh, rows)) / exchange_every
+  # The step's loss leaves it unreduced, so all that crosses is the optimizer's.
+  exchange = crossing / exchange_every
   return HloBytes(total, dict(by_kind), dict(by_axes), crossing, exchange)
 
 

@@ -12,12 +12,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from typing import Any, ClassVar
+
+import numpy as np
 
 __all__ = [
   "ResizeEvent",
   "StepRecord",
   "Summary",
+  "logged_loss",
   "read_events",
   "read_jsonl",
   "read_metrics",
@@ -40,6 +44,25 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
       if isinstance(record, dict):
         out.append(record)
   return out
+
+
+def logged_loss(losses: Sequence[float] | np.ndarray) -> float:
+  """A step's logged loss: the mean of the workers' finite losses; NaN if none is finite.
+
+  ``losses`` are every device's, in the mesh's order (the train step's
+  ``metrics["loss"]``). The sums are float32 and run in that order, which is
+  how the step's own ``psum`` summed them in one process when the step
+  averaged them itself, so the log holds the numbers it held then.
+
+  Example:
+    >>> logged_loss([2.0, float("nan"), 4.0])
+    3.0
+  """
+  total, count = np.float32(0.0), np.float32(0.0)
+  for loss in np.asarray(losses, np.float32).reshape(-1):
+    if np.isfinite(loss):
+      total, count = np.float32(total + loss), np.float32(count + 1)
+  return float(total / count) if count > 0 else float("nan")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,6 @@ __all__ = [
   "exchange_step",
   "gradient_and_message",
   "gradient_step",
-  "mean_finite_loss",
   "replica_mismatches",
   "rows_spec",
   "shard_step",
@@ -87,19 +86,6 @@ def _inject_fault(grads, step, fault):
   return jax.tree.map(lambda g: jnp.where(hit, jnp.nan, g), grads)
 
 
-def mean_finite_loss(loss: jax.Array) -> jax.Array:
-  """The mean of the finite per-device losses over the devices; NaN if none is finite.
-
-  It averages over the mesh axes ``loss`` differs across (those the batch is
-  split over).
-  """
-  axes = _mesh_order(varying_axes(loss))
-  finite = jnp.isfinite(loss)
-  num_finite = jax.lax.psum(finite.astype(jnp.float32), axes)
-  total = jax.lax.psum(jnp.where(finite, loss, 0.0), axes)
-  return jnp.where(num_finite > 0, total / jnp.maximum(num_finite, 1.0), jnp.nan)
-
-
 def train_step(
   params: Any,
   opt_state: Any,
@@ -132,9 +118,12 @@ def train_step(
       None. Passed to the optimizer as ``contribute``.
 
   Returns:
-    ``(params, opt_state, metrics)``. ``metrics["loss"]`` averages the finite
-    device losses; ``metrics["excluded"]`` counts messages the optimizer
-    left out this step (0 for one that leaves none out).
+    ``(params, opt_state, metrics)``. ``metrics["loss"]`` is this device's
+    loss with a leading axis of 1, so that every worker's own lies in one
+    global array split over the devices as the batch is: the host averages
+    it one step late (``records.logged_loss``), so no collective of the
+    step's waits on it. ``metrics["excluded"]`` counts messages the
+    optimizer left out this step (0 for one that leaves none out).
   """
   loss, grads = _value_and_grad(
     params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs, point
@@ -165,7 +154,9 @@ def _apply(params, opt_state, step, loss, grads, *, tx, fault, cold_until, gathe
   workers = jax.lax.axis_size(REPLICA)
   counts = [c for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "contributors")]
   contributors = functools.reduce(jnp.minimum, counts, jnp.int32(workers))
-  return params, opt_state, {"loss": mean_finite_loss(loss), "excluded": workers - contributors}
+  # The loss leaves unreduced: averaging it here was two all-reduces on the
+  # step's path, each a ring of round trips on a far link (docs/netlab.md).
+  return params, opt_state, {"loss": loss[None], "excluded": workers - contributors}
 
 
 def compressed_part(opt_state: Any) -> list[tuple[Any, jax.Array]]:

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,7 +50,7 @@ from experiments.run.checkpointing import Checkpointer, CheckpointError, ResumeP
 from experiments.run.cli import ReplicaDivergenceError
 from experiments.run.config import ConfigError, TrainConfig
 from experiments.run.launch import FSDP, REPLICA, make_mesh
-from experiments.run.records import StepRecord, Summary
+from experiments.run.records import StepRecord, Summary, logged_loss
 from experiments.run.threaded_step import ThreadedStep
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
   "TrainConfig",
   "build",
   "run",
+  "step_number",
 ]
 
 
@@ -217,6 +219,8 @@ def _build(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Program:
   rows = steps.rows_spec(cfg.fsdp)
   common = {"graphdef": graphdef, "param_specs": specs}
   point = method.gradient_point(cfg)
+  # Each device's loss, unreduced (the host averages it, records.logged_loss).
+  metric_specs = {"loss": rows, "excluded": P()}
   threaded = None
   if _overlap_on_thread(cfg):
     worker_rows = jax.tree.map(lambda _: rows, specs, is_leaf=_is_spec)
@@ -238,7 +242,7 @@ def _build(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Program:
         steps.apply_step,
         mesh,
         (specs, state_specs, P(), rows, worker_rows, P()),
-        (specs, state_specs, P()),
+        (specs, state_specs, metric_specs),
         donate=(0, 1),
         tx=tx,
         fault=fault,
@@ -258,7 +262,7 @@ def _build(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Program:
       steps.train_step,
       mesh,
       (specs, state_specs, P(), rows, rows),
-      (specs, state_specs, P()),
+      (specs, state_specs, metric_specs),
       donate=(0, 1),
       tx=tx,
       point=point,
@@ -421,8 +425,39 @@ class _Batches:
     return float(np.mean(losses)) if losses else None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Read:
+  """A step as this process read it, before its record is written.
+
+  Attributes:
+    step: the 1-based step.
+    losses: the losses of this process's devices, in the order of ``_Log.positions``.
+    wall_time: ``time.time()`` once this process's step had finished.
+    seconds: the step's time, dispatch to dispatch.
+    excluded: messages the optimizer left out (replicated, so read locally).
+    val_loss: validation loss after this step, where one was taken.
+  """
+
+  step: int
+  losses: np.ndarray
+  wall_time: float
+  seconds: float
+  excluded: int
+  val_loss: float | None
+
+
 class _Log:
-  """The progress line and ``metrics.jsonl``, fed one step late (process 0 writes)."""
+  """The progress line and ``metrics.jsonl``, fed one step late (process 0 writes).
+
+  The train step returns every device's loss unreduced; the logged loss is
+  their mean (:func:`~experiments.run.records.logged_loss`), taken here. In
+  one process every device's loss is at hand and each step is written as it
+  is read. In a multi-process run a process holds only its own devices'
+  losses: each reads its own one step late, and the processes gather what
+  they read in one ``process_allgather`` every ``--log_every`` steps and
+  before an evaluation, a checkpoint or the end (:meth:`flush`), off the
+  steps' path, so ``metrics.jsonl`` gets those lines in bursts.
+  """
 
   def __init__(
     self, cfg: TrainConfig, method: methods.Method, payload: methods.Payload, start: int
@@ -438,27 +473,69 @@ class _Log:
     self.timer = reporting.StepTimer()
     self.schedule = methods.lr_schedule(cfg)
     self.pending: tuple[int, Any, float] | None = None
+    self.unwritten: list[_Read] = []
+    self.positions: np.ndarray | None = None  # where this process's losses sit among all
+    self.write_every = 1 if jax.process_count() == 1 else max(1, cfg.log_every or 1)
 
   def stepped(self, step: int, metrics: Any) -> None:
-    """Records the step just dispatched and writes the one before it."""
+    """Records the step just dispatched and reads (and, when due, writes) the one before it."""
     seconds = self.timer.lap()
-    self.flush()
+    self._read()
+    if self.unwritten and self.unwritten[-1].step % self.write_every == 0:
+      self._write()
     self.pending = (step, metrics, seconds)
 
   def flush(self, val_loss: float | None = None) -> None:
+    """Writes every step not yet written, the one in flight (with ``val_loss``) included.
+
+    In a multi-process run every process must call it at the same step.
+    """
+    self._read(val_loss)
+    self._write()
+
+  def _read(self, val_loss: float | None = None) -> None:
     if self.pending is None:
       return
     step, metrics, seconds = self.pending
     self.pending = None
+    shards = metrics["loss"].addressable_shards
+    if self.positions is None:
+      order = np.arange(metrics["loss"].size)
+      self.positions = np.concatenate([order[s.index] for s in shards])
+    # Blocks until this process's step is done, so the next field is when it
+    # finished: netlab times steps across processes.
+    losses = np.concatenate([np.asarray(s.data, np.float32) for s in shards])
+    self.unwritten.append(
+      _Read(step, losses, time.time(), seconds, int(metrics["excluded"]), val_loss)
+    )
+
+  def _write(self) -> None:
+    if not self.unwritten:
+      return
+    reads, self.unwritten = self.unwritten, []
+    losses = np.stack([r.losses for r in reads])
+    if jax.process_count() > 1:
+      # The one exchange of the log: every process's losses of these steps.
+      every = multihost_utils.process_allgather({"at": self.positions, "losses": losses})
+      at, got = every["at"].reshape(-1), every["losses"]  # (P, L), (P, steps, L)
+      losses = np.empty((len(reads), at.size), np.float32)
+      losses[:, at] = np.moveaxis(got, 0, 1).reshape(len(reads), -1)
+    else:
+      losses = losses[:, np.argsort(self.positions)]
+    for read, step_losses in zip(reads, losses):
+      self._record(read, logged_loss(step_losses))
+
+  def _record(self, read: _Read, loss: float) -> None:
+    step = read.step
     record = StepRecord(
       step=step,
-      loss=float(metrics["loss"]),  # blocks until the step is done, so the next field
-      wall_time=time.time(),  # is when it finished: netlab times steps across processes
+      loss=loss,
+      wall_time=read.wall_time,
       bytes_sent=self.sent,
       lr=float(self.schedule(step - 1)),
-      tokens_per_s=self.cfg.batch_size * self.cfg.seq_len / max(seconds, 1e-9),
-      excluded_contributions=int(metrics["excluded"]) if self.method.excludes_nonfinite else None,
-      val_loss=val_loss,
+      tokens_per_s=self.cfg.batch_size * self.cfg.seq_len / max(read.seconds, 1e-9),
+      excluded_contributions=read.excluded if self.method.excludes_nonfinite else None,
+      val_loss=read.val_loss,
     )
     if not math.isfinite(record.loss):
       raise FloatingPointError(
@@ -562,7 +639,7 @@ def _run_claimed(cfg: TrainConfig, notice: preemption.Notice) -> Summary:
       params, opt_state, step_arg, batches.abstract, batches.abstract
     ).compile()
     hlo_texts = [compiled.as_text()]
-  hlo = measure.hlo_bytes(hlo_texts, program.mesh, program.rows, program.method.exchange_every(cfg))
+  hlo = measure.hlo_bytes(hlo_texts, program.mesh, program.method.exchange_every(cfg))
   local = dj.local_shapes(program.abstract, program.fsdp_plan.specs, {FSDP: cfg.fsdp})
   payload = program.method.payload(cfg, local)
   log = _Log(cfg, program.method, payload, start_step)
@@ -577,10 +654,11 @@ def _run_claimed(cfg: TrainConfig, notice: preemption.Notice) -> Summary:
       f"device sends their chunks too):\n{program.fsdp_plan.describe_whole()}"
     )
   last_step = cfg.stop_at_step or cfg.steps
+  _check_start_agreed(start_step)
   peers.watch_run(cfg, argv, checkpointer.directory)
   try:
     for step in range(start_step + 1, last_step + 1):
-      step_arr = jax.device_put(np.int32(step), program.sharding())
+      step_arr = step_number(step, program.sharding())
       params, opt_state, metrics = compiled(params, opt_state, step_arr, *batches.next_train())
       log.stepped(step, metrics)
       preempted = notice.reached(step - start_step)
@@ -621,6 +699,32 @@ def _run_claimed(cfg: TrainConfig, notice: preemption.Notice) -> Summary:
   return summary
 
 
+def step_number(step: int, replicated: NamedSharding) -> jax.Array:
+  """The step number as a replicated int32 on the mesh, placed by each process on its own devices.
+
+  ``jax.device_put`` of a host value onto devices of several processes
+  first checks that every process passed the same value: an all-gather in a
+  program of its own, waited for before the step is dispatched, one more
+  chain of round trips per step on a far link (docs/netlab.md, "Round trips
+  per step"). Each process here places the number on its own devices alone.
+  They agree without the check: every process counts from the same start
+  (checked once, :func:`_check_start_agreed`) through the same loop.
+  """
+  value = np.int32(step)
+  return jax.make_array_from_single_device_arrays(
+    (), replicated, [jax.device_put(value, d) for d in replicated.addressable_devices]
+  )
+
+
+def _check_start_agreed(start_step: int) -> None:
+  """Every process starts its loop at the same step: the one check :func:`step_number` relies on."""
+  if jax.process_count() > 1:
+    multihost_utils.assert_equal(
+      np.int32(start_step),
+      fail_message="the processes start at different steps (their resume points differ)",
+    )
+
+
 def _say_how_much_it_reads(cfg: TrainConfig, batches: _Batches, log: _Log) -> None:
   """The share of its training split the run will read; a warning where it rereads some."""
   steps = cfg.stop_at_step or cfg.steps
@@ -659,7 +763,7 @@ def _time(
   replicated = program.sharding()
 
   def full_step(p, s, i):
-    return compiled(p, s, jax.device_put(np.int32(i), replicated), inputs, targets)[:2]
+    return compiled(p, s, step_number(i, replicated), inputs, targets)[:2]
 
   every = program.method.exchange_every(program.cfg)
   return measure.time_step_parts(
