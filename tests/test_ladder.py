@@ -70,6 +70,7 @@ def test_the_table_puts_each_rule_in_its_column_with_its_gap_to_the_best_dense(t
 
 def test_muon_without_momentum_steps_along_this_steps_gradient_alone():
   """``muon-beta0``, the ladder's reference for a step rule with no momentum."""
+
   def second_step(name):
     fields = methods.parse(name)[1]
     cfg = checks.resolve(TrainConfig(preset="tiny", steps=10, workers=1, **fields))

@@ -229,10 +229,7 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       f"--normalize={cfg.normalize} shapes DeMo's step from its aggregate; it needs "
       f"--optimizer={_supporting('supports_normalize')}, not {method.name}. Drop --normalize."
     )
-  steps_muon = method.name == "muon" or (
-    method.name == "sparseloco" and cfg.sparseloco_inner == "muon"
-  )
-  if not steps_muon and (cfg.muon_adam_learning_rate or cfg.muon_beta != 0.95):
+  if not method.steps_with_muon(cfg) and (cfg.muon_adam_learning_rate or cfg.muon_beta != 0.95):
     raise ConfigError(
       "--muon_beta and --muon_adam_learning_rate set Muon's momentum and its AdamW part's "
       f"rate; they need --optimizer=muon (or sparseloco with --sparseloco_inner=muon), not "
