@@ -104,11 +104,15 @@ def ladder_table(points: Sequence[frontier.Point], horizon: int) -> str:
     some = next(c for c in cells if c)
     cell = lambda r: f"{r['val_loss']:.4f} {_gap(r)} ({_settings(r)})" if r else ""
     lines.append(
-      f"| {label} | {some['payload_bytes_per_step']:,.0f} | {some['ratio_vs_bf16_grad']:,.0f}x | "
+      f"| {label} | {some['payload_bytes_per_step']:,.0f} | {_ratio(some['ratio_vs_bf16_grad'])} | "
       + " | ".join(map(cell, cells))
       + " |"
     )
   return "\n".join(lines) + "\n"
+
+
+def _ratio(x: float) -> str:
+  return f"{x:,.0f}x" if x >= 10 else f"{x:.2f}x"
 
 
 def _gap(row: Mapping[str, Any]) -> str:
