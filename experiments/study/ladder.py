@@ -175,7 +175,11 @@ def _main(train_flags, launch_flags, own, argv: Sequence[str]) -> None:
       if not points:
         raise ConfigError(f"--draw_only: no finished ladder run under --out_dir={base.out_dir}.")
       return write(points, base.out_dir)
-    horizons = [int(h) for h in own["horizons"].value]
+    try:
+      horizons = [int(h) for h in own["horizons"].value]
+    except ValueError:
+      given = ",".join(own["horizons"].value)
+      raise ConfigError(f"--horizons={given}: give step counts, e.g. 300,900.") from None
     setup_devices(cli.config_from_flags(launch_flags, LaunchConfig), base.devices)
     grid = frontier.parse_grid_flag(own["grid"].value)
     print(f"[ladder] {len(names)} methods: {', '.join(names)}", file=sys.stderr, flush=True)
