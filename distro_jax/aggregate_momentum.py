@@ -57,7 +57,9 @@ def scale_by_muon_momentum(decay: float = 0.95) -> optax.GradientTransformation:
   """
 
   def init_fn(params: Any) -> MuonMomentumState:
-    mu = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    # zeros_like keeps each param's sharding (an explicit mesh would refuse to
+    # mix a replicated buffer with a sharded update).
+    mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
     return MuonMomentumState(count=jnp.zeros([], jnp.int32), mu=mu)
 
   def update_fn(updates: Any, state: MuonMomentumState, params: Any = None) -> tuple:
