@@ -64,7 +64,9 @@ def _name(rung: str, rule: str) -> str:
   return "-".join(p for p in ("demo", rung, rule) if p)
 
 
-def ladder_methods(rungs: Sequence[str] | None = None, rules: Sequence[str] | None = None):
+def ladder_methods(
+  rungs: Sequence[str] | None = None, rules: Sequence[str] | None = None
+) -> list[str]:
   """Registry names of the ladder: the dense references, then every (rung, rule).
 
   Args:
