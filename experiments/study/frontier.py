@@ -68,7 +68,9 @@ __all__ = [
   "best_points",
   "grid_points",
   "parse_grid_flag",
+  "parse_horizons_flag",
   "plan_cost",
+  "ratio_text",
   "results",
   "run_frontier",
   "step_seconds",
@@ -476,7 +478,8 @@ def _paired_std(p: Point, reference: Point | None) -> float | None:
   return float(np.std(paired, ddof=1))
 
 
-def _ratio(x: float) -> str:
+def ratio_text(x: float) -> str:
+  """A bytes ratio as the tables print it: ``1,015x``, or ``0.42x`` below 10."""
   return f"{x:,.0f}x" if x >= 10 else f"{x:.2f}x"
 
 
@@ -509,7 +512,7 @@ def markdown(points: Sequence[Point]) -> str:
     lines.append(
       f"| {r['horizon']} | {r['method']}{' (dense)' if r['dense'] else ''} | {val} | {seeds} "
       f"| {_pct(r['val_gap_vs_adamw'])} | {dense_gap} | {epochs} "
-      f"| {r['payload_bytes_per_step']:,.0f} | {_ratio(r['ratio_vs_bf16_grad'])} "
+      f"| {r['payload_bytes_per_step']:,.0f} | {ratio_text(r['ratio_vs_bf16_grad'])} "
       f"| {json.dumps(r['settings'])} |"
     )
   lines += [
@@ -685,6 +688,14 @@ def _plot(points: Sequence[Point], out_dir: str, link_mbit: float) -> None:
   plt.close(fig)
 
 
+def parse_horizons_flag(values: Sequence[str]) -> list[int]:
+  """``--horizons``' values as step counts; anything else is a ConfigError naming the flag."""
+  try:
+    return [int(h) for h in values]
+  except ValueError:
+    raise ConfigError(f"--horizons={','.join(values)}: give step counts, e.g. 300,1000.") from None
+
+
 def parse_grid_flag(text: str) -> dict[str, tuple[Any, ...]] | None:
   """``--grid``'s text as each field's values (``None`` for no text); see ``sweep.parse_grid``."""
   if not text:
@@ -720,11 +731,7 @@ def _main(
         )
       _write(points, base.out_dir, own["link_mbit"].value)
       return points
-    try:
-      horizons = [int(h) for h in own["horizons"].value]
-    except ValueError:
-      given = ",".join(own["horizons"].value)
-      raise ConfigError(f"--horizons={given}: give step counts, e.g. 300,1000.") from None
+    horizons = parse_horizons_flag(own["horizons"].value)
     setup_devices(cli.config_from_flags(launch_flags, LaunchConfig), base.devices)
     return run_frontier(
       base,

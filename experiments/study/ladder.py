@@ -105,16 +105,13 @@ def ladder_table(points: Sequence[frontier.Point], horizon: int) -> str:
       continue
     some = next(c for c in cells if c)
     cell = lambda r: f"{r['val_loss']:.4f} {_gap(r)} ({_settings(r)})" if r else ""
+    ratio = frontier.ratio_text(some["ratio_vs_bf16_grad"])
     lines.append(
-      f"| {label} | {some['payload_bytes_per_step']:,.0f} | {_ratio(some['ratio_vs_bf16_grad'])} | "
+      f"| {label} | {some['payload_bytes_per_step']:,.0f} | {ratio} | "
       + " | ".join(map(cell, cells))
       + " |"
     )
   return "\n".join(lines) + "\n"
-
-
-def _ratio(x: float) -> str:
-  return f"{x:,.0f}x" if x >= 10 else f"{x:.2f}x"
 
 
 def _gap(row: Mapping[str, Any]) -> str:
@@ -174,14 +171,13 @@ def _main(train_flags, launch_flags, own, argv: Sequence[str]) -> None:
     names = ladder_methods(own["rungs"].value, own["rules"].value)
     if own["draw_only"].value:
       points = [p for p in frontier.read_runs(base.out_dir) if p.method in names]
+      if own["horizons"].present:  # else the longest horizon any ladder method ran
+        kept = frontier.parse_horizons_flag(own["horizons"].value)
+        points = [p for p in points if p.horizon in kept]
       if not points:
         raise ConfigError(f"--draw_only: no finished ladder run under --out_dir={base.out_dir}.")
       return write(points, base.out_dir)
-    try:
-      horizons = [int(h) for h in own["horizons"].value]
-    except ValueError:
-      given = ",".join(own["horizons"].value)
-      raise ConfigError(f"--horizons={given}: give step counts, e.g. 300,900.") from None
+    horizons = frontier.parse_horizons_flag(own["horizons"].value)
     setup_devices(cli.config_from_flags(launch_flags, LaunchConfig), base.devices)
     grid = frontier.parse_grid_flag(own["grid"].value)
     print(f"[ladder] {len(names)} methods: {', '.join(names)}", file=sys.stderr, flush=True)
@@ -207,7 +203,10 @@ def main(argv: Sequence[str] | None = None) -> None:
       "rules", [], f"Step rules to run, of {', '.join(k for k, _ in RULES)} (default: all)."
     ),
     "draw_only": flags.DEFINE_bool(
-      "draw_only", False, "Train nothing: draw the ladder from the finished runs under --out_dir."
+      "draw_only",
+      False,
+      "Train nothing: draw the ladder from the finished runs under --out_dir, at the longest "
+      "of the --horizons given (default: of every horizon found).",
     ),
   }
   app.run(functools.partial(_main, train_flags, launch_flags, own), argv=argv)
