@@ -13,6 +13,7 @@ COMMANDS = [
   "experiments.frontier",
   "experiments.sweep",
   "experiments.netlab",
+  "experiments.netlab.floor",
   "experiments.bench_update",
   "experiments.memory_report",
   "experiments.index_cost",
@@ -21,6 +22,8 @@ COMMANDS = [
   "experiments.english_corpus",
   "experiments.fetch_corpus",
   "experiments.gpu_bench",
+  "experiments.ladder",
+  "experiments.time_to_loss",
 ]
 # A flag each command must list in its help; bench_update's are its own to choose.
 _HELP = {
@@ -29,10 +32,13 @@ _HELP = {
   "experiments.frontier": "--horizons",
   "experiments.sweep": "--grid",
   "experiments.netlab": "--processes",
+  "experiments.netlab.floor": "--rate_mbit",
   "experiments.bench_update": "--",
   "experiments.memory_report": "--fsdp",
   "experiments.index_cost": "--topks",
   "experiments.fetch_corpus": "--from_dir",
+  "experiments.ladder": "--rungs",
+  "experiments.time_to_loss": "--cache",
 }
 
 

@@ -47,7 +47,7 @@ def test_an_all_gather_over_w_processes_is_w_minus_1_hops(workers):
   hops = round_trips.hops_of(found, workers)
   assert len(hops) == workers - 1
   # Every process forwards its 400 B (one segment) in each hop.
-  assert hops[0] == Hop(segments=workers, flights=1)
+  assert hops[0] == Hop(segments=workers, flights=1, senders=workers)
   assert time_model.round_trips(hops) == (workers - 1) / 2
 
 
@@ -141,7 +141,7 @@ def test_a_larger_message_needs_more_slow_start_windows():
   step = round_trips.demo_step(454, as_recorded=True).with_message(22_567)
   message = round_trips.hops_of(step.collectives[0], 4)
   # 16 segments from a 10-segment window: two windows, so a round trip more per hop.
-  assert message == [Hop(segments=64, flights=2)] * 3
+  assert message == [Hop(segments=64, flights=2, senders=4)] * 3
   assert step.round_trips == 9 + 3
   assert round_trips.demo_step(22_567).round_trips == 1.5 + 3
 
@@ -220,10 +220,21 @@ def test_the_latency_term_arithmetic():
   far = Link("far", 10e6, 10e6, rtt_s=0.1, loss=0.01)
   # A lone segment: a one-way trip, and 1% of a 0.3 s retransmission timeout.
   assert time_model.hop_seconds(Hop(), far) == pytest.approx(0.05 + 0.01 * 0.3)
-  # 64 segments in flight: any lost delays the hop; a second window, a round trip.
-  late = 1 - 0.99**64
+  # 64 segments in flight from one sender: a loss among its last 3 waits for
+  # the timeout, one among the other 61 is resent a round trip late; a second
+  # window costs a round trip.
+  tail, body = 1 - 0.99**3, 1 - 0.99**61
   assert time_model.hop_seconds(Hop(segments=64, flights=2), far) == pytest.approx(
-    0.05 + 0.1 + late * 0.3
+    0.05 + 0.1 + tail * 0.3 + (1 - tail) * body * 0.1
+  )
+  # Four senders of 16 each: 12 segments are some sender's last three.
+  tail, body = 1 - 0.99**12, 1 - 0.99**52
+  assert time_model.hop_seconds(Hop(segments=64, flights=2, senders=4), far) == pytest.approx(
+    0.05 + 0.1 + tail * 0.3 + (1 - tail) * body * 0.1
+  )
+  # Small messages are all tail: every segment of four one-segment senders.
+  assert time_model.hop_seconds(Hop(segments=4, senders=4), far) == pytest.approx(
+    0.05 + (1 - 0.99**4) * 0.3
   )
   lossless = dataclasses.replace(far, loss=0.0)
   assert time_model.latency_seconds([Hop()] * 18, lossless) == pytest.approx(0.9)
@@ -239,8 +250,11 @@ def test_the_latency_term_arithmetic():
 
 def test_a_burst_passes_at_line_rate():
   bucket = Link("tbf", 8e6, 8e6, burst_bytes=1e5)  # 1 MB/s past 100 KB
-  assert time_model.step_seconds(0.0, 5e4, 5e4, bucket) == 0.0
-  assert time_model.step_seconds(0.0, 1.1e6, 1.1e6, bucket) == pytest.approx(1.0)
+  assert time_model.step_seconds(0.5, 5e4, 5e4, bucket) == 0.5
+  assert time_model.step_seconds(0.5, 1.1e6, 1.1e6, bucket) == pytest.approx(1.5)
+  # At 10 KB/s a second of compute refills 10 KB of the bucket, not 100 KB.
+  slow = Link("tbf", 8e4, 8e4, burst_bytes=1e5)
+  assert time_model.step_seconds(1.0, 5e4, 5e4, slow) == pytest.approx(1.0 + 4.0)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,9 @@ job each:
 - :mod:`experiments.netlab.drivers`: the drivers waited on, a failure told
   from a restart, stopped.
 - :mod:`experiments.netlab.interrupt`: the kill drill (``--kill_step``).
+- :mod:`experiments.netlab.floor`: the bandwidth floor (``python -m
+  experiments.netlab.floor``): every method clean, then at each rate of a
+  sweep at one delay and loss, each cell cached; ``floor.md``, ``.json``, ``.png``.
 - :mod:`experiments.netlab.report`: step times, bytes on the links, the time
   to a target loss; ``netlab.md``, ``netlab.json`` and ``netlab_loss.png``.
 

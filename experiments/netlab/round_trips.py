@@ -265,7 +265,9 @@ def hops_of(collective: Collective, workers: int) -> list[Hop]:
   else:
     senders, chunk = workers, collective.operand_bytes
   one = Hop(
-    segments=senders * _segments(chunk), flights=time_model.slow_start_flights(_segments(chunk))
+    segments=senders * _segments(chunk),
+    flights=time_model.slow_start_flights(_segments(chunk)),
+    senders=senders,
   )
   return [one] * (per_operand * collective.operands)
 
@@ -555,8 +557,10 @@ def _netlab_link(rate_mbit: float, rtt_s: float = 0.0, loss: float = 0.0) -> Lin
   )
 
 
-def _demo_cell(label, link, workers, message, compute, measured, source, overlapped=False):
-  step = demo_step(message, workers, overlapped=overlapped, as_recorded=True)
+def _demo_cell(
+  label, link, workers, message, compute, measured, source, overlapped=False, as_recorded=True
+):
+  step = demo_step(message, workers, overlapped=overlapped, as_recorded=as_recorded)
   return MeasuredCell(
     label,
     link,
@@ -590,6 +594,8 @@ def recorded_cells() -> list[MeasuredCell]:
   mixed = "netlab.md, Heterogeneous links (69716fe; the 10 Mbit/s link bounds)"
   tiny = "netlab.md, Its tests (275af82)"
   overlapped = "overlapped.md, Does it overlap (8c7f229)"
+  cut = "netlab.md, Far links after the cut (40 steps)"
+  floor = "netlab.md, The bandwidth floor (20 steps a cell)"
   return [
     _demo_cell("mini, Psyche's message, far", far, 4, 22_567, 0.915, 2.407, faults),
     _demo_cell("mini, 1.8 KB message, plain, far", far, 4, 1_811, 2.547, 3.631, issue),
@@ -605,6 +611,43 @@ def recorded_cells() -> list[MeasuredCell]:
     _demo_cell("tiny, 2 processes, demo-k32", ten, 2, 6_728, 0.026, 0.026, tiny),
     _demo_cell("mini, demo-k32, plain", ten, 4, 320_784, 0.621, 1.413, overlapped),
     _demo_cell("mini, demo-k32, overlapped", ten, 4, 320_784, 0.673, 0.998, overlapped, True),
+    # After the cut to the message's all-gather: the lab's unshaped run is the compute.
+    _demo_cell(
+      "mini, the 1,020x message (14.3 KB), plain, far, after",
+      far,
+      4,
+      14_263,
+      1.552,
+      1.968,
+      cut,
+      False,
+      False,
+    ),
+    _demo_cell(
+      "mini, the 1,020x message (14.3 KB), overlapped, far, after",
+      far,
+      4,
+      14_263,
+      2.942,
+      2.880,
+      cut,
+      True,
+      False,
+    ),
+    *(
+      _demo_cell(
+        f"mini, the 1,020x message, plain, {rate:g} Mbit/s far, floor",
+        _netlab_link(rate, rtt_s=0.100, loss=0.01),
+        4,
+        14_263,
+        1.615,
+        measured,
+        floor,
+        False,
+        False,
+      )
+      for rate, measured in ((10, 1.879), (1, 1.937), (0.5, 1.911), (0.1, 3.901))
+    ),
   ]
 
 

@@ -52,6 +52,7 @@ from experiments.run import checks
 
 __all__ = [
   "DEFAULT_LINKS",
+  "DUPACK_THRESHOLD",
   "INITIAL_WINDOW_SEGMENTS",
   "MSS_BYTES",
   "REPORT",
@@ -87,6 +88,8 @@ INITIAL_WINDOW_SEGMENTS = 10
 # duplicate ACKs behind it to trigger a fast retransmit, so it waits for a
 # timer of about this length (the timeout, or a tail-loss probe near it).
 RTO_FLOOR_S = 0.2
+# Duplicate ACKs that make TCP resend a segment without waiting for a timeout.
+DUPACK_THRESHOLD = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,10 +205,14 @@ class Hop:
     flights: congestion windows the largest sender's chunk takes
       (:func:`slow_start_flights`); each one past the first waits a round trip
       for the ACKs that open the next.
+    senders: how many processes send in the hop, each its share of
+      ``segments``: a loss among a sender's last :data:`DUPACK_THRESHOLD`
+      segments waits for a timeout, one before them only a round trip.
   """
 
   segments: int = 1
   flights: int = 1
+  senders: int = 1
 
 
 def slow_start_flights(segments: int, initial_window: int = INITIAL_WINDOW_SEGMENTS) -> int:
@@ -231,8 +238,12 @@ def hop_seconds(hop: Hop, link: Link) -> float:
 
   ``rtt / 2`` (gloo sends a ring step's chunk as soon as it has it, with no
   handshake, so a step waits one one-way trip), plus a round trip per extra
-  slow-start window, plus, with probability ``1 - (1 - loss) ** segments``,
-  a retransmission timeout.
+  slow-start window, plus what a loss costs. A lost segment with fewer than
+  :data:`DUPACK_THRESHOLD` segments behind it from its sender (every segment
+  of a small message) waits for a retransmission timeout; one with more is
+  resent on their duplicate ACKs, a round trip late (TCP's fast retransmit).
+  So with ``tail`` such last segments and ``body`` the rest, the loss term is
+  ``P(tail lost) * timeout + P(tail whole) * P(body lost) * rtt``.
 
   Example:
     >>> link = Link("far", 10e6, 10e6, rtt_s=0.1, loss=0.01)
@@ -241,10 +252,13 @@ def hop_seconds(hop: Hop, link: Link) -> float:
   """
   if link.rtt_s == 0 and link.loss == 0:
     return 0.0
-  late = 1.0 - (1.0 - link.loss) ** hop.segments
-  return (
-    link.rtt_s / 2 + (hop.flights - 1) * link.rtt_s + late * retransmission_timeout_s(link.rtt_s)
-  )
+  per_sender = math.ceil(hop.segments / max(1, hop.senders))
+  tail = min(hop.segments, max(1, hop.senders) * min(DUPACK_THRESHOLD, per_sender))
+  tail_late = 1.0 - (1.0 - link.loss) ** tail
+  body_late = 1.0 - (1.0 - link.loss) ** (hop.segments - tail)
+  recovery = tail_late * retransmission_timeout_s(link.rtt_s)
+  recovery += (1.0 - tail_late) * body_late * link.rtt_s
+  return link.rtt_s / 2 + (hop.flights - 1) * link.rtt_s + recovery
 
 
 def round_trips(hops: Sequence[Hop]) -> float:
@@ -285,14 +299,20 @@ def step_seconds(
   Returns:
     ``max(compute, f * transfer + hidden latency) + (1 - f) * transfer +
     latency`` seconds, with ``transfer = max(up / up_rate, down / down_rate)``
-    (the bytes past ``link.burst_bytes``) and the latencies of
+    (the bytes past ``link.burst_bytes``, or past what the link's rate
+    refills during the compute when that is less) and the latencies of
     :func:`latency_seconds`. On a link without latency (``rtt_s`` and
     ``loss`` 0) this is the model without latency, to the bit.
   """
   if not 0.0 <= overlapped_share <= 1.0:
     raise ValueError(f"overlapped_share must be in [0, 1], got {overlapped_share}.")
-  up_bytes = max(0.0, up_bytes - link.burst_bytes) if link.burst_bytes else up_bytes
-  down_bytes = max(0.0, down_bytes - link.burst_bytes) if link.burst_bytes else down_bytes
+  if link.burst_bytes:
+    # The bucket refills only while the link is idle, during the compute: on a
+    # slow link a step's burst is what the compute's seconds refill.
+    up_bytes = max(0.0, up_bytes - min(link.burst_bytes, link.up_bits_per_s / 8 * compute_seconds))
+    down_bytes = max(
+      0.0, down_bytes - min(link.burst_bytes, link.down_bits_per_s / 8 * compute_seconds)
+    )
   transfer = max(up_bytes * 8 / link.up_bits_per_s, down_bytes * 8 / link.down_bits_per_s)
   hidden = overlapped_share * transfer
   exposed_latency = latency_seconds(hops, link)
@@ -352,7 +372,7 @@ def predicted_vs_measured(cells: Sequence[MeasuredCell]) -> list[dict[str, Any]]
       c.compute_s, up, down, c.link, c.overlapped_share, hops=c.hops, hidden_hops=c.hidden_hops
     )
     no_latency = dataclasses.replace(c.link, rtt_s=0.0, loss=0.0)
-    transfer = step_seconds(0.0, up, down, no_latency, 0.0)
+    transfer = step_seconds(c.compute_s, up, down, no_latency, 0.0) - c.compute_s
     rows.append(
       {
         "label": c.label,
