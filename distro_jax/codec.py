@@ -68,7 +68,6 @@ __all__ = [
   "scatter_blocks",
   "select_topk_blocks",
   "select_topk_many",
-  "shared_row_key",
   "unsharded",
   "worker_order",
   "zero_selected_blocks",
@@ -621,10 +620,6 @@ def message_valid(message: jax.Array, layout: WireLayout) -> jax.Array:
 
 # Any fixed value works: every worker folds the same one.
 _POSITIONS_SEED = 0x5EED
-# The root of the row frequencies every worker shares; a root of its own, so
-# that no worker's key (position_key's chain of step, tensor and worker) can
-# equal one.
-_SHARED_ROWS_SEED = 0x5EED + 1
 
 
 def position_key(
@@ -655,23 +650,6 @@ def position_key(
   if shard is not None:
     key = jax.random.fold_in(key, shard)
   return jax.random.fold_in(key, worker)
-
-
-def shared_row_key(step: jax.Array | int, tensor: int) -> jax.Array:
-  """The key of the row frequencies that every worker shares for one tensor at one step.
-
-  With ``random_positions="shared_rows"`` each block-row's row frequency is
-  drawn from it, the same for every sender; see :func:`position_key`.
-
-  Args:
-    step: the transformation's step count.
-    tensor: the tensor's index in the flattened tree.
-
-  Returns:
-    A ``jax.random`` key.
-  """
-  root = jax.random.key(_SHARED_ROWS_SEED, impl="threefry2x32")
-  return jax.random.fold_in(jax.random.fold_in(root, step), tensor)
 
 
 def draw_positions(

@@ -7,9 +7,9 @@ and zero what was selected (error feedback, so what is sent leaves the
 momentum at full precision).
 
 A fused kernel is another implementation of this stage: :func:`_fused`
-is the one place that asks whether one serves a tensor
-(:func:`distro_jax.kernels.for_compress`: :mod:`distro_jax.cpu_kernels` on a
-CPU, :mod:`distro_jax.pallas_kernels` on a GPU, each folding, transforming and
+is the one place that asks whether one serves a tensor (the ``serves`` of
+:mod:`distro_jax.cpu_kernels`, then of :mod:`distro_jax.pallas_kernels`:
+the CPU's on a CPU, the Pallas ones on a GPU, each folding, transforming and
 taking the top-k or the drawn positions in one pass), and every tensor none
 serves takes XLA's path.
 """
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from distro_jax import codec, dct, kernels
+from distro_jax import codec, cpu_kernels, dct, pallas_kernels
 from distro_jax.message import Drawn, MessageFormat, Selection
 
 __all__ = ["Compressed", "compress", "fold_in"]
@@ -64,11 +64,11 @@ def _fused(
   drawn = isinstance(fmt.positions, Drawn)
   if fmt.basis is not dct.DCT_BASIS:
     return None
-  fused = kernels.for_compress(plan, g_blocks, m_blocks, k=k, drawn=drawn)
-  if fused is None:
-    return None
-  at = fmt.positions.draw(tensor, fmt.positions.worker) if drawn else None
-  return fused.compress(g_blocks, m_blocks, decay, lr, k, positions=at)
+  for fused in (cpu_kernels, pallas_kernels):
+    if fused.serves(plan, g_blocks, m_blocks, k=k, drawn=drawn):
+      at = fmt.positions.draw(tensor, fmt.positions.worker) if drawn else None
+      return fused.compress(g_blocks, m_blocks, decay, lr, k, positions=at)
+  return None
 
 
 def compress(

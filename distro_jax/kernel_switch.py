@@ -1,10 +1,15 @@
 """What the CPU's and the GPU's fused kernels share: their off switch, and which tensors they take.
 
-Each set of kernels (:mod:`distro_jax.cpu_kernels`,
-:mod:`distro_jax.pallas_kernels`) is turned off by an environment variable
-or, for the traces of one thread, by a ``disabled()`` block; and each takes a
+A set of kernels is another implementation of DeMo's compress and decode
+stages, with the stages' inputs and outputs: :mod:`distro_jax.cpu_kernels`,
+taken on a CPU backend, and :mod:`distro_jax.pallas_kernels`, on a GPU. Each
+stage's ``_fused`` (:mod:`distro_jax.compress`, :mod:`distro_jax.decode`)
+asks the CPU's ``serves``, then the Pallas one's, and takes XLA's path where
+neither serves the tensor. Each set is turned off by an environment variable
+(``DISTRO_JAX_CPU_KERNELS=0``, ``DISTRO_JAX_PALLAS=0``) or, for the traces
+of one thread, by a ``disabled()`` block (:class:`Switch`); and each takes a
 tensor only in float32 block views of square chunks it has kernels for, not
-placed on a mesh by the compiler.
+placed on a mesh by the compiler (:func:`fits`).
 """
 
 import contextlib

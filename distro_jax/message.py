@@ -119,9 +119,6 @@ class Drawn(NamedTuple):
     ks: positions per chunk, per tensor.
     bias: the draw's preference for low frequencies (0: uniform).
     native: per tensor, whether the CPU kernel draws its positions.
-    shared_rows: whether a step's row frequency is drawn once per block-row
-      for every worker (``random_positions="shared_rows"``), each chunk's
-      column frequencies still its own worker's.
   """
 
   step: jax.Array
@@ -131,23 +128,12 @@ class Drawn(NamedTuple):
   ks: tuple[int, ...]
   bias: float
   native: tuple[bool, ...]
-  shared_rows: bool = False
 
   def draw(self, tensor: int, worker: jax.Array | int) -> jax.Array:
     """Worker ``worker``'s positions in tensor ``tensor``, ``(*lead, A, B, k)``."""
     key = codec.position_key(self.step, tensor, worker, self.shards[tensor])
     fn = cpu_kernels.draw_positions if self.native[tensor] else codec.draw_positions
-    if not self.shared_rows:
-      return fn(key, self.block_shapes[tensor], self.ks[tensor], self.bias)
-    *lead, a, c1, b, c2 = self.block_shapes[tensor]
-    # Two draws of the same kind, each along one axis of the chunk: the row
-    # frequency from a key that no worker's index enters, the columns from
-    # the worker's. Weights (1 + i)^-bias times (1 + j)^-bias are the
-    # per-chunk draw's, so each chunk's position keeps its distribution.
-    row_key = codec.shared_row_key(self.step, tensor)
-    rows = fn(row_key, (*lead, a, 1, 1, c1), 1, self.bias)
-    cols = fn(key, (*lead, a, 1, b, c2), self.ks[tensor], self.bias)
-    return rows * c2 + cols
+    return fn(key, self.block_shapes[tensor], self.ks[tensor], self.bias)
 
   def select(self, blocks: list[jax.Array], tensors: Sequence[int]) -> list[tuple[Any, Any]]:
     """This worker's drawn positions and the values there, for the tensors numbered ``tensors``."""
@@ -181,7 +167,6 @@ def drawn(
   block_shapes: Sequence[tuple[int, ...]],
   ks: Sequence[int],
   bias: float,
-  shared_rows: bool = False,
 ) -> Drawn:
   """This worker's :class:`Drawn` positions at ``step``, from where its gradients lie.
 
@@ -194,9 +179,6 @@ def drawn(
     block_shapes: per tensor, its block view.
     ks: positions per chunk, per tensor.
     bias: the draw's preference for low frequencies (0: uniform).
-    shared_rows: draw each block-row's row frequency once for every worker
-      (see :class:`Drawn`); each tensor's ``k`` must then be at most its
-      chunk's column length.
 
   Returns:
     A :class:`Drawn`.
@@ -216,31 +198,7 @@ def drawn(
     shards.append(jax.lax.axis_index(axes) if axes else None)
   worker = 0 if axis_name is None else jax.lax.axis_index(axis_name)
   native = tuple(cpu_kernels.serves_draw(s, g) for s, g in zip(block_shapes, grads))
-  if shared_rows:
-    _check_shared_rows(site_axes, block_shapes, ks)
-  return Drawn(
-    step, worker, tuple(shards), tuple(block_shapes), tuple(ks), bias, native, bool(shared_rows)
-  )
-
-
-def _check_shared_rows(
-  site_axes: Sequence[Hashable], block_shapes: Sequence[tuple[int, ...]], ks: Sequence[int]
-) -> None:
-  if site_axes:
-    raise ValueError(
-      'random_positions="shared_rows" draws one row frequency per block-row for the '
-      f"whole matrix, but the gradients are split over the mesh axes {tuple(site_axes)} "
-      "(FSDP within a worker), whose shards would draw their own. Keep the params whole "
-      "on each worker's devices, or use random_positions=True."
-    )
-  for shape, k in zip(block_shapes, ks):
-    if k > shape[-1]:
-      raise ValueError(
-        f'random_positions="shared_rows" draws a chunk\'s {k} positions from one row of '
-        f"its {shape[-3]}x{shape[-1]} coefficients, which has only {shape[-1]}. Use "
-        f"compression_topk <= {shape[-1]} (1 is the drawn message's), or "
-        "random_positions=True."
-      )
+  return Drawn(step, worker, tuple(shards), tuple(block_shapes), tuple(ks), bias, native)
 
 
 class MessageFormat(NamedTuple):

@@ -166,26 +166,8 @@ def normalize_modes(normalize: Any, params: Any) -> list[str]:
   return treedef.flatten_up_to(per_leaf)
 
 
-def orthogonalizes(mode: Any, shape: tuple[int, ...]) -> bool:
-  """Whether ``mode`` orthogonalizes a tensor of ``shape`` whole, or each of its layers.
-
-  ``"orth"`` does a matrix, and ``PerLayer("orth")`` each layer of a stack
-  of matrices (a layer of one row or one column is a vector, at unit RMS). A
-  :class:`Split` mode is not counted: its matrix is whole only once gathered.
-  """
-  if mode == "orth":
-    return len(shape) == 2
-  if isinstance(mode, PerLayer) and mode.mode == "orth":
-    layer = shape[mode.axes :]
-    return len(layer) == 2 and min(layer) > 1
-  return False
-
-
 def normalized_step(
-  q: jax.Array,
-  mode: str | PerLayer,
-  sharded_over: Iterable[Hashable] = (),
-  orthogonalized: bool = False,
+  q: jax.Array, mode: str | PerLayer, sharded_over: Iterable[Hashable] = ()
 ) -> jax.Array:
   """The step along ``q`` that ``mode`` gives, in ``q``'s dtype.
 
@@ -197,8 +179,6 @@ def normalized_step(
       (a vector, a scalar) to unit RMS.
     sharded_over: the mesh axes whose devices hold the other blocks of ``q``
       (ignored for a :class:`Split` mode, which names its own).
-    orthogonalized: ``q`` is orthogonalized already where ``mode`` would do
-      it (:func:`orthogonalizes`), so only the unit RMS is left.
 
   Returns:
     An array like ``q``.
@@ -206,12 +186,10 @@ def normalized_step(
   if isinstance(mode, Split):
     return _split_step(q, mode)
   if isinstance(mode, PerLayer):
-    if orthogonalized and orthogonalizes(mode, q.shape):
-      mode = PerLayer("rms", mode.axes)
     return _per_layer_step(q, mode, tuple(sharded_over))
   if mode == "sign":
     return jnp.sign(q)
-  if orthogonalizes(mode, q.shape) and not orthogonalized:
+  if mode == "orth" and q.ndim == 2:
     sharded_over = tuple(sharded_over)
     if sharded_over:
       raise ValueError(
@@ -240,7 +218,8 @@ def _per_layer_step(q: jax.Array, mode: PerLayer, sharded_over: tuple[Hashable, 
       "stacked params whole on each worker's devices, or use normalize='sign'."
     )
   layer_shape = q.shape[mode.axes :]
-  per_layer = "orth" if orthogonalizes(mode, q.shape) else "rms"
+  matrix = mode.mode == "orth" and len(layer_shape) == 2 and min(layer_shape) > 1
+  per_layer = "orth" if matrix else "rms"
   layers = q.reshape(-1, *layer_shape)
   return jax.vmap(lambda x: normalized_step(x, per_layer))(layers).reshape(q.shape)
 
@@ -311,7 +290,7 @@ def scale_to_unit_rms(axis_name: Hashable | None = None) -> optax.GradientTransf
 
 
 def scale_by_normalize(
-  normalize: Any, axis_name: Hashable | None = None, orthogonalized: bool = False
+  normalize: Any, axis_name: Hashable | None = None
 ) -> optax.GradientTransformation:
   """Turns each tensor of the updates into a step as ``normalize`` says.
 
@@ -320,9 +299,6 @@ def scale_by_normalize(
       :data:`NORMALIZE`, a tree of them like the params (or a prefix of it),
       or a function of the params that returns one.
     axis_name: the workers' axis, as for :func:`scale_to_unit_rms`.
-    orthogonalized: the updates arrive orthogonalized where ``normalize``
-      would do it (the decode of ``random_positions="shared_rows"`` does
-      it on a smaller matrix), so those are only scaled to unit RMS.
 
   Returns:
     An ``optax.GradientTransformation`` with no state.
@@ -334,7 +310,7 @@ def scale_by_normalize(
     leaves, treedef = jax.tree.flatten(updates)
     modes = normalize_modes(normalize, updates)
     steps = [
-      normalized_step(u, mode, exchange.varying_axes(u) - {axis_name}, orthogonalized)
+      normalized_step(u, mode, exchange.varying_axes(u) - {axis_name})
       for u, mode in zip(leaves, modes)
     ]
     return treedef.unflatten(steps), state

@@ -53,8 +53,8 @@ def test_methods_are_chosen_by_name_with_the_baseline_always_in():
 
 
 def test_bench_update_times_any_method_compare_takes_and_refuses_others():
-  rows = bench_update._registry_rows(["demo-k1-c16-1bit-rand-rows-fb1-orth"], {})
-  assert list(rows) == ["demo-k1-c16-1bit-rand-rows-fb1-orth"]
+  rows = bench_update._registry_rows(["demo-k1-c16-1bit-rand-fb1"], {})
+  assert list(rows) == ["demo-k1-c16-1bit-rand-fb1"]
   with pytest.raises(ValueError, match="(?s)Unknown method .demo-k1-nonsense.*as compare takes it"):
     bench_update._registry_rows(["demo-k1-nonsense"], {})
 

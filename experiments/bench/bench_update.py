@@ -12,8 +12,7 @@ values; every method ``compare`` runs by default (``adamw``, ``muon``,
 ``demo``, ``demo-k8-1bit``, ``demo-k2-1bit``, the recommended
 ``demo-k1-c8-1bit-rand-fb1-orth``, ``diloco``, ``sparseloco``), built by the
 method registry as ``compare`` builds them (their recipes for ``small``,
-clipping included), and the recommended message with the sign step and
-with shared rows (``demo-k1-c8-1bit-rand-rows-fb1-orth``). DiLoCo
+clipping included), and the recommended message with the sign step. DiLoCo
 and SparseLoCo step locally between exchanges: their row is a local step, a
 second row times the same method synchronizing at every step, and a third is
 the per-step cost over a round of H steps, ``((H - 1) local + 1
@@ -112,9 +111,6 @@ K8_NAME = "dj.demo (top-k 8, 1-bit)"
 # shows what the orthogonalization costs.
 ORTH_NAME = "demo-k1-c8-1bit-rand-fb1-orth"
 DRAWN_NAME = "demo-k1-c8-1bit-rand-fb1"
-# The same message with each block-row's row frequency shared by the workers,
-# whose orthogonalization runs on matrices 8 times shorter.
-ROWS_ORTH_NAME = "demo-k1-c8-1bit-rand-rows-fb1-orth"
 # What a row of a method with local steps names: its synchronizing step.
 SYNC_STEP = "{} (synchronizing step)"
 
@@ -143,7 +139,7 @@ def compare_update(name: str) -> tuple[optax.GradientTransformation, int]:
 def _compare_names() -> tuple[str, ...]:
   from experiments.run.methods import DEFAULT_COMPARISON
 
-  return (*DEFAULT_COMPARISON, DRAWN_NAME, ROWS_ORTH_NAME)
+  return (*DEFAULT_COMPARISON, DRAWN_NAME)
 
 
 def methods(learning_rate: float = 1e-3) -> dict[str, optax.GradientTransformation]:
@@ -151,8 +147,7 @@ def methods(learning_rate: float = 1e-3) -> dict[str, optax.GradientTransformati
 
   DeMo's defaults and Psyche's top-k 8 with 1-bit values as ``dj.demo`` builds
   them; then every method ``compare`` runs by default, as it builds them
-  (:func:`compare_update`), and the recommended drawn message with the sign
-  and with shared rows.
+  (:func:`compare_update`), and the recommended drawn message with the sign.
   A method with local steps (DiLoCo, SparseLoCo) has a second row: the same
   method synchronizing at every step, whose time is that of its 1-in-H
   synchronizing step (:func:`local_steps`).

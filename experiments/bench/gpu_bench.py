@@ -67,7 +67,6 @@ METHOD_KEYS = {
   "k8-1bit": bench_update.K8_NAME,
   "drawn": bench_update.DRAWN_NAME,
   "drawn-orth": bench_update.ORTH_NAME,
-  "drawn-rows-orth": bench_update.ROWS_ORTH_NAME,
   # The rest of compare's default methods, by their own names.
   **{
     name: name

@@ -46,7 +46,6 @@ _ADDED_LATER = {
   "synchronous_params": "",
   "sparseloco_chunk": 64,
   "random_positions": False,
-  "shared_rows": False,
   "frequency_bias": 0.0,
   "normalize": "sign",
   "compression_groups": "",
