@@ -13,7 +13,6 @@ from distro_jax import (
   exchange,
   gspmd,
   hlo_bytes,
-  kernels,
   pallas_kernels,
   wire,
 )
@@ -52,8 +51,9 @@ from distro_jax.hlo_bytes import (
   parse_collective_bytes,
 )
 from distro_jax.lookahead import gradient_point, lookahead_update
-from distro_jax.orthogonal import orthogonalize, orthogonalize_shared_rows
+from distro_jax.orthogonal import orthogonalize
 from distro_jax.overlap import gather_pending
+from distro_jax.shared_estimate import EstimateState, track_shared_estimate
 from distro_jax.sparseloco import (
   SparseLocoBytes,
   SparseLocoState,
@@ -76,7 +76,6 @@ __all__ = [
   "exchange",
   "gspmd",
   "hlo_bytes",
-  "kernels",
   "pallas_kernels",
   "wire",
   "CollectiveBytes",
@@ -86,6 +85,7 @@ __all__ = [
   "DilocoState",
   "FsdpPlan",
   "MuonMomentumState",
+  "EstimateState",
   "PerLayer",
   "PerWorker",
   "SparseLocoBytes",
@@ -113,7 +113,6 @@ __all__ = [
   "local_value_and_grad",
   "lookahead_update",
   "orthogonalize",
-  "orthogonalize_shared_rows",
   "parse_collective_bytes",
   "per_worker",
   "plan_fsdp",
@@ -123,6 +122,7 @@ __all__ = [
   "resize_worker_state",
   "scale_by_demo",
   "scale_by_muon_momentum",
+  "track_shared_estimate",
   "scale_to_unit_rms",
   "sparseloco",
   "sparseloco_bytes",

@@ -36,7 +36,6 @@ from distro_jax import (
   dense_step,
   exchange,
   message,
-  orthogonal,
   unit_rms,
   wire,
 )
@@ -50,6 +49,7 @@ from distro_jax.hyperparams import (
   static_positive_int,
   unwrap_static,
 )
+from distro_jax.shared_estimate import EstimateState, track_shared_estimate
 
 __all__ = [
   "DemoState",
@@ -156,7 +156,6 @@ class _Options(NamedTuple):
   delayed_apply: bool
   random_positions: bool
   frequency_bias: float
-  shared_rows: bool
 
   def layout(self, params: Any) -> codec.WireLayout:
     """The message's bytes for ``params`` (arrays or ``jax.ShapeDtypeStruct``)."""
@@ -192,7 +191,6 @@ def _options(
     one_allowed=False,
     hint="Use 0 for the stateless mode, or e.g. 0.999 (the reference default).",
   )
-  shared_rows = _check_random_positions(random_positions)
   bias = 0.0
   if frequency_bias is not None:
     bias = static_nonnegative_float("frequency_bias", frequency_bias, example=1.0)
@@ -211,26 +209,6 @@ def _options(
     delayed_apply=bool(delayed_apply),
     random_positions=bool(random_positions),
     frequency_bias=bias,
-    shared_rows=shared_rows,
-  )
-
-
-# random_positions= this string: every worker draws the same row frequency for
-# a block-row's chunks (message.Drawn).
-SHARED_ROWS = "shared_rows"
-
-
-def _check_random_positions(random_positions: Any) -> bool:
-  """Whether ``random_positions`` asks for shared rows; refused unless a bool or that."""
-  if not isinstance(random_positions, str):
-    return False
-  if random_positions == SHARED_ROWS:
-    return True
-  raise ValueError(
-    f"random_positions={random_positions!r}; use False (the top-k and its indices), True "
-    f"(positions drawn per worker and chunk) or {SHARED_ROWS!r} (each block-row's row "
-    "frequency drawn once for every worker, so normalize='orth' runs on a matrix as many "
-    "times shorter as a chunk has rows)."
   )
 
 
@@ -318,14 +296,7 @@ def _message_format(count, grads, tensors: _Tensors, opts: _Options) -> message.
   if opts.random_positions:
     block_shapes = [plan.block_shape for plan in tensors.plans]
     positions = message.drawn(
-      count,
-      opts.axis_name,
-      grads,
-      tensors.site_axes,
-      block_shapes,
-      ks,
-      opts.frequency_bias,
-      opts.shared_rows,
+      count, opts.axis_name, grads, tensors.site_axes, block_shapes, ks, opts.frequency_bias
     )
   else:
     positions = message.TopK(ks)
@@ -406,18 +377,7 @@ def scale_by_demo(
       carries only the values: with ``quantize_1bit``, one bit per value. The
       error feedback removes what was sent, as with the top-k. With
       ``delayed_apply`` the message in flight is decoded with the positions
-      drawn at the step that made it. ``"shared_rows"``: the same, but each
-      step draws one row frequency per block-row (a strip of ``c1`` rows)
-      for every worker, from a key no worker's index enters, while each
-      worker still draws each chunk's column frequencies; each chunk's
-      position keeps its distribution. The aggregate's strips are then
-      single cosines (unit vectors with ``use_dct=False``), so
-      ``dj.demo(normalize="orth")`` orthogonalizes a matrix ``c1`` times
-      shorter, read straight from the messages, about ``c1**2`` times fewer
-      flops (:func:`distro_jax.orthogonalize_shared_rows`'s step), and each
-      step moves a matrix along at most ``rows / c1`` directions. Needs ``compression_topk``
-      at most the chunk's column length and params kept whole on each
-      worker's devices. Static.
+      drawn at the step that made it. Static.
     frequency_bias: with ``random_positions``, how much the draw prefers a
       chunk's low frequencies: DCT coefficient ``(i, j)`` is drawn with
       probability proportional to ``((1 + i) (1 + j)) ** -frequency_bias``
@@ -463,28 +423,20 @@ def scale_by_demo(
     random_positions,
     frequency_bias,
   )
-  return _demo_stage(learning_rate, opts, orthogonalize=None)
+  return _demo_stage(learning_rate, opts)
 
 
 def _demo_stage(
-  learning_rate: optax.ScalarOrSchedule, opts: _Options, orthogonalize: Any
+  learning_rate: optax.ScalarOrSchedule, opts: _Options
 ) -> optax.GradientTransformationExtraArgs:
-  """:func:`scale_by_demo` with its options checked.
-
-  ``orthogonalize``: with shared rows, a ``normalize`` spec whose matrices
-  (:func:`distro_jax.unit_rms.orthogonalizes`) this stage returns
-  orthogonalized, where it still knows each strip's cosine; ``None`` returns
-  every ``Q`` as decoded.
-  """
+  """:func:`scale_by_demo` with its options checked."""
   axis_name = opts.axis_name
   decay = opts.decay
 
   def init_fn(params):
     return _init(params, opts)
 
-  def update_carried(
-    updates, state, params, *, contribute=None, gathered=None, orthogonal_marks=(), **extra_args
-  ):
+  def update_carried(updates, state, params, *, contribute=None, gathered=None, **extra_args):
     del extra_args  # Other transformations' arguments, passed along by optax.chain.
     num_workers = exchange.bound_axis_size(axis_name)
     grads, treedef = jax.tree.flatten(updates)
@@ -502,10 +454,7 @@ def _demo_stage(
     compressed = compress.compress(grads, momentum_blocks, tensors.plans, fmt, tensors.lr, decay)
     finite, send = _verdict(compressed.selection, tensors.site_axes, contribute)
     received, pending = schedule.exchange(fmt, compressed.selection, send, state, gathered)
-    q_blocks = decode.aggregate(
-      received, compressed.kept, tensors.plans, fmt.basis, axis_name, skip=orthogonal_marks
-    )
-    q_blocks = _orthogonalized(q_blocks, received, tensors.plans, fmt.basis, orthogonal_marks)
+    q_blocks = decode.aggregate(received, compressed.kept, tensors.plans, fmt.basis, axis_name)
     directions = decode.to_params(q_blocks, tensors.plans, tensors.shapes, grads, tensors.site_axes)
     contributors = decode.contributors(received, tensors.site_axes)
     momenta = schedule.next_momentum(
@@ -516,36 +465,10 @@ def _demo_stage(
     return treedef.unflatten(directions), new_state
 
   def update_fn(updates, state, params=None, **extra_args):
-    leaves = jax.tree.leaves(updates)
-    dense_step.warn_if_dense(leaves, axis_name)
-    update = update_carried
-    if orthogonalize is not None and opts.shared_rows:
-      modes = unit_rms.normalize_modes(orthogonalize, updates)
-      marks = [unit_rms.orthogonalizes(m, np.shape(g)) for m, g in zip(modes, leaves)]
-      update = functools.partial(update, orthogonal_marks=wire.CarriedLeaves(leaves).pick(marks))
-    return _without_empty(update, updates, state, params, **extra_args)
+    dense_step.warn_if_dense(jax.tree.leaves(updates), axis_name)
+    return _without_empty(update_carried, updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _orthogonalized(
-  q_blocks: list[jax.Array | None],
-  received: message.Received,
-  plans: list[dct.ChunkPlan],
-  basis: dct.Basis,
-  marks: Any,
-) -> list[jax.Array]:
-  """Each marked tensor's ``Q`` orthogonalized through its shared rows, the rest as decoded.
-
-  A marked tensor was not decoded whole (``aggregate``'s ``skip``): its
-  shorter matrix comes from the messages (:func:`distro_jax.decode.shared_rows`),
-  so the step never holds the dense aggregate it would project.
-  """
-  out = list(q_blocks)
-  marked = [i for i, mark in enumerate(marks) if mark]
-  for i, (directions, y) in zip(marked, decode.shared_rows(received, marked, plans, basis)):
-    out[i] = orthogonal.orthogonalize_strips(directions, y, plans[i].block_shape[-1])
-  return out
 
 
 def _skip_when_nothing_received(
@@ -566,7 +489,7 @@ def _skip_when_nothing_received(
 
   def update_fn(updates, state, params=None, **extra_args):
     new_updates, new_state = tx.update(updates, state, params, **extra_args)
-    received = new_state[0].contributors > 0
+    received = _exchange_state(new_state[0]).contributors > 0
     # The select on the updates fuses into what consumes them; the state is
     # param-sized and materialized, so it is held back only when it must be.
     new_updates = jax.tree.map(lambda u: jnp.where(received, u, jnp.zeros_like(u)), new_updates)
@@ -579,20 +502,29 @@ def _skip_when_nothing_received(
     if not delayed_apply:
       # contributors stays this step's 0, so a caller sees that every worker
       # was left out (the driver logs W - contributors as excluded).
-      demo_new = demo_new._replace(count=hold(demo_new.count, demo_old.count))
+      exchanged = _exchange_state(demo_new)
+      exchanged = exchanged._replace(count=hold(exchanged.count, _exchange_state(demo_old).count))
+      if isinstance(demo_new, EstimateState):
+        # As DeMo's momentum is: a step with no message changes no state.
+        demo_new = EstimateState(exchanged, *hold(tuple(demo_new[1:]), tuple(demo_old[1:])))
+      else:
+        demo_new = exchanged
     return new_updates, (demo_new, *hold(new_state[1:], state[1:]))
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
-def _normalization(
-  normalize: Any, axis_name: Hashable | None, orthogonalized: bool = False
-) -> optax.GradientTransformation:
+def _exchange_state(state: Any) -> DemoState:
+  """The :class:`DemoState` of the first stage, bare or inside an :class:`EstimateState`."""
+  return state.exchange if isinstance(state, EstimateState) else state
+
+
+def _normalization(normalize: Any, axis_name: Hashable | None) -> optax.GradientTransformation:
   """The normalize stage: how ``Q`` becomes a step (``sign``, or :mod:`distro_jax.unit_rms`'s)."""
   unit_rms.check_normalize(normalize)
   if normalize == "sign":
     return optax.scale_by_sign()
-  return unit_rms.scale_by_normalize(normalize, axis_name, orthogonalized)
+  return unit_rms.scale_by_normalize(normalize, axis_name)
 
 
 def demo(
@@ -611,6 +543,7 @@ def demo(
   frequency_bias: float | None = None,
   normalize: Any = "sign",
   aggregate_momentum: float = StaticFloat(0.0),
+  estimate_step: float = StaticFloat(0.0),
 ) -> optax.GradientTransformationExtraArgs:
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
 
@@ -643,9 +576,8 @@ def demo(
       one bool for a subtree), or a function of the params that returns one. ``None`` (the
       default) overlaps every param. See :func:`distro`. Static.
     random_positions: send the values at positions drawn from a seed every
-      worker knows, instead of the largest and their indices; or
-      ``"shared_rows"``, the same with each block-row's row frequency shared
-      by every worker (see :func:`scale_by_demo`). Static.
+      worker knows, instead of the largest and their indices (see
+      :func:`scale_by_demo`). Static.
     frequency_bias: with ``random_positions``, the draw's preference for low
       frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
     normalize: how ``Q`` becomes a step: ``"sign"`` (DeMo's: every entry
@@ -664,6 +596,14 @@ def demo(
       worker sends leaves it, so with nothing dropped (top-k the whole chunk)
       ``Q`` is this step's mean gradient times the rate whatever
       ``compression_decay`` is. 0 (the default) keeps no such state.
+    estimate_step: above 0, the message corrects a shared estimate of the
+      workers' mean momentum instead of being cut from a decoupled momentum
+      (:func:`distro_jax.track_shared_estimate`): every worker keeps its whole
+      momentum of decay ``compression_decay`` (e.g. 0.95, Muon's), sends its
+      unit-RMS momentum's difference from the estimate, compressed as the
+      other options say, and the estimate moves by ``estimate_step`` times the
+      decoded mean; the step is taken along the estimate. 0 (the default) is
+      DeMo's exchange. Not with ``delayed_apply``. Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -680,9 +620,6 @@ def demo(
     >>> updates, state = tx.update({"w": jnp.ones((64, 64))}, state, params)
     >>> params = optax.apply_updates(params, updates)
   """
-  # With shared rows the exchange orthogonalizes the matrices itself, on
-  # the shorter matrix whose cosines only it knows; the step then scales them.
-  orthogonalize = normalize if _check_random_positions(random_positions) else None
   momentum = unwrap_static(aggregate_momentum)
   check_decay(
     "aggregate_momentum",
@@ -692,30 +629,28 @@ def demo(
   )
   # An injected (traced) momentum may be anything at run time, so it gets the state.
   momentum_on = not isinstance(momentum, int | float) or momentum > 0
-  if momentum_on and orthogonalize is not None:
-    raise ValueError(
-      f"aggregate_momentum={momentum} needs the decoded aggregate, and with "
-      "random_positions='shared_rows' the exchange orthogonalizes it before any momentum "
-      "could act; use random_positions=True, or aggregate_momentum=0."
-    )
   on_aggregate = [scale_by_muon_momentum(momentum)] if momentum_on else []
   inner = optax.chain(
     *on_aggregate,
-    _normalization(normalize, axis_name, orthogonalized=orthogonalize is not None),
+    _normalization(normalize, axis_name),
     optax.add_decayed_weights(weight_decay),
     optax.scale_by_learning_rate(learning_rate),
   )
-  options = dict(
+  return distro(
+    inner,
+    learning_rate,
     compression_decay=compression_decay,
     compression_topk=compression_topk,
     compression_chunk=compression_chunk,
     quantize_1bit=quantize_1bit,
     use_dct=use_dct,
     axis_name=axis_name,
+    delayed_apply=delayed_apply,
+    synchronous=synchronous,
     random_positions=random_positions,
     frequency_bias=frequency_bias,
+    estimate_step=estimate_step,
   )
-  return _distro(inner, learning_rate, delayed_apply, synchronous, options, orthogonalize)
 
 
 def distro(
@@ -732,6 +667,7 @@ def distro(
   synchronous: Any = None,
   random_positions: bool = False,
   frequency_bias: float | None = None,
+  estimate_step: float = StaticFloat(0.0),
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO: the compressed exchange of :func:`scale_by_demo`, then ``inner``.
 
@@ -772,11 +708,13 @@ def distro(
       (the default) overlaps every param. The partial overlap is described
       above. Static.
     random_positions: send the values at positions drawn from a seed every
-      worker knows, instead of the largest and their indices; or
-      ``"shared_rows"``, the same with each block-row's row frequency shared
-      by every worker (see :func:`scale_by_demo`). Static.
+      worker knows, instead of the largest and their indices (see
+      :func:`scale_by_demo`). Static.
     frequency_bias: with ``random_positions``, the draw's preference for low
       frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
+    estimate_step: above 0, the exchange corrects a shared estimate of the
+      workers' mean momentum and ``inner`` sees that estimate
+      (:func:`distro_jax.track_shared_estimate`; see :func:`demo`). Static.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -805,7 +743,29 @@ def distro(
     random_positions=random_positions,
     frequency_bias=frequency_bias,
   )
-  return _distro(inner, learning_rate, delayed_apply, synchronous, options, None)
+  return _distro(
+    inner, learning_rate, delayed_apply, synchronous, options, _estimate(estimate_step, options)
+  )
+
+
+def _estimate(estimate_step: Any, options: dict[str, Any]) -> tuple[float, float] | None:
+  """``estimate_step`` checked: ``(momentum decay, step)`` for the estimate, or ``None``."""
+  step = unwrap_static(estimate_step)
+  if not isinstance(step, int | float) or step < 0:
+    raise ValueError(
+      f"estimate_step={step!r} must be a static number >= 0: 0 for DeMo's exchange, "
+      "or e.g. 0.5 to step along a shared estimate of the mean momentum."
+    )
+  if step == 0:
+    return None
+  decay = unwrap_static(options["compression_decay"])
+  check_decay(
+    "compression_decay",
+    decay,
+    one_allowed=False,
+    hint="With estimate_step it is each worker's momentum decay, e.g. 0.95 (Muon's).",
+  )
+  return decay, float(step)
 
 
 def _distro(
@@ -814,13 +774,34 @@ def _distro(
   delayed_apply: bool,
   synchronous: Any,
   options: dict[str, Any],
-  orthogonalize: Any,
+  estimate: tuple[float, float] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """:func:`distro`; with shared rows its exchange orthogonalizes (:func:`_demo_stage`)."""
+  """:func:`distro` with its options gathered.
+
+  ``estimate``: ``(decay, step)`` of :func:`track_shared_estimate` around a
+  stateless exchange at rate 1, or ``None`` for DeMo's exchange.
+  """
+  if estimate is not None and delayed_apply:
+    raise ValueError(
+      "estimate_step > 0 corrects the estimate with this step's messages; with "
+      "delayed_apply=True they arrive a step late. Use delayed_apply=False, or estimate_step=0."
+    )
   if synchronous is None:
-    opts = _options(learning_rate, delayed_apply=delayed_apply, **options)
+    if estimate is None:
+      opts = _options(learning_rate, delayed_apply=delayed_apply, **options)
+      stage = _demo_stage(learning_rate, opts)
+    else:
+      decay, step = estimate
+      stateless = {**options, "compression_decay": 0.0}
+      opts = _options(1.0, delayed_apply=delayed_apply, **stateless)
+      stage = track_shared_estimate(
+        _demo_stage(1.0, opts),
+        decay=decay,
+        step=step,
+        axis_name=opts.axis_name,
+      )
     return _skip_when_nothing_received(
-      optax.chain(_demo_stage(learning_rate, opts, orthogonalize), inner),
+      optax.chain(stage, inner),
       delayed_apply=delayed_apply,
     )
   if not delayed_apply:
@@ -834,8 +815,8 @@ def _distro(
   # message of the step before. Every tensor's compression and aggregate are
   # its own, so a tensor trains as it would in a run with its group's mode.
   groups = {
-    _SYNCHRONOUS: _distro(inner, learning_rate, False, None, options, orthogonalize),
-    _OVERLAPPED: _distro(inner, learning_rate, True, None, options, orthogonalize),
+    _SYNCHRONOUS: _distro(inner, learning_rate, False, None, options),
+    _OVERLAPPED: _distro(inner, learning_rate, True, None, options),
   }
   return optax.multi_transform(groups, functools.partial(_overlap_labels, synchronous))
 
@@ -897,9 +878,8 @@ def distro_adamw(
       one bool for a subtree), or a function of the params that returns one. ``None`` (the
       default) overlaps every param. See :func:`distro`. Static.
     random_positions: send the values at positions drawn from a seed every
-      worker knows, instead of the largest and their indices; or
-      ``"shared_rows"``, the same with each block-row's row frequency shared
-      by every worker (see :func:`scale_by_demo`). Static.
+      worker knows, instead of the largest and their indices (see
+      :func:`scale_by_demo`). Static.
     frequency_bias: with ``random_positions``, the draw's preference for low
       frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
 

@@ -101,10 +101,6 @@ def test_the_registry_option_reaches_the_transformation():
   [
     (dict(optimizer="adamw", aggregate_momentum=0.9), "needs --optimizer=demo"),
     (dict(optimizer="demo", aggregate_momentum=1.0), r"must be in \[0, 1\)"),
-    (
-      dict(optimizer="demo", aggregate_momentum=0.9, random_positions=True, shared_rows=True),
-      "drop one of the two",
-    ),
     (dict(optimizer="adamw", muon_beta=0.0), "they need --optimizer=muon"),
     (dict(optimizer="demo", muon_adam_learning_rate=1e-3), "they need --optimizer=muon"),
     (dict(optimizer="muon", muon_beta=1.0), r"must be in \[0, 1\)"),
@@ -115,8 +111,6 @@ def test_settings_that_cannot_work_are_refused_with_the_fix(fields, match):
     checks.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
 
 
-def test_the_transformation_refuses_a_decay_of_one_and_shared_rows():
+def test_the_transformation_refuses_a_decay_of_one():
   with pytest.raises(ValueError, match=r"aggregate_momentum must be in \[0, 1\)"):
     dj.demo(_LR, aggregate_momentum=1.0, axis_name=None)
-  with pytest.raises(ValueError, match="random_positions=True, or aggregate_momentum=0"):
-    dj.demo(_LR, aggregate_momentum=0.9, random_positions="shared_rows", axis_name=None)

@@ -70,6 +70,18 @@ TRANSFORMATIONS: list[tuple[str, Factory]] = [
       axis_name=None,
     ),
   ),
+  (
+    "demo-random-1bit-orth-estimate",
+    functools.partial(
+      dj.demo,
+      random_positions=True,
+      quantize_1bit=True,
+      normalize="orth",
+      compression_decay=0.95,
+      estimate_step=0.5,
+      axis_name=None,
+    ),
+  ),
   ("scale_by_demo", functools.partial(dj.scale_by_demo, axis_name=None)),
   (
     "distro-adam-inner",
@@ -284,7 +296,9 @@ def test_tree_map_params_specs_place_the_state(name, factory):
     tx, lambda x, p: (x.shape, x.sharding.spec, p.shape), state, params
   )
   found = 0
-  for leaf in jax.tree.leaves(mirrored, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3):
+  # The triples f made are plain tuples; a state's NamedTuple of three fields is not one.
+  is_triple = lambda x: type(x) is tuple and len(x) == 3
+  for leaf in jax.tree.leaves(mirrored, is_leaf=is_triple):
     if isinstance(leaf, tuple) and len(leaf) == 3 and isinstance(leaf[1], P):
       shape, spec, p_shape = leaf
       assert shape in (p_shape, (1,)), f"{name}: a mirrored leaf {shape} for a param {p_shape}"
@@ -423,7 +437,13 @@ def test_dtypes_are_kept(name, factory, dtype):
 # Set by a factory, these stay as given: the sizes are structural, and a decay
 # set by hand is injected in the params' dtype unless it is static (bfloat16
 # would round 0.95 to 0.949 and 0.999 to 1, which the transformation refuses).
-_STATIC = ("compression_topk", "compression_chunk", "aggregate_momentum")
+_STATIC = (
+  "compression_topk",
+  "compression_chunk",
+  "aggregate_momentum",
+  "compression_decay",
+  "estimate_step",
+)
 
 
 @pytest.mark.parametrize("name, factory", EVERY)

@@ -250,10 +250,16 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
     raise ConfigError(
       f"--aggregate_momentum={cfg.aggregate_momentum} must be in [0, 1); e.g. 0.95, Muon's."
     )
-  if cfg.aggregate_momentum and cfg.shared_rows:
+  if cfg.estimate_step and not method.supports_normalize:
     raise ConfigError(
-      "--aggregate_momentum needs the decoded aggregate, which --shared_rows orthogonalizes "
-      "inside the exchange; drop one of the two."
+      f"--estimate_step={cfg.estimate_step} changes what DeMo's message carries; it needs "
+      f"--optimizer={_supporting('supports_normalize')}, not {method.name}. "
+      "Drop --estimate_step."
+    )
+  if cfg.estimate_step < 0 or (cfg.estimate_step and cfg.delayed_apply):
+    raise ConfigError(
+      f"--estimate_step={cfg.estimate_step} must be 0 or more, and above 0 it needs this "
+      "step's messages, so not --delayed_apply; e.g. 0.5 without --delayed_apply."
     )
   if cfg.compression_groups and not method.supports_compression_groups:
     raise ConfigError(

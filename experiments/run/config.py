@@ -96,12 +96,6 @@ class TrainConfig:
     "Send the values at --compression_topk positions per chunk drawn from a seed every "
     "worker shares, instead of the largest and their indices (no index bits).",
   )
-  shared_rows: bool = _field(
-    False,
-    "With --random_positions, draw each block-row's row frequency once for every worker "
-    "(a chunk's column frequency stays its own), so --normalize=orth runs on matrices "
-    "as many times shorter as a chunk has rows (8 with --compression_chunk=8).",
-  )
   frequency_bias: float = _field(
     0.0,
     "With --random_positions, draw DCT coefficient (i, j) of a chunk with probability "
@@ -117,6 +111,13 @@ class TrainConfig:
     0.0,
     "DeMo: a Nesterov momentum of this decay on the decoded aggregate, before --normalize "
     "(Muon's momentum, the same on every worker); 0 keeps none.",
+  )
+  estimate_step: float = _field(
+    0.0,
+    "DeMo: above 0, each worker sends its unit-RMS momentum's difference from an estimate "
+    "of the workers' mean momentum that every worker keeps alike, the estimate moves by this "
+    "step times the decoded mean, and the step follows the estimate (EF21); "
+    "--compression_decay is then each worker's momentum decay. 0 is DeMo's exchange.",
   )
   compression_groups: str = _field(
     "",

@@ -439,7 +439,7 @@ def _compression(cfg: TrainConfig, axes: Axes) -> dict[str, Any]:
     "compression_chunk": cfg.compression_chunk,
     "quantize_1bit": cfg.quantize_1bit,
     "use_dct": cfg.use_dct,
-    "random_positions": "shared_rows" if cfg.shared_rows else cfg.random_positions,
+    "random_positions": cfg.random_positions,
     "frequency_bias": cfg.frequency_bias or None,
     "axis_name": axes.replica,
     "delayed_apply": cfg.delayed_apply,
@@ -568,6 +568,7 @@ def _build_demo(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
       weight_decay=cfg.weight_decay,
       normalize=demo_normalize(cfg.normalize, cfg.scan_layers, fsdp_split(cfg)),
       aggregate_momentum=cfg.aggregate_momentum,
+      estimate_step=cfg.estimate_step,
       **compression,
     )
 
@@ -901,11 +902,6 @@ def _check_compression(cfg: TrainConfig) -> None:
       f"--frequency_bias={cfg.frequency_bias:g} shapes the draw of --random_positions; add "
       "--random_positions, or drop --frequency_bias."
     )
-  if cfg.shared_rows and not cfg.random_positions:
-    raise ConfigError(
-      "--shared_rows shares the row frequencies of --random_positions' draw; add "
-      "--random_positions (method option rand), or drop --shared_rows."
-    )
 
 
 def _check_demo(cfg: TrainConfig) -> None:
@@ -924,7 +920,6 @@ _COMPRESSION_OPTIONS = (
   Option(r"1bit", "quantize_1bit", lambda m: True, "1bit"),
   Option(r"nodct", "use_dct", lambda m: False, "nodct"),
   Option(r"rand", "random_positions", lambda m: True, "rand"),
-  Option(r"rows", "shared_rows", lambda m: True, "rows"),
   Option(r"fb(\d+(?:\.\d+)?)", "frequency_bias", lambda m: float(m.group(1)), "fbB"),
   Option(r"stateless", "compression_decay", lambda m: 0.0, "stateless"),
   Option(r"delayed", "delayed_apply", lambda m: True, "delayed"),
@@ -935,6 +930,7 @@ _DEMO_OPTIONS = (
   Option(r"rms", "normalize", lambda m: "rms", "rms"),
   Option(r"orth", "normalize", lambda m: "orth", "orth"),
   Option(r"am(0?\.\d+)", "aggregate_momentum", lambda m: float(m.group(1)), "amB"),
+  Option(r"est(\d*\.?\d+)", "estimate_step", lambda m: float(m.group(1)), "estS"),
 )
 # The DisTrO report's 1.2B run used 4e-4 with 250 warmup steps.
 _REPORT_RECIPE = Recipe(learning_rate=4e-4, warmup_steps=250)
