@@ -723,8 +723,8 @@ def _setting_markdown(s: Setting) -> list[str]:
   lines += [
     "",
     "Seconds per step (the time model: compute, then the transfer, then the round trips' "
-    "latency with a retransmission timeout for a hop that loses a segment; in brackets, the "
-    "same link without loss):",
+    "latency, a hop that loses a segment waiting a round trip, or a timeout when fewer than "
+    "three segments follow it; in brackets, the same link without loss):",
     "",
     "| method | collective | round trips / step on the path | compute / step | "
     + " | ".join(link.name for link in s.links)
@@ -761,11 +761,11 @@ Notes:
   the same collectives carry that model's message and are priced at its
   worker count; nothing was compiled or run at that size.
 - What is not measured: the steps' times over these links (the time model's
-  prediction; its far-link cells were within 9% of netlab's measurements,
-  its loss term charges a whole retransmission timeout, round trip + 200 ms,
-  to every ring hop that loses a segment, which overstates a bulk transfer
-  that fast retransmit repairs in a round trip, so the all-reduces' times on
-  lossy links are upper bounds); `{report}`'s loss curves (the small
+  prediction; its far-link cells were within 5% of netlab's measurements
+  at 100 ms; a segment lost among a sender's last three costs a timeout with
+  Linux's 200 ms floor, which a tail-loss probe often beats on short paths,
+  so the all-reduces' times on the 1 ms and 20 ms links are upper bounds);
+  `{report}`'s loss curves (the small
   model's); the compute of Muon's and DeMo's updates at 1.2B (the report's
   AdamW step for every method).
 - The runs' compute per step is their step on this project's 2-core CPU
