@@ -282,7 +282,9 @@ def test_predicted_vs_measured_puts_them_side_by_side():
 def test_the_recorded_far_cells_are_within_20_percent():
   rows = time_model.predicted_vs_measured(round_trips.recorded_cells())
   far = [r for r in rows if r["rtt_s"] > 0]
-  assert len(far) == 3
+  # The before-cut cells, the after-cut cells and the floor's: every far cell ever measured.
+  assert len(far) >= 9
+  assert any("after" in r["label"] for r in far) and any("floor" in r["label"] for r in far)
   assert all(abs(r["error"]) < 0.2 for r in far), [(r["label"], r["error"]) for r in far]
   assert all(r["source"] for r in rows)
 

@@ -38,6 +38,9 @@ from experiments.run.launch import LaunchConfig, setup_devices
 from experiments.run.records import Summary, read_metrics
 from experiments.study import gaps, time_model
 
+# The command is experiments.compare; its flags belong to it, so --helpshort lists them.
+flags.disclaim_key_flags()
+
 __all__ = ["DEFAULT_METHODS", "method_overrides", "run_comparison", "markdown_table"]
 
 DEFAULT_METHODS = methods.DEFAULT_COMPARISON

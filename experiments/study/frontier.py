@@ -62,6 +62,9 @@ from experiments.run.launch import LaunchConfig, setup_devices
 from experiments.run.records import StepRecord, Summary, read_metrics
 from experiments.study import gaps, time_model
 
+# The command is experiments.frontier; its flags belong to it, so --helpshort lists them.
+flags.disclaim_key_flags()
+
 __all__ = [
   "DEFAULT_METHODS",
   "Point",

@@ -41,6 +41,9 @@ from experiments.run.config import ConfigError
 from experiments.run.launch import LaunchConfig, setup_devices
 from experiments.study import frontier
 
+# The command is experiments.ladder; its flags belong to it, so --helpshort lists them.
+flags.disclaim_key_flags()
+
 __all__ = ["DENSE", "RULES", "RUNGS", "ladder_methods", "ladder_table", "main"]
 
 # Message budgets, most bytes first: (key, the method's options after "demo").

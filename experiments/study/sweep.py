@@ -29,6 +29,9 @@ from experiments.run import checks, cli, config
 from experiments.run.config import ConfigError, TrainConfig
 from experiments.run.launch import LaunchConfig, setup_devices
 
+# The command is experiments.sweep; its flags belong to it, so --helpshort lists them.
+flags.disclaim_key_flags()
+
 __all__ = ["check_grid", "main", "parse_grid", "run_sweep", "sweep_table"]
 
 

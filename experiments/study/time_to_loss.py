@@ -60,6 +60,9 @@ from experiments.run.records import Summary, read_metrics
 from experiments.study import frontier, time_model
 from experiments.study.time_model import REPORT, Hop, Link, ReportSetting
 
+# The command is experiments.time_to_loss; its flags belong to it, so --helpshort lists them.
+flags.disclaim_key_flags()
+
 __all__ = [
   "DEFAULT_METHODS",
   "LINKS",
