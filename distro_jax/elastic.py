@@ -41,6 +41,7 @@ gives a restore target that holds the per-worker leaves replicated, and
 :func:`distro_jax.init_worker_state` would.
 """
 
+import functools
 import math
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -288,6 +289,42 @@ def _check_keep(keep: Sequence[int] | None, before: int, after: int) -> tuple[in
   return keep
 
 
+def _rearrange(
+  leaves: Sequence[Any],
+  old: list[jax.Array],
+  fresh: list[jax.Array],
+  *,
+  keep: tuple[int, ...],
+  before: int,
+  after: int,
+  fold: bool,
+  replicated: NamedSharding,
+) -> list[jax.Array]:
+  """:func:`resize_worker_state`'s program: the kept workers' blocks, then the joiners'."""
+  # Worker blocks are cut and joined replicated; the result is placed at the end.
+  old, fresh = jax.sharding.reshard((old, fresh), replicated)
+  # Stayers that take another index: their message in flight is marked invalid.
+  moved = np.asarray(keep) != np.arange(len(keep))
+  out = []
+  for leaf, o, f in zip(leaves, old, fresh):
+    if not leaf.per_worker:
+      out.append(o)
+      continue
+    o_w, f_w = leaf.split(o, before), leaf.split(f, after)
+    kept = o_w[np.asarray(keep, np.int32)]
+    if leaf.in_flight and moved.any():
+      # A fresh message is all zeros, the invalid marker.
+      rows = moved.reshape(-1, *[1] * (kept.ndim - 1))
+      kept = jnp.where(rows, f_w[: len(keep)], kept)
+    if leaf.residual and fold:
+      # Every process runs this same program on the same replicated inputs,
+      # so the fold is bit-identical everywhere.
+      shift = jnp.mean(o_w, axis=0) - jnp.mean(kept, axis=0)
+      kept = kept + shift.astype(kept.dtype)
+    out.append(leaf.join(jnp.concatenate([kept, f_w[len(keep) :]]), after))
+  return out
+
+
 def resize_worker_state(
   tx: optax.GradientTransformation,
   state: Any,
@@ -376,31 +413,14 @@ def resize_worker_state(
     )
   fresh = jax.tree.leaves(init_worker_state(tx, params, mesh, axis_name, param_specs=param_specs))
 
-  replicated = NamedSharding(mesh, P())
-  # Stayers that take another index: their message in flight is marked invalid.
-  moved = np.asarray(keep) != np.arange(len(keep))
-
-  def rearrange(old, fresh):
-    # Worker blocks are cut and joined replicated; the result is placed at the end.
-    old, fresh = jax.sharding.reshard((old, fresh), replicated)
-    out = []
-    for leaf, o, f in zip(leaves, old, fresh):
-      if not leaf.per_worker:
-        out.append(o)
-        continue
-      o_w, f_w = leaf.split(o, before), leaf.split(f, after)
-      kept = o_w[np.asarray(keep, np.int32)]
-      if leaf.in_flight and moved.any():
-        # A fresh message is all zeros, the invalid marker.
-        rows = moved.reshape(-1, *[1] * (kept.ndim - 1))
-        kept = jnp.where(rows, f_w[: len(keep)], kept)
-      if leaf.residual and leaving == "fold" and left:
-        # Every process runs this same program on the same replicated inputs,
-        # so the fold is bit-identical everywhere.
-        shift = jnp.mean(o_w, axis=0) - jnp.mean(kept, axis=0)
-        kept = kept + shift.astype(kept.dtype)
-      out.append(leaf.join(jnp.concatenate([kept, f_w[len(keep) :]]), after))
-    return out
-
+  rearrange = functools.partial(
+    _rearrange,
+    leaves,
+    keep=tuple(keep),
+    before=before,
+    after=after,
+    fold=leaving == "fold" and bool(left),
+    replicated=NamedSharding(mesh, P()),
+  )
   fn = jax.jit(rearrange, out_shardings=shardings)
   return treedef.unflatten(fn([_on(mesh, x) for x in old], fresh))

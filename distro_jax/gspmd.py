@@ -647,12 +647,10 @@ def per_worker(
   first: the all-reduce baseline through the same step, gradient line and
   checkpoints, so a trainer switches between the two with one flag.
 
-  Its state is ``tx``'s, leaf for leaf: a leaf that differs by worker is
-  stacked on a leading axis of size W and boxed to be placed over
-  ``axis_name`` (see :mod:`distro_jax.gspmd`); a shared leaf is as ``tx``
-  makes it, so ``state.gradient_step`` of a ``MultiSteps`` still reads. Which
-  leaves differ is found by tracing one update
-  (:func:`distro_jax.worker_state_specs`), once per params shape.
+  Its state is ``tx``'s, leaf for leaf: a leaf that differs by worker
+  (:func:`distro_jax.worker_state_specs`) is stacked on a leading axis of
+  size W, boxed to be placed over ``axis_name``; a shared leaf is as ``tx``
+  makes it.
 
   Args:
     tx: the optimizer, built with ``axis_name`` (with ``all_reduce``, a
@@ -689,40 +687,15 @@ def per_worker(
   num_workers = _num_workers(mesh, axis_name)
 
   def update_fn(updates, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError(
-        "dj.per_worker needs the params in update (tx.update(grads, state, params)), to tell "
-        "the per-worker state from the shared."
-      )
-    _check_no_clash(params, axis_name)
-    plain_params = _plain(params)
+    plain_params, g_leaves, paths = _gradient_leaves(updates, params, axis_name)
     p_leaves, p_def = jax.tree.flatten(plain_params)
-    g_leaves = jax.tree.leaves(_plain(updates))
-    if len(g_leaves) != len(p_leaves):
-      raise ValueError(
-        f"The gradient has {len(g_leaves)} leaves, the params {len(p_leaves)}; pass the "
-        "gradients of dj.worker_value_and_grad with respect to exactly these params."
-      )
-    paths = [
-      jax.tree_util.keystr(p)
-      for p, _ in jax.tree_util.tree_flatten_with_path(p_def.unflatten(p_leaves))[0]
-    ]
     # With all_reduce, the averaged gradients of value_and_grad are the dense step's own.
     averaged = all_reduce and all(np.shape(g) == np.shape(p) for g, p in zip(g_leaves, p_leaves))
     if not averaged:
       _check_gradient_shapes(paths, g_leaves, p_leaves, num_workers, axis_name)
     flags = wrapper.per_worker_leaves(plain_params)
     s_leaves, s_def = jax.tree.flatten(state)
-    template, t_def = jax.tree.flatten(jax.eval_shape(tx.init, _shapes(plain_params)))
-    if len(s_leaves) != len(template):
-      raise ValueError(
-        "The optimizer state does not match this optimizer's: build it with this "
-        "dj.per_worker(...).init(params)."
-      )
-    _check_state_shapes(s_leaves, template, flags, num_workers)
-    dense_step.warn_if_replicated_per_worker(
-      [x for x, f in zip(s_leaves, flags) if f], axis_name, num_workers
-    )
+    t_def = _check_state(tx, s_leaves, plain_params, flags, num_workers, axis_name)
     if averaged:
       new_updates, new_state = tx.update(
         p_def.unflatten(g_leaves), t_def.unflatten(s_leaves), plain_params, **extra_args
@@ -754,6 +727,47 @@ def per_worker(
   wrapper.all_reduce = bool(all_reduce)
   wrapper._flags = {}
   return wrapper
+
+
+def _gradient_leaves(updates: Any, params: Any, axis_name: Hashable) -> tuple[Any, list, list]:
+  """The params unboxed, the gradient's leaves and the params' paths, checked against each other."""
+  if params is None:
+    raise ValueError(
+      "dj.per_worker needs the params in update (tx.update(grads, state, params)), to tell "
+      "the per-worker state from the shared."
+    )
+  _check_no_clash(params, axis_name)
+  plain_params = _plain(params)
+  g_leaves = jax.tree.leaves(_plain(updates))
+  p_paths = jax.tree_util.tree_flatten_with_path(plain_params)[0]
+  if len(g_leaves) != len(p_paths):
+    raise ValueError(
+      f"The gradient has {len(g_leaves)} leaves, the params {len(p_paths)}; pass the "
+      "gradients of dj.worker_value_and_grad with respect to exactly these params."
+    )
+  return plain_params, g_leaves, [jax.tree_util.keystr(p) for p, _ in p_paths]
+
+
+def _check_state(
+  tx: optax.GradientTransformation,
+  s_leaves: list,
+  plain_params: Any,
+  flags: list[bool],
+  num_workers: int,
+  axis_name: Hashable,
+) -> Any:
+  """The treedef of ``tx``'s own state, once the stacked state's leaves are checked against it."""
+  template, t_def = jax.tree.flatten(jax.eval_shape(tx.init, _shapes(plain_params)))
+  if len(s_leaves) != len(template):
+    raise ValueError(
+      "The optimizer state does not match this optimizer's: build it with this "
+      "dj.per_worker(...).init(params)."
+    )
+  _check_state_shapes(s_leaves, template, flags, num_workers)
+  dense_step.warn_if_replicated_per_worker(
+    [x for x, f in zip(s_leaves, flags) if f], axis_name, num_workers
+  )
+  return t_def
 
 
 def _multi_steps_around(axis_name: Hashable) -> str:

@@ -53,6 +53,31 @@ def _selected(momentum: Any, params: Any) -> Any:
 _GUESSES = ("momentum", "message")
 
 
+def _pending_layout(
+  state: DemoState,
+  leaves: list[jax.Array],
+  compression_topk: int,
+  compression_chunk: int,
+  quantize_1bit: bool,
+  random_positions: bool,
+) -> codec.WireLayout:
+  """The layout of the message in flight, checked against the bytes the state holds."""
+  layout = wire.wire_layout(
+    leaves,
+    compression_topk=static_positive_int("compression_topk", compression_topk, example=32),
+    compression_chunk=compression_chunk,
+    quantize_1bit=quantize_1bit,
+    random_positions=random_positions,
+  )
+  if state.pending.shape != (layout.num_bytes,):
+    raise ValueError(
+      f"The pending message holds {state.pending.shape[-1]} bytes, but these options give "
+      f"{layout.num_bytes}; pass gradient_point the compression options of the dj.demo "
+      "that made the state."
+    )
+  return layout
+
+
 def lookahead_update(
   state: DemoState,
   params: Any,
@@ -89,10 +114,9 @@ def lookahead_update(
     guess: ``"momentum"`` (Psyche's: the momentum before error feedback) or
       ``"message"`` (this worker's own message, as sent).
     scale: a factor on the whole guess.
-    axis_name: the workers' axis, as given to :func:`distro_jax.demo`. Needed
-      only when a worker's params are sharded over more mesh axes (FSDP
-      within a site): a param kept whole on a site's devices then gets a
-      guess typed as whole there. ``None`` leaves the types as they come.
+    axis_name: the workers' axis, as given to :func:`distro_jax.demo`;
+      needed only when a worker's params are sharded over more mesh axes
+      (FSDP within a site).
 
   Returns:
     A tree like ``params``: zero before the first message (or after a message
@@ -108,26 +132,15 @@ def lookahead_update(
       'guess="message" decodes the pending message at its sent positions, which '
       'random_positions=True does not keep; use the default guess="momentum".'
     )
-  compression_topk = static_positive_int("compression_topk", compression_topk, example=32)
   compression_chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
   all_leaves, treedef = jax.tree.flatten(params)
   all_momenta = treedef.flatten_up_to(state.momentum)
   # A zero-size param has no part in the message, and no guess to move it by.
   carried = wire.CarriedLeaves(all_leaves)
   leaves = carried.pick(all_leaves)
-  layout = wire.wire_layout(
-    leaves,
-    compression_topk=compression_topk,
-    compression_chunk=compression_chunk,
-    quantize_1bit=quantize_1bit,
-    random_positions=random_positions,
+  layout = _pending_layout(
+    state, leaves, compression_topk, compression_chunk, quantize_1bit, random_positions
   )
-  if state.pending.shape != (layout.num_bytes,):
-    raise ValueError(
-      f"The pending message holds {state.pending.shape[-1]} bytes, but these options give "
-      f"{layout.num_bytes}; pass gradient_point the compression options of the dj.demo "
-      "that made the state."
-    )
   plans = wire.plan_tree(leaves, compression_chunk)
   basis = dct.basis(use_dct)
   momenta = [dct.to_blocks(m, plan) for m, plan in zip(carried.pick(all_momenta), plans)]

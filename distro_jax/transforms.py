@@ -370,14 +370,10 @@ def scale_by_demo(
       step returns zeros. Static.
     random_positions: instead of the ``compression_topk`` largest
       coefficients of a chunk, send the values at ``compression_topk``
-      positions drawn at random, different for every worker and step. The
-      draw is a function of the step count and the worker's index on
-      ``axis_name`` (and, under FSDP, of the device's index within its site),
-      so every receiver draws each sender's positions itself and the message
-      carries only the values: with ``quantize_1bit``, one bit per value. The
-      error feedback removes what was sent, as with the top-k. With
-      ``delayed_apply`` the message in flight is decoded with the positions
-      drawn at the step that made it. Static.
+      positions drawn from the step count and the worker's index on
+      ``axis_name`` (and, under FSDP, the device's index in its site), so
+      every receiver draws each sender's positions itself and the message
+      carries only the values. Static.
     frequency_bias: with ``random_positions``, how much the draw prefers a
       chunk's low frequencies: DCT coefficient ``(i, j)`` is drawn with
       probability proportional to ``((1 + i) (1 + j)) ** -frequency_bias``
@@ -527,6 +523,21 @@ def _normalization(normalize: Any, axis_name: Hashable | None) -> optax.Gradient
   return unit_rms.scale_by_normalize(normalize, axis_name)
 
 
+def _on_aggregate(aggregate_momentum: float) -> list[optax.GradientTransformation]:
+  """The momentum stage on the decoded aggregate, if ``aggregate_momentum`` asks for one."""
+  momentum = unwrap_static(aggregate_momentum)
+  check_decay(
+    "aggregate_momentum",
+    momentum,
+    one_allowed=False,
+    hint="Use 0 for no momentum on the aggregate, or e.g. 0.95 (Muon's).",
+  )
+  # An injected (traced) momentum may be anything at run time, so it gets the state.
+  if not isinstance(momentum, int | float) or momentum > 0:
+    return [scale_by_muon_momentum(momentum)]
+  return []
+
+
 def demo(
   learning_rate: optax.ScalarOrSchedule,
   *,
@@ -547,14 +558,10 @@ def demo(
 ) -> optax.GradientTransformationExtraArgs:
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
 
-  A short ``optax.chain`` of :func:`scale_by_demo`, ``optax.scale_by_sign``
-  (or :func:`scale_to_unit_rms` with ``normalize="rms"``, or the
-  orthogonalized step with ``normalize="orth"``),
-  ``optax.add_decayed_weights`` and ``optax.scale_by_learning_rate`` (built
-  with :func:`distro`, so a step in which every worker's message was left out
-  for non-finite values changes nothing). Call its
-  ``update`` inside ``jax.shard_map`` over a mesh that binds ``axis_name``,
-  with each worker's local gradients; each worker's state is its own (see
+  :func:`distro` of ``optax.chain(normalize, optax.add_decayed_weights,
+  optax.scale_by_learning_rate)``. Call its ``update`` inside
+  ``jax.shard_map`` over a mesh that binds ``axis_name``, with each worker's
+  local gradients; each worker's state is its own (see
   :func:`distro_jax.init_worker_state`).
 
   Args:
@@ -570,39 +577,26 @@ def demo(
     delayed_apply: apply the aggregate of step t-1 at step t, so that the
       all-gather can overlap the next forward and backward pass (see
       :func:`scale_by_demo`). Static.
-    synchronous: with ``delayed_apply``, the params whose messages are still
-      exchanged in the step that computes them, as without the delay (a
-      partial overlap): a tree of bools like the params (or a prefix of it,
-      one bool for a subtree), or a function of the params that returns one. ``None`` (the
-      default) overlaps every param. See :func:`distro`. Static.
-    random_positions: send the values at positions drawn from a seed every
-      worker knows, instead of the largest and their indices (see
-      :func:`scale_by_demo`). Static.
+    synchronous: with ``delayed_apply``, the params exchanged without the
+      delay (a partial overlap); see :func:`distro`. Static.
+    random_positions: send the values at positions every worker can draw,
+      instead of the largest and their indices (see :func:`scale_by_demo`).
+      Static.
     frequency_bias: with ``random_positions``, the draw's preference for low
       frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
-    normalize: how ``Q`` becomes a step: ``"sign"`` (DeMo's: every entry
-      moves by the learning rate), ``"rms"`` (each tensor's ``Q`` scaled to
-      a root mean square of one, so entries keep their relative sizes) or
-      ``"orth"`` (each matrix's ``Q`` orthogonalized as Muon does, see
-      :func:`distro_jax.orthogonalize`, then at unit RMS; other tensors at
-      unit RMS). Or a tree of these like the params (or a prefix of it), or
-      a function of the params that returns one, e.g. to keep an embedding
-      at ``"rms"``. How each mode trained, with the top-k and with drawn
-      positions: docs/results.md. Static.
+    normalize: how ``Q`` becomes a step: ``"sign"`` (DeMo's), ``"rms"``
+      (each tensor at a root mean square of one) or ``"orth"`` (each matrix
+      orthogonalized as Muon does, :func:`distro_jax.orthogonalize`, then at
+      unit RMS; other tensors at unit RMS); or a tree of these like the
+      params (or a prefix of it), or a function of the params giving one.
+      Static.
     aggregate_momentum: the decay of Muon's Nesterov momentum
-      (:func:`distro_jax.scale_by_muon_momentum`) on the aggregate ``Q``
-      before ``normalize``, kept on what every worker decoded, so its state
-      is the same on every worker. The decoupled momentum cannot play that part: what a
-      worker sends leaves it, so with nothing dropped (top-k the whole chunk)
-      ``Q`` is this step's mean gradient times the rate whatever
-      ``compression_decay`` is. 0 (the default) keeps no such state.
-    estimate_step: above 0, the message corrects a shared estimate of the
-      workers' mean momentum instead of being cut from a decoupled momentum
-      (:func:`distro_jax.track_shared_estimate`): every worker keeps its whole
-      momentum of decay ``compression_decay`` (e.g. 0.95, Muon's), sends its
-      unit-RMS momentum's difference from the estimate, compressed as the
-      other options say, and the estimate moves by ``estimate_step`` times the
-      decoded mean; the step is taken along the estimate. 0 (the default) is
+      (:func:`distro_jax.scale_by_muon_momentum`) on the decoded aggregate
+      before ``normalize``; its state is the same on every worker. 0 (the
+      default) keeps none.
+    estimate_step: above 0, the message corrects an estimate of the workers'
+      mean momentum that every worker keeps alike, and the step follows the
+      estimate (:func:`distro_jax.track_shared_estimate`). 0 (the default) is
       DeMo's exchange. Not with ``delayed_apply``. Static.
 
   Returns:
@@ -620,18 +614,8 @@ def demo(
     >>> updates, state = tx.update({"w": jnp.ones((64, 64))}, state, params)
     >>> params = optax.apply_updates(params, updates)
   """
-  momentum = unwrap_static(aggregate_momentum)
-  check_decay(
-    "aggregate_momentum",
-    momentum,
-    one_allowed=False,
-    hint="Use 0 for no momentum on the aggregate, or e.g. 0.95 (Muon's).",
-  )
-  # An injected (traced) momentum may be anything at run time, so it gets the state.
-  momentum_on = not isinstance(momentum, int | float) or momentum > 0
-  on_aggregate = [scale_by_muon_momentum(momentum)] if momentum_on else []
   inner = optax.chain(
-    *on_aggregate,
+    *_on_aggregate(aggregate_momentum),
     _normalization(normalize, axis_name),
     optax.add_decayed_weights(weight_decay),
     optax.scale_by_learning_rate(learning_rate),
@@ -872,14 +856,11 @@ def distro_adamw(
     delayed_apply: apply the aggregate of step t-1 at step t, so that the
       all-gather can overlap the next forward and backward pass (see
       :func:`scale_by_demo`). Static.
-    synchronous: with ``delayed_apply``, the params whose messages are still
-      exchanged in the step that computes them, as without the delay (a
-      partial overlap): a tree of bools like the params (or a prefix of it,
-      one bool for a subtree), or a function of the params that returns one. ``None`` (the
-      default) overlaps every param. See :func:`distro`. Static.
-    random_positions: send the values at positions drawn from a seed every
-      worker knows, instead of the largest and their indices (see
-      :func:`scale_by_demo`). Static.
+    synchronous: with ``delayed_apply``, the params exchanged without the
+      delay (a partial overlap); see :func:`distro`. Static.
+    random_positions: send the values at positions every worker can draw,
+      instead of the largest and their indices (see :func:`scale_by_demo`).
+      Static.
     frequency_bias: with ``random_positions``, the draw's preference for low
       frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
 
