@@ -277,3 +277,31 @@ def test_the_trainers_step_takes_its_gradient_at_the_lookahead(lookahead, optimi
   assert fed[-1] is lookahead, f"the loss reads the message in flight: {fed[-1]}"
   # Either way the message in flight is applied to every param.
   assert all(fed[:num_params])
+
+
+def test_the_lookahead_normalize_flag_reaches_the_guess_and_is_refused_without_a_lookahead():
+  from experiments.run import methods
+  from experiments.run.config import ConfigError, TrainConfig
+
+  base = dict(preset="tiny", steps=4, workers=1, optimizer="demo", normalize="orth")
+  cfg = checks.resolve(TrainConfig(**base, delayed_apply=True, lookahead_normalize="rms"))
+  assert methods.get("demo").gradient_point(cfg).keywords["normalize"] == "rms"
+  as_step = checks.resolve(TrainConfig(**base, delayed_apply=True))
+  assert methods.get("demo").gradient_point(as_step).keywords["normalize"] != "rms"
+  for wrong in (dict(lookahead_normalize="rms"), dict(delayed_apply=True, lookahead_normalize="x")):
+    with pytest.raises(ConfigError, match="--lookahead_normalize"):
+      checks.resolve(TrainConfig(**base, **wrong))
+  # The rms guess moves a matrix along its own momentum; the orthogonalized one does not.
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)}
+  tx = dj.demo(1e-2, compression_topk=4, compression_chunk=8, delayed_apply=True, axis_name=None)
+  state = tx.init(params)
+  _, state = tx.update({"w": jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)}, state, params)
+  opts = dict(compression_topk=4, compression_chunk=8)
+  moves = {
+    n: dj.gradient_point(state, params, 1e-2, normalize=n, **opts)["w"] - params["w"]
+    for n in ("rms", "orth")
+  }
+  for n, move in moves.items():
+    np.testing.assert_allclose(np.sqrt(np.mean(np.square(move))), 1e-2, rtol=1e-3, err_msg=n)
+  assert not np.allclose(moves["rms"], moves["orth"], atol=1e-4)

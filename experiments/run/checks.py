@@ -229,6 +229,13 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       f"--normalize={cfg.normalize} shapes DeMo's step from its aggregate; it needs "
       f"--optimizer={_supporting('supports_normalize')}, not {method.name}. Drop --normalize."
     )
+  if cfg.lookahead_normalize and (
+    cfg.lookahead_normalize not in NORMALIZE or not (cfg.delayed_apply and cfg.lookahead)
+  ):
+    raise ConfigError(
+      f"--lookahead_normalize={cfg.lookahead_normalize!r} shapes the lookahead's guess; it "
+      "takes sign, rms or orth, with --delayed_apply and --lookahead. Drop it, or add those."
+    )
   if not method.steps_with_muon(cfg) and (cfg.muon_adam_learning_rate or cfg.muon_beta != 0.95):
     raise ConfigError(
       "--muon_beta and --muon_adam_learning_rate set Muon's momentum and its AdamW part's "

@@ -598,7 +598,8 @@ def _demo_gradient_point(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
     use_dct=cfg.use_dct,
     weight_decay=cfg.weight_decay,
     random_positions=cfg.random_positions,
-    normalize=demo_normalize(cfg.normalize, cfg.scan_layers, fsdp_split(cfg)),
+    normalize=cfg.lookahead_normalize
+    or demo_normalize(cfg.normalize, cfg.scan_layers, fsdp_split(cfg)),
     axis_name=REPLICA,
   )
 
