@@ -78,6 +78,7 @@ def compress(
   fmt: MessageFormat,
   lr: Any,
   decay: float,
+  kernels: bool = True,
 ) -> Compressed:
   """Folds each gradient into its momentum, selects the message from it, and feeds back.
 
@@ -89,6 +90,8 @@ def compress(
     fmt: the message's format.
     lr: the learning rate folded into the momentum.
     decay: the momentum's decay.
+    kernels: whether a fused kernel may serve a tensor; ``False`` keeps every
+      tensor on XLA's path, whose DCT rounds differently.
 
   Returns:
     A :class:`Compressed`.
@@ -110,7 +113,7 @@ def compress(
   """
   g_blocks = [dct.to_blocks(g, plan) for g, plan in zip(grads, plans)]
   fused = [
-    _fused(fmt, i, g, m, plan, lr, decay)
+    _fused(fmt, i, g, m, plan, lr, decay) if kernels else None
     for i, (g, m, plan) in enumerate(zip(g_blocks, momentum_blocks, plans))
   ]
   momentum = [

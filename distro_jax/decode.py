@@ -5,6 +5,9 @@ Per tensor: the mean of each coefficient over the workers that chose it
 the inverse of the format's basis, and the param's own shape and dtype
 (:func:`to_params`).
 
+SparseLoCo decodes its top-k message with :func:`clipped_mean` instead: the
+mean over every valid worker, each first clipped to the median norm.
+
 A fused kernel is another implementation of this stage: :func:`_fused` is
 the one place that asks whether one serves a tensor (the ``serves`` of
 :mod:`distro_jax.cpu_kernels`, then of :mod:`distro_jax.pallas_kernels`: the
@@ -21,7 +24,10 @@ import jax.numpy as jnp
 from distro_jax import codec, cpu_kernels, dct, exchange, pallas_kernels
 from distro_jax.message import Received
 
-__all__ = ["aggregate", "contributors", "to_params"]
+__all__ = ["aggregate", "clipped_mean", "contributors", "to_params"]
+
+# What the median clip adds to a norm before dividing by it (as Templar does).
+_CLIP_EPS = 1e-8
 
 
 def _only_message(received: Received, tensor: int, like: jax.Array) -> jax.Array:
@@ -94,6 +100,78 @@ def aggregate(
   for i, (mean, _) in zip(rest, means):
     out[i] = basis.inverse(mean, plans[i])
   return out
+
+
+def clipped_mean(
+  received: Received,
+  zeros: list[jax.Array],
+  plans: list[dct.ChunkPlan],
+  basis: dct.Basis,
+  clip: bool,
+) -> list[jax.Array]:
+  """Each tensor's mean over every valid worker, through the inverse basis: SparseLoCo's decode.
+
+  Unlike :func:`aggregate`, a coefficient's mean is over every valid worker,
+  whether it sent that coefficient or not; with ``clip`` each worker's values
+  of a tensor are first scaled to at most the lower median of the valid
+  workers' norms (:mod:`distro_jax.sparseloco`, "Aggregation"). The workers
+  are summed in their order, so every worker computes the same bits.
+
+  Args:
+    received: every worker's message.
+    zeros: per tensor, float32 zeros in its block view, placed (and typed)
+      as the mean is to be.
+    plans: each tensor's :class:`~distro_jax.dct.ChunkPlan`.
+    basis: the basis the values are in.
+    clip: whether to clip each worker's values to the median norm.
+
+  Returns:
+    Per tensor, the mean in its block view, float32, the same on every
+    worker; zeros when no message is valid.
+  """
+  valid_W = received.valid
+  count = jnp.maximum(jnp.sum(valid_W.astype(jnp.int32)), 1)
+  means = []
+  for (idx, val), z, plan in zip(received.tensors, zeros, plans):
+    per_worker = (-1,) + (1,) * (val.ndim - 1)
+    val = jnp.where(valid_W.reshape(per_worker), val, 0.0)
+    if clip:
+      norms = jnp.sqrt(jnp.sum(jnp.square(val), axis=tuple(range(1, val.ndim))))
+      val = val * _clip_factors(norms, valid_W).reshape(per_worker)
+    means.append(basis.inverse(_sum_in_worker_order(z, idx, val) / count, plan))
+  return means
+
+
+def _clip_factors(norms_W: jax.Array, valid_W: jax.Array) -> jax.Array:
+  """Each worker's scale: its norm at most the valid norms' lower median, ``sorted[(n-1) // 2]``."""
+  n = jnp.sum(valid_W.astype(jnp.int32))
+  # The invalid sort last, so the first n are the valid ones in order.
+  median = jnp.sort(jnp.where(valid_W, norms_W, jnp.inf))[jnp.maximum(n - 1, 0) // 2]
+  return jnp.minimum(1.0, median / (norms_W + _CLIP_EPS))
+
+
+def _sum_in_worker_order(
+  zeros_blocks: jax.Array, idx_WxRxK: jax.Array, val_WxRxK: jax.Array
+) -> jax.Array:
+  """Every worker's sparse message summed into a block view, worker 0 first.
+
+  A fixed order of float additions makes the sum bit-identical on every
+  worker. Within one worker an index occurs at most once per chunk, so each
+  scatter writes a location once and needs no atomics. ``zeros_blocks``
+  carries the param's sharding, so a sharded param's sum stays sharded.
+  """
+  lead = zeros_blocks.shape[:-4]
+  a, b = zeros_blocks.shape[-4], zeros_blocks.shape[-2]
+  num_workers, k = idx_WxRxK.shape[0], idx_WxRxK.shape[-1]
+  want = (num_workers, *lead, a, b, k)
+  idx_W = idx_WxRxK if idx_WxRxK.shape == want else idx_WxRxK.reshape(want)
+  val_W = val_WxRxK if val_WxRxK.shape == want else val_WxRxK.reshape(want)
+
+  def add(w, dense):
+    here = codec.gather_blocks(dense, idx_W[w])
+    return codec.scatter_blocks(dense, idx_W[w], here + val_W[w])
+
+  return jax.lax.fori_loop(0, num_workers, add, zeros_blocks)
 
 
 def contributors(received: Received, site_axes: list[Hashable]) -> jax.Array:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from distro_jax import exchange
+from distro_jax import exchange, local_rounds
 from distro_jax.hyperparams import StaticInt, static_positive_int, unwrap_static
 
 __all__ = ["DilocoState", "diloco", "inner_params"]
@@ -128,75 +128,70 @@ def diloco(
     total_steps = static_positive_int("total_steps", total_steps, example=1000)
 
   def init_fn(params):
-    return DilocoState(
-      count=jnp.zeros([], jnp.int32),
-      local_params=jax.tree.map(jnp.asarray, params),
-      inner_state=inner.init(params),
-      outer_momentum=jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params),
-      contributors=jnp.zeros([], jnp.int32),
-    )
+    count, local, inner_state, contributors = local_rounds.init(inner, params)
+    momentum = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+    return DilocoState(count, local, inner_state, momentum, contributors)
 
   def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError("dj.diloco needs the outer params: call tx.update(grads, state, params).")
-    num_workers = exchange.bound_axis_size(axis_name)
-    steps, inner_state = inner.update(updates, state.inner_state, state.local_params)
-    local = optax.apply_updates(state.local_params, steps)
-    count = optax.safe_increment(state.count)
+    count, local, inner_state = local_rounds.inner_step(
+      inner, updates, state, params, axis_name, "dj.diloco"
+    )
 
     def synchronize(local, momentum, inner_state):
-      delta = jax.tree.map(
-        lambda p, q: p.astype(jnp.float32) - q.astype(jnp.float32), params, local
+      return _synchronize(
+        inner, params, local, momentum, inner_state, outer_learning_rate, outer_momentum, axis_name
       )
-      # A worker whose round went non-finite (a NaN gradient) would spread it
-      # through the all-reduce to every replica. It adds zeros instead, and
-      # the mean is over the workers that stayed finite, counted in the same
-      # all-reduce (COUNT_BYTES more than the pseudo-gradient).
-      finite = exchange.all_finite(jax.tree.leaves(delta))
-      delta = jax.tree.map(lambda d: jnp.where(finite, d, 0.0), delta)
-      contributors = finite.astype(jnp.float32)
-      if axis_name is not None:
-        delta, contributors = jax.lax.psum((delta, contributors), axis_name)
-      delta = jax.tree.map(lambda d: d / jnp.maximum(contributors, 1.0), delta)
-      # A round in which every worker failed moves nothing, momentum included.
-      moved = contributors > 0
-      momentum = jax.tree.map(
-        lambda m, g: jnp.where(moved, outer_momentum * m + g, m), momentum, delta
-      )
-      outer_updates = jax.tree.map(
-        lambda g, m, p: jnp.where(
-          moved, -outer_learning_rate * (g + outer_momentum * m), 0.0
-        ).astype(p.dtype),
-        delta,
-        momentum,
-        params,
-      )
-      restart = exchange.worker_local(optax.apply_updates(params, outer_updates), axis_name)
-      # The failed worker restarts from the shared params like the others, and
-      # with a fresh inner state, since its own may hold the NaN. Leaves shared
-      # by every worker (a step count) took in no gradient.
-      fresh = inner.init(restart)
-      inner_state = jax.tree.map(
-        lambda s, f: s if exchange.is_shared(s, axis_name) else jnp.where(finite, s, f),
-        inner_state,
-        fresh,
-      )
-      return outer_updates, restart, momentum, inner_state, contributors.astype(jnp.int32)
 
-    def keep_going(local, momentum, inner_state):
-      everyone = jnp.full([], num_workers, jnp.int32)
-      return jax.tree.map(jnp.zeros_like, params), local, momentum, inner_state, everyone
-
-    sync = count % sync_every == 0
-    if total_steps is not None:
-      sync = sync | (count == total_steps)
-    # A cond, not a select: the all-reduce must run only on synchronizing steps.
-    outer_updates, local, momentum, inner_state, contributors = jax.lax.cond(
-      sync, synchronize, keep_going, local, state.outer_momentum, inner_state
+    outer_updates, local, momentum, inner_state, contributors = local_rounds.synchronize_when_due(
+      synchronize,
+      count,
+      params,
+      state.outer_momentum,
+      local,
+      inner_state,
+      sync_every=sync_every,
+      total_steps=total_steps,
+      axis_name=axis_name,
     )
     return outer_updates, DilocoState(count, local, inner_state, momentum, contributors)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _synchronize(
+  inner: optax.GradientTransformation,
+  params: Any,
+  local: Any,
+  momentum: Any,
+  inner_state: Any,
+  outer_learning_rate: float,
+  outer_momentum: float,
+  axis_name: Hashable | None,
+) -> tuple[Any, Any, Any, Any, jax.Array]:
+  """A synchronization: the finite workers' mean pseudo-gradient, a Nesterov step, restart."""
+  delta = jax.tree.map(lambda p, q: p.astype(jnp.float32) - q.astype(jnp.float32), params, local)
+  # A worker whose round went non-finite (a NaN gradient) would spread it through
+  # the all-reduce to every replica. It adds zeros instead, and the mean is over
+  # the workers that stayed finite, counted in the same all-reduce (COUNT_BYTES
+  # more than the pseudo-gradient).
+  finite = exchange.all_finite(jax.tree.leaves(delta))
+  delta = jax.tree.map(lambda d: jnp.where(finite, d, 0.0), delta)
+  contributors = finite.astype(jnp.float32)
+  if axis_name is not None:
+    delta, contributors = jax.lax.psum((delta, contributors), axis_name)
+  delta = jax.tree.map(lambda d: d / jnp.maximum(contributors, 1.0), delta)
+  # A round in which every worker failed moves nothing, momentum included.
+  moved = contributors > 0
+  momentum = jax.tree.map(lambda m, g: jnp.where(moved, outer_momentum * m + g, m), momentum, delta)
+
+  def nesterov(g, m, p):
+    return jnp.where(moved, -outer_learning_rate * (g + outer_momentum * m), 0.0).astype(p.dtype)
+
+  outer_updates = jax.tree.map(nesterov, delta, momentum, params)
+  local, inner_state = local_rounds.restart(
+    inner, params, outer_updates, inner_state, finite, axis_name
+  )
+  return outer_updates, local, momentum, inner_state, contributors.astype(jnp.int32)
 
 
 def inner_params(opt_state: Any, params: Any) -> Any:

@@ -56,9 +56,38 @@ round. Receivers leave such messages out: the mean and the median are over the
 valid workers only, and a round with none moves nothing. That worker restarts
 from the shared params with a fresh inner optimizer state, since its own may
 hold the NaN. So one worker's NaN reaches no replica, at no cost in bytes.
+
+**Drawn positions** (``random_positions=True``). The message is DeMo's drawn
+one instead of the top-k (:func:`distro_jax.scale_by_demo`): the buffer, kept
+in the chunked DCT basis with ``use_dct``, sends its values at
+``compression_topk`` positions per chunk drawn from the step count and the
+sender's index, so no indices travel, as 1-bit signs with ``value_bits=1``;
+the drawn values leave the buffer at full precision, and each coefficient's
+mean is over the workers that drew it. Every worker's 1-bit message has the
+same norm, so the median clip, which would scale each by one, is not
+applied. With ``normalize="orth"`` the mean of each matrix is orthogonalized
+before the outer step, so the error feedback sits before the
+orthogonalization (as in Dion, Ahn and Xu, arXiv:2504.05295, and EF21-Muon):
+what the signs did not carry stays in the buffer, and the step's size is the
+outer rate's. One 1-bit coefficient of each 8x8 DCT chunk, no indices, each
+matrix's mean orthogonalized:
+
+>>> import jax.numpy as jnp, optax, distro_jax as dj
+>>> tx = dj.sparseloco(optax.adamw(1e-2), sync_every=2, compression_topk=1,
+...     compression_chunk=8, value_bits=1, use_dct=True, random_positions=True,
+...     frequency_bias=1.0, normalize="orth", outer_learning_rate=2e-2, axis_name=None)
+>>> params, g = {"w": jnp.ones((64, 64))}, {"w": jnp.ones((64, 64))}
+>>> state = tx.init(params)
+>>> for _ in range(2):
+...   updates, state = tx.update(g, state, params)
+>>> round(float(jnp.sqrt(jnp.mean(updates["w"] ** 2))), 4)  # unit RMS times the rate
+0.02
+
+DiLoCo's and SparseLoCo's local rounds (the inner steps, when a round
+synchronizes, the restart of a failed worker) are :mod:`distro_jax.local_rounds`.
 """
 
-import math
+import functools
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -75,6 +104,7 @@ from distro_jax import (
   decode,
   delivery,
   exchange,
+  local_rounds,
   message,
   unit_rms,
   wire,
@@ -103,8 +133,6 @@ __all__ = [
 
 # Templar's production quantizer: 4 bins spanning 6 standard deviations.
 _RANGE_IN_SIGMAS = 6.0
-# What the median clip adds to a norm before dividing by it (as Templar does).
-_CLIP_EPS = 1e-8
 _CODEBOOK_DTYPE = np.dtype(np.float32)
 
 
@@ -324,14 +352,6 @@ def _decode(messages: jax.Array, layout: SparseLocoLayout) -> list[tuple[jax.Arr
   return out
 
 
-def _lower_median(x_W: jax.Array, valid_W: jax.Array) -> jax.Array:
-  """The lower median of the n valid entries, ``sorted(x)[(n - 1) // 2]``, as ``torch.median``."""
-  n = jnp.sum(valid_W.astype(jnp.int32))
-  # The invalid sort last, so the first n are the valid ones in order.
-  ordered = jnp.sort(jnp.where(valid_W, x_W, jnp.inf))
-  return ordered[jnp.maximum(n - 1, 0) // 2]
-
-
 def _all_finite_per_worker(values_W: list[jax.Array]) -> jax.Array:
   """``bool[W]``: whether each worker's decoded values are finite in every tensor."""
   # No reshape: values sharded with their param (under jax.jit) stay so.
@@ -339,46 +359,9 @@ def _all_finite_per_worker(values_W: list[jax.Array]) -> jax.Array:
   return jnp.all(jnp.stack(per_tensor), axis=0)
 
 
-def _per_worker(
-  w: jax.Array, x_W: jax.Array, otherwise: jax.Array | float | None = None
-) -> jax.Array:
-  """``w[W]`` broadcast over each worker's entries of ``x_W``: a factor, or a mask with a fill."""
-  w = w.reshape(w.shape + (1,) * (x_W.ndim - 1))
-  return w if otherwise is None else jnp.where(w, x_W, otherwise)
-
-
-def _norm_per_worker(x_W: jax.Array) -> jax.Array:
-  """``float[W]``: the L2 norm of each worker's entries of ``x_W``."""
-  return jnp.sqrt(jnp.sum(jnp.square(x_W), axis=tuple(range(1, x_W.ndim))))
-
-
 def _invalid_unless(finite: jax.Array, x: jax.Array) -> jax.Array:
   """``x``, or NaN everywhere (the mark of an invalid message) when not ``finite``."""
   return jnp.where(finite, x, jnp.nan).astype(x.dtype)
-
-
-def _sum_in_worker_order(
-  zeros_blocks: jax.Array, idx_WxRxK: jax.Array, val_WxRxK: jax.Array
-) -> jax.Array:
-  """Every worker's sparse message summed into a block view, worker 0 first.
-
-  A fixed order of float additions makes the sum bit-identical on every
-  worker. Within one worker an index occurs at most once per chunk, so each
-  scatter writes a location once and needs no atomics. ``zeros_blocks``
-  carries the param's sharding, so a sharded param's sum stays sharded.
-  """
-  lead = zeros_blocks.shape[:-4]
-  a, b = zeros_blocks.shape[-4], zeros_blocks.shape[-2]
-  num_workers, k = idx_WxRxK.shape[0], idx_WxRxK.shape[-1]
-  want = (num_workers, *lead, a, b, k)
-  idx_W = idx_WxRxK if idx_WxRxK.shape == want else idx_WxRxK.reshape(want)
-  val_W = val_WxRxK if val_WxRxK.shape == want else val_WxRxK.reshape(want)
-
-  def add(w, dense):
-    here = codec.gather_blocks(dense, idx_W[w])
-    return codec.scatter_blocks(dense, idx_W[w], here + val_W[w])
-
-  return jax.lax.fori_loop(0, num_workers, add, zeros_blocks)
 
 
 def _check_errors(errors: list[Any], plans: list[dct.ChunkPlan]) -> None:
@@ -425,18 +408,26 @@ class _Selection(NamedTuple):
 
 
 class _Format(NamedTuple):
-  """SparseLoCo's message format, as the exchange (:func:`distro_jax.delivery.deliver`) asks.
+  """SparseLoCo's top-k message, as DeMo's stages ask of a format.
 
-  A message is marked invalid by NaN where a valid one is finite: in every
-  codebook entry or, without quantization, in every value. So a receiver
-  reads each worker's validity from its values.
+  :func:`distro_jax.compress.compress` selects with it (DeMo's top-k) and
+  :func:`distro_jax.delivery.deliver` writes and reads it. A message is
+  marked invalid by NaN where a valid one is finite: in every codebook entry
+  or, without quantization, in every value. So a receiver reads each
+  worker's validity from its values.
   """
 
   layout: SparseLocoLayout
+  basis: dct.Basis
 
   @property
   def num_bytes(self) -> int:
     return self.layout.num_bytes
+
+  def select(self, blocks: list[jax.Array], tensors: list[int]) -> list[tuple[Any, Any]]:
+    """DeMo's top-k (:class:`distro_jax.message.TopK`) of the tensors numbered ``tensors``."""
+    ks = tuple(t.k for t in self.layout.tensors)
+    return message.TopK(ks).select(blocks, tensors)
 
   def encode(self, selection: _Selection, valid: jax.Array) -> jax.Array:
     quantized = [t.value_bits is not None for t in self.layout.tensors]
@@ -469,6 +460,7 @@ class _Config(NamedTuple):
 
   inner: optax.GradientTransformation
   sync_every: int
+  total_steps: int | None
   outer_learning_rate: Any
   error_decay: float
   topk: int
@@ -507,64 +499,27 @@ class _Round(NamedTuple):
   modes: list[Any]
 
 
-def _compress(
-  pseudo_grads: list[jax.Array], errors: list[jax.Array], rnd: _Round, cfg: _Config
+def _quantized(
+  out: compress.Compressed, layout: SparseLocoLayout
 ) -> tuple[_Selection, list[jax.Array]]:
-  """Error feedback, top-k and quantization of one worker's pseudo-gradient.
+  """The top-k values quantized, and the buffer with what receivers decode taken out.
 
-  Returns what the message sends and, per tensor in its param's shape, the
-  buffer with what was sent (as the receivers decode it) taken out.
+  What the quantizer loses stays in the buffer, so a later round sends it.
   """
-  indices, codes, books, sents, kept = [], [], [], [], []
-  for d, e, plan, t in zip(pseudo_grads, errors, rnd.plans, rnd.layout.tensors):
-    # Everything param-sized stays in its block view, sharded as the param is.
-    coeffs = cfg.basis.forward(dct.to_blocks(d, plan), plan)
-    e_blocks = cfg.error_decay * dct.to_blocks(e, plan) + coeffs
-    idx, val = codec.select_topk_blocks(e_blocks, t.k)
-    if cfg.bits is None:
+  codes, books, sents, kept = [], [], [], []
+  picked = zip(layout.tensors, out.momentum, out.selection.indices, out.selection.values)
+  for t, m, idx, val in picked:
+    if t.value_bits is None:
       code, book = val.astype(t.value_dtype), None
       sent = code.astype(jnp.float32)
     else:
-      code, book = quantize(val, cfg.bits)
+      code, book = quantize(val, t.value_bits)
       sent = dequantize(code, book)
-    # What was sent, as the receivers decode it, leaves the buffer.
-    e_blocks = codec.scatter_blocks(e_blocks, idx, val - sent)
-    kept.append(dct.from_blocks(e_blocks, plan, plan.state_shape, like=e))
-    indices.append(idx)
+    kept.append(codec.scatter_blocks(m, idx, val - sent))
     codes.append(code)
     books.append(book)
     sents.append(sent)
-  return _Selection(indices, codes, books, sents), kept
-
-
-def _aggregate(
-  received: message.Received, rnd: _Round, clip: bool
-) -> tuple[list[jax.Array], jax.Array]:
-  """The mean of the valid workers' messages, per tensor in its block view, and their count.
-
-  Each worker's values are clipped first, with ``clip``, to the lower median
-  of the valid workers' norms of that tensor. The sum runs over the workers
-  in their order, so every worker computes it bit for bit alike.
-  """
-  valid_W = received.valid
-  tensors = [(idx, _per_worker(valid_W, val, 0.0)) for idx, val in received.tensors]
-  if clip:
-    tensors = [
-      (idx, val * _per_worker(_clip_factors(_norm_per_worker(val), valid_W), val))
-      for idx, val in tensors
-    ]
-  contributors = jnp.sum(valid_W.astype(jnp.int32))
-  means = []
-  for (idx, val), plan, x in zip(tensors, rnd.plans, rnd.leaves):
-    zeros = dct.to_blocks(jnp.zeros_like(x, dtype=jnp.float32), plan)
-    # A round with no valid message sums to zero and moves nothing.
-    means.append(_sum_in_worker_order(zeros, idx, val) / jnp.maximum(contributors, 1))
-  return means, contributors
-
-
-def _clip_factors(norms_W: jax.Array, valid_W: jax.Array) -> jax.Array:
-  """Each worker's scale for one tensor: at most the lower median of the valid norms."""
-  return jnp.minimum(1.0, _lower_median(norms_W, valid_W) / (norms_W + _CLIP_EPS))
+  return _Selection(out.selection.indices, codes, books, sents), kept
 
 
 def _outer_step(means: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Array) -> Any:
@@ -585,80 +540,65 @@ def _outer_step(means: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Ar
   return rnd.treedef.unflatten(rnd.carried.with_empty(outer, rnd.all_leaves, jnp.zeros_like))
 
 
-def _restart(
-  params: Any, outer: Any, inner_state: Any, finite: jax.Array, cfg: _Config
-) -> tuple[Any, Any]:
-  """Every worker's inner params at the new outer params; a failed worker's inner state afresh.
-
-  Its own inner state may hold the NaN. Leaves shared by every worker (a
-  step count) took in no gradient, so they carry on.
-  """
-  restart = exchange.worker_local(optax.apply_updates(params, outer), cfg.axis_name)
-  inner_state = jax.tree.map(
-    lambda s, f: s if exchange.is_shared(s, cfg.axis_name) else jnp.where(finite, s, f),
-    inner_state,
-    cfg.inner.init(restart),
-  )
-  return restart, inner_state
-
-
-class _Exchanged(NamedTuple):
-  """One worker's round of messages: the mean it decoded and its own buffer after.
-
-  Attributes:
-    means: per tensor, the mean of the valid workers' messages in its block
-      view, out of the basis (the same on every worker).
-    contributors: how many workers' messages went into it.
-    errors: per tensor, this worker's buffer with what it sent taken out, in
-      its param's shape.
-    finite: whether this worker's pseudo-gradient and message were finite.
-  """
-
-  means: list[jax.Array]
-  contributors: jax.Array
-  errors: list[jax.Array]
-  finite: jax.Array
-
-
-def _exchange_topk(
-  pseudo: list[jax.Array], errors: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Array
-) -> _Exchanged:
-  """SparseLoCo's message: the top-k of each chunk of the buffer, with their indices."""
-  del count  # The message names its positions.
-  selection, new_errors = _compress(pseudo, errors, rnd, cfg)
-  finite = exchange.all_finite([*pseudo, *selection.sent])
-  received = delivery.deliver(_Format(rnd.layout), selection, finite, cfg.axis_name)
-  means, contributors = _aggregate(received, rnd, cfg.clip)
-  means = [cfg.basis.inverse(m, plan) for m, plan in zip(means, rnd.plans)]
-  return _Exchanged(means, contributors, new_errors, finite)
-
-
-def _exchange_drawn(
-  pseudo: list[jax.Array], errors: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Array
-) -> _Exchanged:
-  """DeMo's drawn message: the buffer's values at positions every worker draws for itself.
-
-  DeMo's compress stage with the pseudo-gradient as the gradient and the
-  error decay as the momentum's (``e <- decay * e + basis(d)``), its drawn
-  positions keyed by the step count, its codec (no indices; 1-bit signs or
-  param-dtype values) and its aggregate (each coefficient's mean over the
-  workers that drew it). What was drawn leaves the buffer at full precision.
-  """
+def _format(
+  pseudo: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Array
+) -> _Format | message.MessageFormat:
+  """The round's message format: SparseLoCo's top-k, or DeMo's drawn one."""
+  if not cfg.drawn:
+    return _Format(rnd.layout, cfg.basis)
   block_shapes = [plan.block_shape for plan in rnd.plans]
   ks = tuple(t.k for t in rnd.layout.tensors)
   positions = message.drawn(count, cfg.axis_name, pseudo, [], block_shapes, ks, cfg.bias)
-  fmt = message.MessageFormat(rnd.layout, positions, cfg.basis)
+  return message.MessageFormat(rnd.layout, positions, cfg.basis)
+
+
+def _exchange(
+  pseudo: list[jax.Array], errors: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Array
+) -> tuple[list[jax.Array], jax.Array, list[jax.Array], jax.Array]:
+  """One worker's round through DeMo's stages: compress, deliver, decode.
+
+  DeMo's compress stage takes the pseudo-gradient as the gradient and the
+  error decay as the momentum's (``e <- decay * e + basis(d)``). The top-k
+  message quantizes what it selected and decodes to the clipped mean over
+  every valid worker; the drawn one is DeMo's message (no indices; 1-bit
+  signs or param-dtype values), whose values leave the buffer at full
+  precision, decoded as DeMo does (each coefficient's mean over the workers
+  that drew it).
+
+  Returns:
+    ``(means, contributors, errors, finite)``: per tensor, the mean in its
+    block view, out of the basis (the same on every worker); how many
+    workers' messages went into it; per tensor, this worker's buffer after
+    the round, in its param's shape; and whether this worker's
+    pseudo-gradient and message were finite.
+  """
+  fmt = _format(pseudo, rnd, cfg, count)
   blocks = [dct.to_blocks(e, plan) for e, plan in zip(errors, rnd.plans)]
-  out = compress.compress(pseudo, blocks, rnd.plans, fmt, lr=1.0, decay=cfg.error_decay)
-  finite = exchange.all_finite([*pseudo, *out.selection.values])
-  received = delivery.deliver(fmt, out.selection, finite, cfg.axis_name)
-  means = decode.aggregate(received, out.kept, rnd.plans, cfg.basis, cfg.axis_name)
+  # SparseLoCo's top-k keeps XLA's path, and with it its bits: a fused
+  # kernel's DCT rounds differently.
+  out = compress.compress(
+    pseudo, blocks, rnd.plans, fmt, lr=1.0, decay=cfg.error_decay, kernels=cfg.drawn
+  )
+  if cfg.drawn:
+    selection, kept, sent = out.selection, out.kept, out.selection.values
+  else:
+    selection, kept = _quantized(out, rnd.layout)
+    sent = selection.sent
+  finite = exchange.all_finite([*pseudo, *sent])
+  received = delivery.deliver(fmt, selection, finite, cfg.axis_name)
+  if cfg.drawn:
+    means = decode.aggregate(received, out.kept, rnd.plans, cfg.basis, cfg.axis_name)
+  else:
+    zeros = [
+      dct.to_blocks(jnp.zeros_like(x, jnp.float32), p) for x, p in zip(rnd.leaves, rnd.plans)
+    ]
+    means = decode.clipped_mean(received, zeros, rnd.plans, cfg.basis, cfg.clip)
   contributors = jnp.sum(received.valid.astype(jnp.int32))
-  new_errors = [
+  errors = [
     dct.from_blocks(k, plan, plan.state_shape, like=e)
-    for k, plan, e in zip(out.kept, rnd.plans, errors)
+    for k, plan, e in zip(kept, rnd.plans, errors)
   ]
-  return _Exchanged(means, contributors, new_errors, finite)
+  return means, contributors, errors, finite
 
 
 def _synchronize(
@@ -675,14 +615,15 @@ def _synchronize(
   pseudo = [p.astype(jnp.float32) - q.astype(jnp.float32) for p, q in zip(rnd.leaves, local_leaves)]
   all_errors = rnd.treedef.flatten_up_to(errors)
   old_errors = rnd.carried.pick(all_errors)
-  exchange_round = _exchange_drawn if cfg.drawn else _exchange_topk
-  got = exchange_round(pseudo, old_errors, rnd, cfg, count)
+  means, contributors, new_errors, finite = _exchange(pseudo, old_errors, rnd, cfg, count)
   # A worker that is not finite keeps its buffer of before the round.
-  kept = [jnp.where(got.finite, e, old) for e, old in zip(got.errors, old_errors)]
+  kept = [jnp.where(finite, e, old) for e, old in zip(new_errors, old_errors)]
   errors = rnd.treedef.unflatten(rnd.carried.merge(kept, all_errors))
-  outer = _outer_step(got.means, rnd, cfg, count)
-  restart, inner_state = _restart(params, outer, inner_state, got.finite, cfg)
-  return outer, restart, errors, inner_state, got.contributors
+  outer = _outer_step(means, rnd, cfg, count)
+  local, inner_state = local_rounds.restart(
+    cfg.inner, params, outer, inner_state, finite, cfg.axis_name
+  )
+  return outer, local, errors, inner_state, contributors
 
 
 def _config(
@@ -699,9 +640,12 @@ def _config(
   random_positions: bool = False,
   frequency_bias: Any = None,
   normalize: Any = None,
+  total_steps: Any = None,
 ) -> _Config:
   """:func:`sparseloco`'s arguments checked, each refused with the fix when wrong."""
   sync_every = static_positive_int("sync_every", sync_every, example=30)
+  if total_steps is not None:
+    total_steps = static_positive_int("total_steps", total_steps, example=1000)
   topk = static_positive_int("compression_topk", compression_topk, example=64)
   chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
   bits = _check_value_bits(value_bits)
@@ -718,18 +662,17 @@ def _config(
       f"inner must be an optax.GradientTransformation such as optax.adamw(1e-3), got "
       f"{type(inner).__name__}."
     )
-  basis = dct.basis(bool(use_dct))
-  clip = bool(clip_to_median_norm)
   return _Config(
     inner,
     sync_every,
+    total_steps,
     outer_learning_rate,
     error_decay,
     topk,
     chunk,
     bits,
-    basis,
-    clip,
+    dct.basis(bool(use_dct)),
+    bool(clip_to_median_norm),
     axis_name,
     drawn,
     bias,
@@ -787,6 +730,38 @@ def _round(params: Any, state: SparseLocoState, cfg: _Config) -> _Round:
   return _Round(treedef, carried, all_leaves, leaves, layout, plans, modes)
 
 
+def _update(
+  cfg: _Config, updates: Any, state: SparseLocoState, params: Any
+) -> tuple[Any, SparseLocoState]:
+  """:func:`sparseloco`'s update: the inner step, then the round's exchange when it is due."""
+  count, local, inner_state = local_rounds.inner_step(
+    cfg.inner, updates, state, params, cfg.axis_name, "dj.sparseloco"
+  )
+  rnd = _round(params, state, cfg)
+  if not rnd.leaves:
+    # Nothing to exchange (an empty tree, or optax.masked selecting nothing).
+    everyone = jnp.full([], exchange.bound_axis_size(cfg.axis_name), jnp.int32)
+    return updates, SparseLocoState(count, local, inner_state, state.error_feedback, everyone)
+
+  synchronize = functools.partial(_synchronize, cfg, rnd, count, params)
+  # The synchronizing branch makes the buffer differ by worker, and both
+  # must return it typed alike, so it enters as such (else tracing it from
+  # a shared buffer, as dj.worker_state_specs does first, fails).
+  errors = exchange.worker_local(state.error_feedback, cfg.axis_name)
+  outer_updates, local, errors, inner_state, contributors = local_rounds.synchronize_when_due(
+    synchronize,
+    count,
+    params,
+    errors,
+    local,
+    inner_state,
+    sync_every=cfg.sync_every,
+    total_steps=cfg.total_steps,
+    axis_name=cfg.axis_name,
+  )
+  return outer_updates, SparseLocoState(count, local, inner_state, errors, contributors)
+
+
 def sparseloco(
   inner: optax.GradientTransformation,
   *,
@@ -802,6 +777,7 @@ def sparseloco(
   random_positions: bool = False,
   frequency_bias: float | None = None,
   normalize: Any = None,
+  total_steps: int | None = None,
 ) -> optax.GradientTransformation:
   """SparseLoCo: H local steps of ``inner``, then a compressed, error-fed outer step.
 
@@ -811,24 +787,12 @@ def sparseloco(
   updates ``e <- error_decay * e + chunks(d)``, keeps the ``compression_topk``
   largest-magnitude entries of each chunk of ``e``, quantizes them to
   ``value_bits`` bits, subtracts the quantized values from ``e``, and
-  all-gathers the message (see the module docstring for the quantizer and the
-  wire). Every worker then decodes all W messages, optionally clips each to the
-  median norm, averages them over W, and sets ``outer <- outer - outer_lr *
-  mean``; it restarts its inner params there. Between synchronizations the
-  update of the outer params is zero, so replicas stay identical.
-
-  **Drawn positions** (``random_positions=True``). The message is DeMo's
-  drawn one instead of the top-k (:func:`distro_jax.scale_by_demo`): the
-  buffer, kept in the chunked DCT basis with ``use_dct``, sends its values
-  at ``compression_topk`` positions per chunk drawn from the step count and
-  the sender's index, so no indices travel, as 1-bit signs with
-  ``value_bits=1``; the drawn values leave the buffer at full precision, and
-  each coefficient's mean is over the workers that drew it. Every worker's
-  1-bit message has the same norm, so the median clip, which would scale
-  each by one, is not applied. With ``normalize="orth"`` the mean of each
-  matrix is orthogonalized before the outer step, so the error feedback sits
-  before the orthogonalization (as in Dion and EF21-Muon): what the signs
-  did not carry stays in the buffer, and the step's size is the outer rate's.
+  all-gathers the message (see the module docstring for the quantizer, the
+  wire and the drawn message of ``random_positions``). Every worker then
+  decodes all W messages, optionally clips each to the median norm, averages
+  them over W, and sets ``outer <- outer - outer_lr * mean``; it restarts its
+  inner params there. Between synchronizations the update of the outer
+  params is zero, so replicas stay identical.
 
   Args:
     inner: the inner optimizer, e.g. ``optax.adamw(lr)``; its state is per
@@ -836,8 +800,8 @@ def sparseloco(
     sync_every: inner steps between synchronizations (H). Static.
     outer_learning_rate: the outer step size (1.0 in the paper), or a
       schedule, read at the step count of the synchronizing update (the
-      step the inner optimizer's schedule read too). With ``normalize`` the
-      step has unit RMS, so this is its size per entry.
+      step the inner optimizer's schedule read too). With
+      ``normalize`` the step has unit RMS, so this is its size per entry.
     error_decay: the error-feedback decay in ``[0, 1]`` (0.95 in the paper).
     compression_topk: entries kept per chunk, clamped to the chunk size. Static.
     compression_chunk: chunk length target per axis; 64 gives 64x64 chunks of
@@ -847,21 +811,21 @@ def sparseloco(
     use_dct: select entries in the chunked DCT domain (as DeMo does) instead of
       the raw chunks (the paper's production form). Static.
     clip_to_median_norm: scale each worker's contribution, per tensor, to at
-      most the median norm across workers, as Templar's production does.
-      Static.
+      most the median norm across workers, as Templar's production does. Static.
     axis_name: the data-parallel axis bound by an enclosing ``jax.shard_map``;
       ``None`` for one worker and no collective.
-    random_positions: send DeMo's drawn message (see above) instead of the
-      top-k and its indices; needs ``value_bits`` 1 or ``None``. Static.
+    random_positions: send DeMo's drawn message instead of the top-k and its
+      indices; needs ``value_bits`` 1 or ``None``. Static.
     frequency_bias: with ``random_positions``, the draw's preference for a
       chunk's low frequencies (:func:`distro_jax.codec.draw_positions`);
       ``None`` draws uniformly. Static.
     normalize: how the mean becomes the outer step: ``None`` (the mean
       itself, SparseLoCo's), or as :func:`distro_jax.demo` takes it:
-      ``"sign"``, ``"rms"`` (each tensor at unit RMS), ``"orth"`` (each
-      matrix orthogonalized as Muon does, then at unit RMS; other tensors at
-      unit RMS), a tree of these like the params, or a function of the params
-      that returns one. Static.
+      ``"sign"``, ``"rms"``, ``"orth"``, a tree of these like the params, or
+      a function of the params that returns one. Static.
+    total_steps: the run's length; step ``total_steps`` synchronizes even when
+      it is not a multiple of ``sync_every``, so a last, shorter round reaches
+      the outer params. ``None``: only the multiples do. Static.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`SparseLocoState`.
@@ -869,9 +833,6 @@ def sparseloco(
   References:
     Sarfi, Thérien, Lidin, Belilovsky, "Communication Efficient LLM
     Pre-training with SparseLoCo", arXiv:2508.15706, 2025.
-
-    Ahn, Xu, "Dion: A Communication-Efficient Optimizer for Large Models",
-    arXiv:2504.05295, 2025 (error feedback before the orthogonalization).
 
   Example:
     >>> import jax.numpy as jnp, optax, distro_jax as dj
@@ -885,74 +846,18 @@ def sparseloco(
     >>> updates, state = tx.update(g, state, params)  # sync: the compressed outer step
     >>> int((updates["w"] != 0).sum())  # top-64 of each 64x64 chunk
     64
-
-    The drawn, orthogonalized form: one 1-bit coefficient of each 8x8 DCT
-    chunk, no indices, each matrix's mean orthogonalized.
-
-    >>> tx = dj.sparseloco(optax.adamw(1e-2), sync_every=2, compression_topk=1,
-    ...     compression_chunk=8, value_bits=1, use_dct=True, random_positions=True,
-    ...     frequency_bias=1.0, normalize="orth", outer_learning_rate=2e-2, axis_name=None)
-    >>> state = tx.init(params)
-    >>> for _ in range(2):
-    ...   updates, state = tx.update(g, state, params)
-    >>> round(float(jnp.sqrt(jnp.mean(updates["w"] ** 2))), 4)  # unit RMS times the rate
-    0.02
   """
-  cfg = _config(
-    inner,
-    sync_every,
-    outer_learning_rate,
-    error_decay,
-    compression_topk,
-    compression_chunk,
-    value_bits,
-    use_dct,
-    clip_to_median_norm,
-    axis_name,
-    random_positions,
-    frequency_bias,
-    normalize,
-  )
+  # Every argument, checked before any is used.
+  cfg = _config(**locals())
 
   def init_fn(params):
     dct.refuse_non_float(params, "SparseLoCo", "top-k by magnitude and quantizer")
-    return SparseLocoState(
-      count=jnp.zeros([], jnp.int32),
-      local_params=jax.tree.map(jnp.asarray, params),
-      inner_state=inner.init(params),
-      error_feedback=jax.tree.map(dct.in_place_zeros, params),
-      contributors=jnp.zeros([], jnp.int32),
-    )
+    count, local, inner_state, contributors = local_rounds.init(inner, params)
+    errors = jax.tree.map(dct.in_place_zeros, params)
+    return SparseLocoState(count, local, inner_state, errors, contributors)
 
   def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError(
-        "dj.sparseloco needs the outer params: call tx.update(grads, state, params)."
-      )
-    everyone = jnp.full([], exchange.bound_axis_size(axis_name), jnp.int32)
-    steps, inner_state = inner.update(updates, state.inner_state, state.local_params)
-    local = optax.apply_updates(state.local_params, steps)
-    count = optax.safe_increment(state.count)
-    rnd = _round(params, state, cfg)
-    if not rnd.leaves:
-      # Nothing to exchange (an empty tree, or optax.masked selecting nothing).
-      return updates, SparseLocoState(count, local, inner_state, state.error_feedback, everyone)
-
-    def synchronize(local, errors, inner_state):
-      return _synchronize(cfg, rnd, count, params, local, errors, inner_state)
-
-    def keep_going(local, errors, inner_state):
-      return jax.tree.map(jnp.zeros_like, params), local, errors, inner_state, everyone
-
-    # A cond, not a select: the all-gather must run only on synchronizing steps.
-    # Both branches must return the buffer typed alike, and the synchronizing
-    # one makes it differ by worker, so it enters as such (else tracing it from
-    # a shared buffer, as dj.worker_state_specs does first, fails).
-    errors = exchange.worker_local(state.error_feedback, axis_name)
-    outer_updates, local, errors, inner_state, contributors = jax.lax.cond(
-      count % cfg.sync_every == 0, synchronize, keep_going, local, errors, inner_state
-    )
-    return outer_updates, SparseLocoState(count, local, inner_state, errors, contributors)
+    return _update(cfg, updates, state, params)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -1043,16 +948,7 @@ def sparseloco_bytes(
     bits,
     drawn,
   )
-  leaves = jax.tree.leaves(params)
-  numel = sum(math.prod(np.shape(x)) for x in leaves)
-  grad = sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves)
-  return SparseLocoBytes(
-    payload=layout.num_bytes,
-    per_step=layout.num_bytes / sync_every,
-    grad_bf16=2 * numel,
-    grad_fp32=4 * numel,
-    grad=grad,
-    ring_allreduce=2 * (num_workers - 1) / num_workers * grad,
-    num_workers=num_workers,
-    sync_every=sync_every,
-  )
+  # The baselines (the full gradient, a ring all-reduce of it) are DeMo's.
+  base = wire.wire_bytes(params, num_workers=num_workers)._asdict()
+  mine = dict(payload=layout.num_bytes, per_step=layout.num_bytes / sync_every)
+  return SparseLocoBytes(**base | mine, sync_every=sync_every)

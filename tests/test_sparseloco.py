@@ -396,6 +396,51 @@ def test_a_round_with_no_finite_worker_moves_nothing():
   assert np.asarray(updates["w"]).any() and np.isfinite(np.asarray(updates["w"])).all()
 
 
+def test_total_steps_synchronizes_the_last_step_of_the_run():
+  params = {"w": jnp.ones((8, 8))}
+  g = {"w": jnp.arange(64.0).reshape(8, 8)}
+  for total_steps, moved in ((None, False), (4, True)):
+    tx = dj.sparseloco(optax.sgd(0.1), sync_every=3, total_steps=total_steps, axis_name=None)
+    state = tx.init(params)
+    for _ in range(4):
+      updates, state = tx.update(g, state, params)
+    # Step 4 is no multiple of 3: only the run's last step makes it synchronize.
+    assert bool(np.asarray(updates["w"]).any()) == moved
+    if moved:
+      new = optax.apply_updates(params, updates)["w"]
+      np.testing.assert_array_equal(dj.inner_params(state, params)["w"], new)
+
+
+def test_compress_without_kernels_keeps_xlas_bits_on_dct_chunks():
+  # 64x64 DCT chunks are a fused kernel's on a CPU; SparseLoCo's top-k keeps XLA's.
+  from distro_jax import compress, cpu_kernels, dct, wire
+
+  g = [jnp.asarray(np.random.default_rng(0).normal(size=(64, 128)), jnp.float32)]
+  plans = wire.plan_tree(g, 64)
+  layout = wire.wire_layout(g, compression_topk=8, compression_chunk=64, quantize_1bit=False)
+  fmt = dj.message.MessageFormat(layout, dj.message.TopK((8,)), dct.DCT_BASIS)
+  m = [jnp.ones(plans[0].block_shape)]
+  got = compress.compress(g, m, plans, fmt, lr=1.0, decay=0.9, kernels=False)
+  with cpu_kernels.disabled():
+    want = compress.compress(g, m, plans, fmt, lr=1.0, decay=0.9)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_clipped_mean_is_over_every_valid_worker_after_the_median_clip():
+  plan = dj.dct.plan_chunks((4,), 4)
+  idx = jnp.array([[[[0, 1]]], [[[0, 3]]], [[[2, 3]]]])  # (W, A, B, k)
+  val = jnp.array([[[[3.0, 4.0]]], [[[0.6, 0.8]]], [[[9.0, 9.0]]]])  # norms 5, 1, 12.7
+  valid = jnp.array([True, True, False])
+  got = dj.message.Received([(idx, val)], valid)
+  zeros = [jnp.zeros(plan.block_shape)]
+  (plain,) = dj.decode.clipped_mean(got, zeros, [plan], dj.dct.IDENTITY_BASIS, clip=False)
+  np.testing.assert_allclose(plain.reshape(-1), [1.8, 2.0, 0.0, 0.4], rtol=1e-6)
+  # The lower median of the valid norms (5, 1) is 1: the first worker is scaled by 1/5.
+  (clipped,) = dj.decode.clipped_mean(got, zeros, [plan], dj.dct.IDENTITY_BASIS, clip=True)
+  np.testing.assert_allclose(clipped.reshape(-1), [0.6, 0.4, 0.0, 0.4], rtol=1e-6)
+
+
 def test_init_is_shape_only():
   tx = dj.sparseloco(optax.adamw(1e-3), use_dct=True)
   shapes = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((128, 96), jnp.bfloat16)})
@@ -445,6 +490,7 @@ def test_production_payload_is_about_2200x_below_a_bf16_gradient():
     (dict(value_bits=3), ValueError, "value_bits must be 1, 2 or None"),
     (dict(value_bits=0), ValueError, "value_bits must be 1, 2 or None"),
     (dict(error_decay=1.5), ValueError, "error_decay must be in"),
+    (dict(total_steps=0), ValueError, "total_steps must be a positive int"),
   ],
 )
 def test_bad_options_are_refused_with_the_fix(kwargs, error, match):
