@@ -595,6 +595,7 @@ def recorded_cells() -> list[MeasuredCell]:
   tiny = "netlab.md, Its tests (275af82)"
   overlapped = "overlapped.md, Does it overlap (8c7f229)"
   cut = "netlab.md, Far links after the cut (40 steps)"
+  larms = "netlab.md, The overlapped step's clean cost, taken apart (40 steps)"
   floor = "netlab.md, The bandwidth floor (20 steps a cell)"
   return [
     _demo_cell("mini, Psyche's message, far", far, 4, 22_567, 0.915, 2.407, faults),
@@ -631,6 +632,28 @@ def recorded_cells() -> list[MeasuredCell]:
       2.942,
       2.880,
       cut,
+      True,
+      False,
+    ),
+    _demo_cell(
+      "mini, the 1,020x message (14.3 KB), plain, far, beside -larms",
+      far,
+      4,
+      14_263,
+      1.383,
+      1.748,
+      larms,
+      False,
+      False,
+    ),
+    _demo_cell(
+      "mini, the 1,020x message (14.3 KB), overlapped, the guess at unit RMS, far",
+      far,
+      4,
+      14_263,
+      1.478,
+      1.709,
+      larms,
       True,
       False,
     ),
