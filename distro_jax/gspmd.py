@@ -635,17 +635,14 @@ def per_worker(
   axis_name=...)``), alone or inside ``optax`` wrappers (``MultiSteps``,
   ``inject_hyperparams``, ``chain``, ``masked``, ``multi_transform``). Put
   the wrappers inside ``per_worker``, not around it: they then see one
-  worker's gradient, as they would without DisTrO. The wrapper's update takes
-  the gradients with their leading worker axis, runs ``tx.update`` for every
-  worker at once inside a ``jax.shard_map`` over ``axis_name`` (manual over
-  that axis only), and returns the update that every worker computed alike,
-  shaped like the params. The only collectives across ``axis_name`` are the
-  ones ``tx`` makes: DisTrO's message.
+  worker's gradient, as they would without DisTrO. The update runs
+  ``tx.update`` for every worker at once inside a ``jax.shard_map`` over
+  ``axis_name`` and returns the update every worker computed alike; the only
+  collectives across ``axis_name`` are ``tx``'s own: DisTrO's message.
 
-  With ``all_reduce=True``, ``tx`` is a dense optimizer (``optax.adamw``,
-  inside the same wrappers) and the gradients are averaged over the workers
-  first: the all-reduce baseline through the same step, gradient line and
-  checkpoints, so a trainer switches between the two with one flag.
+  With ``all_reduce=True``, ``tx`` is a dense optimizer and the gradients
+  are averaged over the workers first: the all-reduce baseline through the
+  same step and checkpoints.
 
   Its state is ``tx``'s, leaf for leaf: a leaf that differs by worker
   (:func:`distro_jax.worker_state_specs`) is stacked on a leading axis of
@@ -653,17 +650,15 @@ def per_worker(
   makes it.
 
   Args:
-    tx: the optimizer, built with ``axis_name`` (with ``all_reduce``, a
-      dense one).
+    tx: the optimizer, built with ``axis_name`` (or dense, ``all_reduce``).
     mesh: the device mesh; ``axis_name`` is one of its axes
       (:func:`workers_mesh` builds one).
     axis_name: the workers' axis.
     all_reduce: average the gradients over the workers before ``tx``.
 
   Returns:
-    A :class:`PerWorker`, an ``optax.GradientTransformationExtraArgs``. Its
-    ``update`` needs ``params``; extra keyword arguments are passed to
-    ``tx.update``, the same for every worker.
+    A :class:`PerWorker`. Its ``update`` needs ``params``; extra keyword
+    arguments go to ``tx.update``, the same for every worker.
 
   Raises:
     ValueError: at ``update``, gradients without the worker axis (the

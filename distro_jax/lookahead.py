@@ -106,23 +106,20 @@ def lookahead_update(
     quantize_1bit: as given to :func:`distro_jax.demo`.
     use_dct: as given to :func:`distro_jax.demo`.
     weight_decay: as given to :func:`distro_jax.demo`.
-    random_positions: as given to :func:`distro_jax.demo`. Drawn positions
-      work with ``guess="momentum"`` only.
-    normalize: as given to :func:`distro_jax.demo`: the guess takes the
-      sign of ``IDCT(c)``, scales it to unit RMS or orthogonalizes it, as
-      the update does.
+    random_positions: as given to :func:`distro_jax.demo` (with
+      ``guess="momentum"`` only).
+    normalize: as given to :func:`distro_jax.demo`, or another mode for a
+      cheaper guess (``"rms"`` skips the orthogonalization).
     guess: ``"momentum"`` (Psyche's: the momentum before error feedback) or
       ``"message"`` (this worker's own message, as sent).
     scale: a factor on the whole guess.
     axis_name: the workers' axis, as given to :func:`distro_jax.demo`;
-      needed only when a worker's params are sharded over more mesh axes
-      (FSDP within a site).
+      needed only under FSDP within a site.
 
   Returns:
-    A tree like ``params``: zero before the first message (or after a message
-    marked invalid), else ``-scale * lr_prev * (sign(IDCT(c)) + wd * p)``
-    (with ``normalize="rms"`` or ``"orth"``, ``IDCT(c)`` shaped so in place
-    of its sign).
+    A tree like ``params``: zero before the first message (or after one
+    marked invalid), else ``-scale * lr_prev * (step(IDCT(c)) + wd * p)``,
+    ``step`` the ``normalize`` mode's.
   """
   unit_rms.check_normalize(normalize)
   if guess not in _GUESSES:
