@@ -19,6 +19,7 @@ def test_table_gives_medians_over_processes_and_the_ratio_to_the_ring():
   assert "| far | 0.350 s | 0.150 s | 0.350 s | 0.43x |" in table
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CANNOT_RUN is not None, reason=f"netlab cannot run: {CANNOT_RUN}")
 def test_four_processes_on_a_delayed_link_take_fewer_hops_by_all_to_all():
   cfg = HopsConfig(processes=4, message_bytes=2048, iters=3, rate_mbit=100.0)
