@@ -203,9 +203,8 @@ class TrainConfig:
   lookahead_normalize: str = _field(
     "",
     "With --lookahead, how the guess of the update in flight is normalized: empty, as the "
-    "step is (--normalize); 'rms', each tensor of the worker's own decoded momentum at unit "
-    "RMS, which skips the orthogonalization's Newton-Schulz iterations (on mini on CPU they "
-    "are most of the overlapped step's extra time).",
+    "step is (--normalize); 'rms', each tensor at unit RMS, which skips the "
+    "orthogonalization's Newton-Schulz iterations (docs/overlapped.md).",
   )
   warmup_steps: int | None = _field(
     None, "Linear warmup steps before the cosine (default: recipe)."
