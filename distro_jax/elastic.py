@@ -1,44 +1,10 @@
 """Elastic runs: the per-worker optimizer state of W workers, resized for W'.
 
-In a JAX SPMD job the set of workers is fixed at start, so a run that loses
-or gains machines stops and continues from its last checkpoint on another
-worker count. What each worker holds by itself (DeMo's momentum, SparseLoCo's
-error feedback, DiLoCo's inner params and inner optimizer state) then has to
-be rearranged; everything the workers share (counts, DisTrO's inner optimizer
-state, DiLoCo's outer momentum) carries over as it is.
-
-Which leaves are per worker is read from the state's structure, as
-:func:`distro_jax.worker_state_specs` finds it (a leaf is per worker when one
-update makes it differ over the data axis), so this works for any optax chain.
-The per-worker leaf of local shape ``(d0, ...)`` is laid out as one global
-array ``(W * d0, ...)`` (:mod:`distro_jax.worker_state`); resizing cuts it into
-its W blocks and reassembles W' of them:
-
-- a worker that stays keeps its block;
-- a worker that joins gets ``tx.init`` of the shared params: zero momentum and
-  error feedback, DiLoCo and SparseLoCo inner params equal to the shared
-  params, a fresh inner optimizer state;
-- a worker that leaves takes its block with it (``leaving="drop"``, the
-  default, as Psyche's trainers do), or leaves its unsent residual behind
-  (``leaving="fold"``): the leaves named in ``residual_fields`` (DeMo's
-  ``momentum``, SparseLoCo's ``error_feedback``), whose content has not
-  reached any other worker yet, are folded into the workers that stay so that
-  their mean residual is the mean over all W workers before: each stayer keeps
-  its own deviation from the mean, and the mean carries every old worker's
-  residual at the weight it had.
-
-Why the mean and not the sum: the workers' residuals are W estimates of one
-quantity (what the whole batch's momentum has not yet sent), and the
-exchange averages them. Splitting the leavers' sum over the stayers would
-inflate that average by W / W' (twice for 8 -> 4 workers). Why dropping is
-the default: in DeMo runs the fold trained no better (the measurements are in
-docs/elastic.md).
-
-A state saved by W workers generally cannot be restored sharded over W'
-devices (``W * d0`` need not divide by W'), so :func:`abstract_state_of_workers`
-gives a restore target that holds the per-worker leaves replicated, and
-:func:`resize_worker_state` places its result as
-:func:`distro_jax.init_worker_state` would.
+Which leaves are per worker is what :func:`distro_jax.worker_state_specs`
+finds. A worker that stays keeps its block of each per-worker leaf, one that
+joins gets ``tx.init`` of the shared params, and one that leaves takes its
+state with it, or leaves its unsent residual folded into the stayers. Shared
+leaves carry over. See docs/elastic.md.
 """
 
 import functools
@@ -68,15 +34,10 @@ __all__ = [
   "worker_count",
 ]
 
-# Fields of the library's states that hold a worker's unsent residual: what it
-# has accumulated and not yet put into any message. DeMo's momentum is its
-# error-feedback buffer; SparseLoCo's is ``error_feedback``.
+# Fields of the library's states that hold a worker's unsent residual.
 RESIDUAL_FIELDS = ("momentum", "error_feedback")
-# Fields that hold a message in flight (DeMo's ``pending`` with delayed_apply).
-# Drawn positions are keyed by the sender's index, so a worker that moves to
-# another index cannot send the message it made under the old one. It is
-# marked invalid instead; nothing is lost, since the momentum is kept before
-# that message's error feedback and still holds what it would have sent.
+# Fields that hold a message in flight; a worker that moves to another index
+# cannot send it, since drawn positions are keyed by the sender's index.
 IN_FLIGHT_FIELDS = ("pending",)
 # What happens to a leaving worker's residual.
 LEAVING = ("drop", "fold")
@@ -84,16 +45,14 @@ LEAVING = ("drop", "fold")
 
 def _axis0(spec: P) -> tuple[Hashable, ...]:
   """The mesh axes that split a leaf's axis 0, in order."""
-  if not spec:
-    return ()
-  first = spec[0]
+  first = spec[0] if spec else None
   if first is None:
     return ()
   return tuple(first) if isinstance(first, tuple) else (first,)
 
 
 def _is_residual(path: tuple[Any, ...], residual_fields: Sequence[str]) -> bool:
-  """Whether a leaf sits under a NamedTuple field (or dict key) named in ``residual_fields``."""
+  """Whether a leaf sits under a field or dict key named in ``residual_fields``."""
   for entry in path:
     name = getattr(entry, "name", getattr(entry, "key", None))
     if isinstance(name, str) and name in residual_fields:
@@ -115,7 +74,6 @@ class _Leaf:
         f"({spec}); the per-worker layout of distro_jax.worker_state puts it on axis 0."
       )
     self.per_worker = axis_name in axes
-    self.axes = axes
     self.position = axes.index(axis_name) if self.per_worker else None
     self.sizes = [mesh.shape[a] for a in axes]
     self.residual = residual and self.per_worker
@@ -129,8 +87,7 @@ class _Leaf:
     """``(rows, ...)`` -> ``(workers, block, ...)``, whatever the axis order of the split."""
     sizes = list(self.sizes)
     sizes[self.position] = workers
-    pieces = math.prod(sizes)
-    x = x.reshape(*sizes, x.shape[0] // pieces, *x.shape[1:])
+    x = x.reshape(*sizes, x.shape[0] // math.prod(sizes), *x.shape[1:])
     x = jnp.moveaxis(x, self.position, 0)
     return x.reshape(workers, -1, *x.shape[len(sizes) + 1 :])
 
@@ -194,17 +151,14 @@ def worker_count(
 
   Args:
     tx: the optimizer the state belongs to.
-    state: the state, or anything with its structure whose leaves have a
-      ``shape`` (``jax.ShapeDtypeStruct``, a checkpoint's array metadata).
+    state: the state, or a tree of its structure whose leaves have a ``shape``.
     params: the params tree (arrays or ``jax.ShapeDtypeStruct``), global shapes.
-    mesh: a mesh with an axis ``axis_name`` (any size; it fixes the layout of
-      the devices within a worker, e.g. FSDP).
+    mesh: a mesh with an axis ``axis_name``, of any size.
     axis_name: the data-parallel axis.
     param_specs: the params' ``PartitionSpec`` tree when they are sharded.
 
   Returns:
-    W, or ``None`` when the state has no per-worker leaf (an all-reduce
-    optimizer's state is shared, and fits any worker count).
+    W, or ``None`` when the state has no per-worker leaf.
 
   Raises:
     ValueError: the shapes are not this optimizer's state for any W.
@@ -225,14 +179,8 @@ def abstract_state_of_workers(
 ) -> Any:
   """Where to restore a state that ``num_workers`` workers saved, on another worker count.
 
-  Shapes and dtypes of the state of ``num_workers`` workers, placed on
-  ``mesh`` (whose ``axis_name`` may have another size): per-worker leaves
-  replicated, since their rows need not divide over the new worker count, and
-  shared leaves as :func:`distro_jax.abstract_worker_state` places them. Give
-  it to the checkpointer as the restore target (e.g. ``orbax``'s
-  ``StandardRestore``), then pass the restored state to
-  :func:`resize_worker_state`. The replicated leaves hold every old worker's
-  state on each device until the resize, which frees them.
+  Per-worker leaves are replicated on ``mesh``; pass the restored state to
+  :func:`resize_worker_state`.
 
   Args:
     tx: the optimizer.
@@ -259,12 +207,7 @@ def abstract_state_of_workers(
 
 
 def _on(mesh: Mesh, x: Any) -> Any:
-  """``x`` as an input of a computation on ``mesh``: as it is if it lives there, else on the host.
-
-  A state saved by W workers usually lives on another mesh (or on none). One
-  that lives on another mesh across processes cannot be fetched here; restore
-  it onto this mesh with :func:`abstract_state_of_workers` instead.
-  """
+  """``x`` as it is if it lives on ``mesh``, else fetched to the host."""
   sharding = getattr(x, "sharding", None)
   if not isinstance(x, jax.Array) or getattr(sharding, "mesh", None) == mesh:
     return x
@@ -291,17 +234,15 @@ def _check_keep(keep: Sequence[int] | None, before: int, after: int) -> tuple[in
 
 def _rearrange(
   leaves: Sequence[Any],
-  old: list[jax.Array],
-  fresh: list[jax.Array],
-  *,
   keep: tuple[int, ...],
   before: int,
   after: int,
   fold: bool,
   replicated: NamedSharding,
+  old: list[jax.Array],
+  fresh: list[jax.Array],
 ) -> list[jax.Array]:
   """:func:`resize_worker_state`'s program: the kept workers' blocks, then the joiners'."""
-  # Worker blocks are cut and joined replicated; the result is placed at the end.
   old, fresh = jax.sharding.reshard((old, fresh), replicated)
   # Stayers that take another index: their message in flight is marked invalid.
   moved = np.asarray(keep) != np.arange(len(keep))
@@ -339,40 +280,28 @@ def resize_worker_state(
 ) -> Any:
   """The per-worker state of W workers, rearranged for the W' workers of ``mesh``.
 
-  New worker ``i`` takes old worker ``keep[i]``'s state for ``i < len(keep)``;
-  the rest join with ``tx.init`` of the shared ``params`` (zero momentum; for
-  DiLoCo and SparseLoCo, inner params equal to ``params``). Old workers not in
-  ``keep`` leave: their residual (leaves under a field named in
-  ``residual_fields``) is dropped with the rest of their state
-  (``leaving="drop"``) or folded into the workers that stay
-  (``leaving="fold"``: each stayer ``s`` becomes ``r_s - mean(stayers) +
-  mean(all W)``, so the mean is preserved). A message in flight
-  (``delayed_apply``'s ``pending``) stays with its worker if it keeps its
-  index, and is marked invalid if it moves (``keep[i] != i``); the momentum
-  still holds what it would have sent. Shared leaves carry over unchanged. See
-  :mod:`distro_jax.elastic`.
+  New worker ``i`` continues old worker ``keep[i]``; the rest join with
+  ``tx.init`` of ``params``. With ``leaving="fold"``, each stayer's residual
+  ``r_s`` becomes ``r_s - mean(stayers) + mean(all W)``. A message in flight
+  is marked invalid when its worker moves to another index.
 
   Args:
-    tx: the optimizer, built for the new mesh (the same settings as the old).
-    state: the state of W workers: global arrays laid out for W workers
-      (restored with :func:`abstract_state_of_workers`) or host arrays.
+    tx: the optimizer, built for the new mesh with the old settings.
+    state: the state of W workers, as global or host arrays.
     params: the shared params, placed on ``mesh`` as ``param_specs`` says.
     mesh: the mesh to continue on; W' is the size of its ``axis_name``.
     axis_name: the data-parallel axis.
-    keep: the old workers that stay, in their new order; default the first
-      ``min(W, W')``.
+    keep: the old workers that stay, in their new order; default the first ``min(W, W')``.
     leaving: ``"drop"`` or ``"fold"``, for a leaving worker's residual.
-    param_specs: the params' ``PartitionSpec`` tree when they are sharded
-      (FSDP); default: replicated.
+    param_specs: the params' ``PartitionSpec`` tree when they are sharded.
     residual_fields: the state fields that hold unsent residual.
 
   Returns:
-    The state for W' workers, placed as :func:`distro_jax.init_worker_state`
-    places it.
+    The state for W' workers, placed as :func:`distro_jax.init_worker_state` places it.
 
   Raises:
-    ValueError: the state is not ``tx``'s for any W, ``keep`` names workers
-      that do not exist or more than W', or ``leaving`` is unknown.
+    ValueError: the state is not ``tx``'s for any W, ``keep`` is invalid, or
+      ``leaving`` is unknown.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, distro_jax as dj
@@ -412,15 +341,7 @@ def resize_worker_state(
       "leaving='drop'."
     )
   fresh = jax.tree.leaves(init_worker_state(tx, params, mesh, axis_name, param_specs=param_specs))
-
-  rearrange = functools.partial(
-    _rearrange,
-    leaves,
-    keep=tuple(keep),
-    before=before,
-    after=after,
-    fold=leaving == "fold" and bool(left),
-    replicated=NamedSharding(mesh, P()),
-  )
+  fold, replicated = leaving == "fold" and bool(left), NamedSharding(mesh, P())
+  rearrange = functools.partial(_rearrange, leaves, keep, before, after, fold, replicated)
   fn = jax.jit(rearrange, out_shardings=shardings)
   return treedef.unflatten(fn([_on(mesh, x) for x in old], fresh))

@@ -1,19 +1,9 @@
 """FSDP inside a site: which axis of each param is sharded, the gradient step, and the bytes.
 
-On a 2-D mesh ``("replica", "fsdp")`` a replica is a site of ``fsdp`` devices
-joined by fast links, and the replicas are joined by slow ones. Params, the
-gradient and DeMo's per-worker momentum are sharded over ``"fsdp"``, and only
-the compressed message crosses ``"replica"``.
-
-The sharding is planned so that DeMo's chunks never straddle a shard
-boundary: a param is split along an axis only where every shard holds whole
-chunks. Then the chunk plan of a shard is exactly the full tensor's plan
-restricted to that shard (a divisor of the shard length is a divisor of the
-axis length, so the largest one below the target is the same), each device
-compresses its own chunks with no fsdp traffic, and the trajectory is the
-unsharded one. A param with no such axis (a scalar, or a tensor whose chunks
-along every axis do not divide by ``fsdp``) stays whole on every device of a
-site; :class:`FsdpPlan` names each one and says why.
+On a 2-D mesh ``("replica", "fsdp")`` the params, the gradient and DeMo's
+momentum are sharded over ``"fsdp"``, along an axis where every shard holds
+whole DeMo chunks, and only the compressed message crosses ``"replica"``.
+See docs/fsdp.md.
 """
 
 import math
@@ -45,11 +35,9 @@ class FsdpPlan(NamedTuple):
   """How a params tree is sharded over the fsdp axis.
 
   Attributes:
-    specs: a ``PartitionSpec`` per param, naming the fsdp axis at the split
-      axis, or ``P()`` for a param kept whole.
+    specs: a ``PartitionSpec`` per param: the fsdp axis at the split axis, or ``P()``.
     axes: per param, in tree order, the split axis or ``None``.
-    whole: ``(param path, reason)`` for every param kept whole on each device
-      of a site, in tree order.
+    whole: ``(param path, reason)`` for every param kept whole, in tree order.
     fsdp: the number of shards.
   """
 
@@ -72,8 +60,7 @@ def _split_axis(shape: tuple[int, ...], fsdp: int, chunk: int) -> tuple[int | No
   if not math.prod(shape):
     return None, "a zero-size tensor has nothing to split"
   plan = dct.plan_chunks(shape, chunk)
-  # Units along each axis that a shard boundary may fall between: single
-  # entries on batch axes, whole chunks on the two chunked axes.
+  # Units a shard boundary may fall between: entries on batch axes, chunks on the last two.
   units = {d: n for d, n in enumerate(shape[:-2])}
   units[len(shape) - 1] = plan.n2 // plan.c2
   if len(shape) >= 2:
@@ -86,8 +73,7 @@ def _split_axis(shape: tuple[int, ...], fsdp: int, chunk: int) -> tuple[int | No
       f"per axis, none divisible by fsdp={fsdp}; it stays whole on every device of a "
       "site (choose an fsdp or compression_chunk that divides them to shard it)"
     )
-  # The axis with the most units keeps the shards most even across params;
-  # ties go to the leading axis, so a shard is a contiguous block of rows.
+  # The most units keeps the shards most even; ties go to the leading axis (contiguous rows).
   return max(fits, key=lambda d: (units[d], -d)), ""
 
 
@@ -162,9 +148,7 @@ def local_shapes(params: Any, specs: Any, axis_sizes: dict[Hashable, int]) -> An
 def gather_params(shards: Any, specs: Any, axis_name: Hashable = "fsdp") -> Any:
   """All-gathers each sharded param over ``axis_name``, inside ``jax.shard_map``.
 
-  Under autodiff its transpose is the reduce-scatter of the gradient, so a
-  loss of the gathered params differentiates into each device's shard of the
-  gradient, summed over the site.
+  Its transpose under autodiff is the reduce-scatter of the gradient over the site.
   """
 
   def one(x, spec):
@@ -184,23 +168,18 @@ def fsdp_value_and_grad(
 ) -> Callable[..., Any]:
   """One device's loss and its shard of the site's mean gradient, under FSDP.
 
-  ``fun(params, *args)`` is this device's loss on its own rows, a mean over
-  them. The params are all-gathered over ``fsdp_axis`` for the forward pass,
-  and the gradient comes back reduce-scattered over it (an all-reduce for a
-  param kept whole), divided by the site size: the gradient of the mean loss
-  over the site's rows, as one worker of unsharded data parallelism computes
-  it. Nothing crosses ``replica_axis``; see :func:`distro_jax.worker_local`.
+  The params are all-gathered over ``fsdp_axis``, and the gradient comes back
+  reduce-scattered over it, averaged over the site; nothing crosses ``replica_axis``.
 
   Args:
-    fun: the per-device loss, ``fun(params, *args)``.
+    fun: the per-device loss, ``fun(params, *args)``, a mean over its rows.
     specs: the params' ``PartitionSpec`` tree (:attr:`FsdpPlan.specs`).
     replica_axis: the axis between sites.
     fsdp_axis: the axis within a site.
     has_aux: as in ``jax.value_and_grad``.
 
   Returns:
-    A function of ``(shards, *args)`` returning ``(value, grads)``, where the
-    value is this device's own loss and ``grads`` has the shards' shapes.
+    A function of ``(shards, *args)`` returning this device's ``(value, grads)``.
   """
 
   def gathered(shards, *args, **kwargs):
@@ -223,9 +202,7 @@ def clip_by_sharded_global_norm(
 ) -> optax.GradientTransformation:
   """``optax.clip_by_global_norm`` for gradients sharded over ``axis_name``.
 
-  The norm is that of the whole gradient: the squares of a sharded leaf are
-  summed over ``axis_name``, and a leaf kept whole (the same on every device)
-  counts once. Every device of a site then applies the same scale.
+  The norm is the whole gradient's; a leaf kept whole counts once.
 
   Args:
     max_norm: the largest global norm let through.
@@ -278,10 +255,7 @@ def _tree_bytes(tree: Any) -> int:
 def device_bytes(
   tx: optax.GradientTransformation, params: Any, specs: Any, axis_sizes: dict[Hashable, int]
 ) -> DeviceBytes:
-  """Per-device bytes of params plus optimizer state, allocating nothing.
-
-  Inside ``jax.shard_map`` each device's state is ``tx.init`` of its own
-  shards, so that is what is measured, under ``jax.eval_shape``.
+  """Per-device bytes of params plus optimizer state (``tx.init`` of its shards), under eval_shape.
 
   Args:
     tx: the optimizer, as each device runs it.

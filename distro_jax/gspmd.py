@@ -1,44 +1,11 @@
 """DisTrO in a ``jax.jit`` train step: per-worker values stacked on a leading axis.
 
-Most JAX trainers are one ``jax.jit`` with ``in_shardings`` and
-``out_shardings``, partitioned by GSPMD, not a ``jax.shard_map``. They adopt
-DisTrO by changing two lines: the gradient and the optimizer.
-
-- :func:`worker_value_and_grad` splits the batch into one slice per worker and
-  returns every worker's own gradient, stacked on a leading axis of size W
-  that is sharded over the workers' mesh axis (the per-replica style of
-  drjax): ``grads["w"]`` has shape ``(W, *w.shape)``. Nothing crosses the
-  workers to compute it.
-- :func:`per_worker` wraps an optimizer built with that ``axis_name``. Its
-  state is the inner optimizer's, with every per-worker leaf (DeMo's momentum,
-  ``optax.MultiSteps``' accumulated gradients) stacked the same way and every
-  shared leaf (counts, DisTrO-AdamW's moments) as it is. Its update runs the
-  inner update for each worker inside a ``jax.shard_map`` of its own, so the
-  DisTrO exchange is the only collective across the workers' axis, and
-  returns the shared update, shaped like the params.
-
-Around them: :func:`workers_mesh` gives a trainer's mesh the workers' axis
-(its own axes then stay within each worker), :func:`reduce_over_workers`
-turns the per-worker aux of the loss into the whole batch's, and
-``per_worker(..., all_reduce=True)`` runs a dense optimizer on the
-gradients averaged over the workers: the all-reduce baseline through the
-same step, so a trainer switches between the two with one flag.
-
-Only the workers' axis is manual inside that ``shard_map``. Any other mesh
-axis (FSDP or tensor parallelism within a worker) stays with GSPMD, so the
-params keep whatever sharding the trainer gives them, and each worker
-computes the update of an unsharded worker (chunks planned on whole tensors),
-up to the rounding of its partitioned sums. Each of a worker's devices then
-sends the whole message, where the ``shard_map`` FSDP path
-(:mod:`distro_jax.fsdp`) sends each device's shards' message once.
-
-**Placement.** A per-worker value comes boxed as
-``flax.linen.Partitioned(value, names=(axis_name, *names))``, where ``names``
-are the param's own partition names (``None`` for an unboxed param), so
-``flax.linen.get_sharding(jax.eval_shape(init, ...), mesh)`` places it on
-the workers' axis as linen trainers place everything else. In Flax NNX state
-it stays in its ``nnx.Variable``, whose ``out_sharding`` metadata, if any,
-gains the workers' axis first.
+:func:`worker_value_and_grad` returns every worker's own gradient, shaped
+``(W, *param.shape)`` and sharded over the workers' mesh axis; :func:`per_worker`
+wraps a DisTrO optimizer whose per-worker state is stacked the same way. Other
+mesh axes (FSDP within a worker) stay with GSPMD. A per-worker value is boxed as
+``flax.linen.Partitioned(value, names=(axis_name, *param_names))``, or in NNX
+stays in its ``nnx.Variable``. See docs/porting.md.
 """
 
 import sys
@@ -83,7 +50,7 @@ __all__ = [
 
 
 def _variable_type() -> type | None:
-  """``flax.nnx.Variable`` if NNX is in use (imported), else ``None``; NNX is slow to import."""
+  """``flax.nnx.Variable`` if NNX is already imported (it is slow to import), else ``None``."""
   nnx = sys.modules.get("flax.nnx")
   return None if nnx is None else nnx.Variable
 
@@ -108,12 +75,11 @@ def _value(unit: Any) -> Any:
 
 
 def _plain(tree: Any) -> Any:
-  """``tree`` with its boxes and variables replaced by the arrays they hold."""
   return jax.tree.map(_value, tree, is_leaf=_is_unit)
 
 
 def _names(unit: Any, ndim: int) -> tuple[Any, ...]:
-  """The mesh axes a box or variable partitions its array over, one entry per dimension."""
+  """The mesh axes a box or variable partitions its array over, one per dimension."""
   names: Any = ()
   if isinstance(unit, meta.Partitioned):
     names = unit.names
@@ -132,23 +98,21 @@ def _axes_of(names: Sequence[Any]) -> set[Hashable]:
   return out - {None}
 
 
-def _stacked_unit(unit: Any, value: jax.Array, axis_name: Hashable) -> Any:
-  """``value``, a stack of one value per worker, boxed as ``unit`` is with ``axis_name`` first."""
-  names = (axis_name, *_names(unit, np.ndim(value) - 1))
-  if isinstance(unit, meta.Partitioned):
+def _rebox(unit: Any, value: Any, names: Any = None) -> Any:
+  """``value`` in ``unit``'s box or variable; with ``names``, partitioned over those."""
+  if names is not None and isinstance(unit, meta.Partitioned):
     return unit.replace(value=value, names=names)
   if isinstance(unit, meta.AxisMetadata):
     return unit.replace_boxed(value)
   variable = _variable_type()
   if variable is not None and isinstance(unit, variable):
-    if unit.get_metadata().get("out_sharding") is None:
+    if names is None or unit.get_metadata().get("out_sharding") is None:
       return unit.replace(value)
     return unit.replace(value, out_sharding=names)
-  return meta.Partitioned(value, names=names)
+  return value
 
 
 def _check_no_clash(params: Any, axis_name: Hashable) -> None:
-  """Refuses params already partitioned over the workers' axis, naming the fix."""
   units = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_unit)[0]
   for path, unit in units:
     names = _names(unit, np.ndim(_value(unit)))
@@ -206,16 +170,14 @@ def _constrain(x: jax.Array, mesh: Mesh, names: Sequence[Any]) -> jax.Array:
 
 
 def _placed_stack(unit: Any, value: jax.Array, mesh: Mesh, axis_name: Hashable) -> Any:
-  """A stack of one value per worker, split over the workers and boxed as ``unit`` is.
-
-  Along the other axes it keeps ``unit``'s own partitioning, or where that
-  names none, whatever GSPMD propagates (the params' FSDP sharding, say).
-  """
+  """A stack of one value per worker, split over the workers; other axes as ``unit`` says."""
   names = _names(unit, np.ndim(value) - 1)
   value = _constrain(
     value, mesh, (axis_name, *(P.UNCONSTRAINED if n is None else n for n in names))
   )
-  return _stacked_unit(unit, value, axis_name)
+  if not _is_unit(unit):
+    return meta.Partitioned(value, names=(axis_name, *names))
+  return _rebox(unit, value, (axis_name, *names))
 
 
 def workers_mesh(
@@ -226,31 +188,21 @@ def workers_mesh(
 ) -> Mesh:
   """A mesh with a workers' axis in front: the devices split into ``num_workers`` sites.
 
-  Each worker is a block of consecutive devices, so with ``jax.devices()``
-  (ordered by process) and W a multiple of the process count, no worker
-  spans two hosts. The other axes stay within each worker: a model whose
-  params are partitioned over ``"data"`` is then FSDP within a worker, and
-  DisTrO's message is all that crosses ``axis_name``. The axes are ``Auto``,
-  as GSPMD's jit path needs.
+  Each worker is a block of consecutive devices; the other axes stay within
+  each worker. The axes are ``Auto``, as GSPMD's jit path needs.
 
   Args:
-    num_workers: W, how many sites the slow links join: one per host
-      (``jax.process_count()``), one per TPU slice, or in a simulation any
-      divisor of the device count.
-    devices: the devices (default ``jax.devices()``), reshaped to
-      ``(W, n // W)`` and named ``(axis_name, *names)``; or a trainer's own
-      ``Mesh``, whose first axis is split into W blocks and which keeps its
-      axis names after ``axis_name`` (``names`` is then unused).
+    num_workers: W, how many sites the slow links join (hosts, TPU slices).
+    devices: the devices (default ``jax.devices()``), or a trainer's ``Mesh``,
+      whose first axis is split into W blocks and whose names are kept.
     axis_name: the workers' axis.
-    names: the names of the axes within a worker, one per axis of
-      ``devices`` when that is an array.
+    names: the axes within a worker, one per axis of ``devices`` (not a ``Mesh``).
 
   Returns:
     A ``jax.sharding.Mesh`` of shape ``(W, ...)``.
 
   Raises:
-    ValueError: W is not a positive divisor of the devices along the first
-      axis, or ``axis_name`` is already an axis of the mesh.
+    ValueError: W does not divide the first axis, or ``axis_name`` is taken.
 
   Example:
     >>> import jax, distro_jax as dj
@@ -284,46 +236,27 @@ def workers_mesh(
 
 
 def worker_value_and_grad(
-  fun: Callable[..., Any],
-  mesh: Mesh,
-  axis_name: Hashable = "data",
-  *,
-  has_aux: bool = False,
+  fun: Callable[..., Any], mesh: Mesh, axis_name: Hashable = "data", *, has_aux: bool = False
 ) -> Callable[..., Any]:
   """Every worker's own loss and gradient, in a ``jax.jit`` step: no shard_map needed.
 
-  ``fun(params, batch, *args)`` is a loss over the rows of ``batch``. The
-  batch is cut along its leading axis into W equal slices, one per worker of
-  ``axis_name`` (worker ``i`` takes rows ``i * B / W`` onwards), and each
-  worker differentiates its own slice's loss: a ``jax.vmap`` over the slices
-  with ``spmd_axis_name=axis_name``, so GSPMD runs worker ``i``'s slice on
-  worker ``i``'s devices and nothing crosses the workers. The params are
-  shared (unmapped); their partitioning over other mesh axes (FSDP) is left
-  to GSPMD.
+  The batch is cut along its leading axis into W equal slices, and worker
+  ``i`` differentiates the loss of the ``i``-th; nothing crosses the workers.
 
   Args:
-    fun: ``fun(params, batch, *args, **kwargs)``, the loss of ``batch``'s rows
-      (with ``has_aux``, a pair ``(loss, aux)``). ``args`` and ``kwargs`` are
-      the same for every worker.
+    fun: ``fun(params, batch, *args, **kwargs)``, the loss of ``batch``'s rows.
     mesh: the device mesh.
     axis_name: the workers' axis of ``mesh``.
     has_aux: as in ``jax.value_and_grad``.
 
   Returns:
-    A function of ``(params, batch, *args, **kwargs)`` returning
-    ``(value, grads)``, or ``((value, aux), grads)`` with ``has_aux``:
-
-    - ``value``: the mean of the workers' losses (with equal slices, the
-      loss of the whole batch when ``fun`` is a mean over rows);
-    - ``aux``: each worker's, stacked on a leading axis (reduce it as the
-      metric needs: a sum of counts, a mean of rates);
-    - ``grads``: each worker's gradient, ``(W, *param.shape)``, sharded over
-      ``axis_name``; boxed as :mod:`distro_jax.gspmd` describes. Pass it to
-      the update of :func:`per_worker`.
+    A function of ``(params, batch, *args, **kwargs)`` returning ``(value, grads)``
+    (``((value, aux), grads)`` with ``has_aux``): the mean of the workers' losses,
+    and each worker's aux and gradient stacked on a leading axis.
 
   Raises:
-    ValueError: a batch leaf's leading axis does not split into W slices, or
-      a param is partitioned over ``axis_name``.
+    ValueError: the batch does not split into W slices, or a param is
+      partitioned over ``axis_name``.
 
   Example:
     >>> import jax, jax.numpy as jnp, distro_jax as dj
@@ -372,23 +305,18 @@ def _key_name(key: Any) -> Any:
 def reduce_over_workers(tree: Any, summed: Sequence[str] = ()) -> Any:
   """Per-worker values stacked on a leading axis, reduced to the whole batch's.
 
-  For the ``aux`` of :func:`worker_value_and_grad`, one value per worker: a
-  leaf is averaged over the workers (a mean over rows, a loss, a rate), or
-  summed where a key or attribute on its path is named in ``summed`` (a
-  count of tokens or examples). With equal slices of the batch, that is what
-  the same aux of the whole batch would be.
+  For the ``aux`` of :func:`worker_value_and_grad`: a leaf is averaged over
+  the workers, or summed where a key or attribute on its path is in ``summed``.
 
   Args:
     tree: a pytree whose every leaf has the workers on its axis 0.
-    summed: names of dict keys or attributes (a ``flax.struct`` field, say)
-      whose leaves are summed.
+    summed: dict keys or attributes (counts) whose leaves are summed.
 
   Returns:
     ``tree`` with axis 0 of every leaf reduced.
 
   Raises:
-    ValueError: a leaf is a scalar (it has no workers' axis), or a name in
-      ``summed`` is on no leaf's path.
+    ValueError: a leaf is a scalar, or a name in ``summed`` is on no leaf's path.
 
   Example:
     >>> import jax.numpy as jnp, distro_jax as dj
@@ -432,8 +360,7 @@ class PerWorker(optax.GradientTransformationExtraArgs):
     inner: the wrapped optimizer.
     mesh: the device mesh.
     axis_name: the workers' axis.
-    all_reduce: whether the gradients are averaged over the workers before
-      ``inner`` (the dense baseline), so that all of its state is shared.
+    all_reduce: whether the gradients are averaged over the workers before ``inner``.
   """
 
   inner: optax.GradientTransformation
@@ -444,11 +371,8 @@ class PerWorker(optax.GradientTransformationExtraArgs):
   def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
     """:func:`worker_value_and_grad` on this optimizer's mesh and workers' axis.
 
-    With ``all_reduce``, the gradients come averaged over the workers (an
-    all-reduce across them), shaped and boxed like the params, as
-    ``jax.value_and_grad`` of the whole batch gives them; the value and the
-    aux are as :func:`worker_value_and_grad` returns them, so the rest of the
-    step reads the same under either optimizer.
+    With ``all_reduce``, the gradients come averaged over the workers, shaped
+    and boxed like the params.
     """
     value_and_grad = worker_value_and_grad(fun, self.mesh, self.axis_name, has_aux=has_aux)
     if not self.all_reduce:
@@ -465,12 +389,7 @@ class PerWorker(optax.GradientTransformationExtraArgs):
     return averaged
 
   def per_worker_leaves(self, params: Any) -> list[bool]:
-    """For each array of ``inner``'s state, whether it differs by worker (cached per shape).
-
-    Found by tracing one update (:func:`distro_jax.worker_state_specs`); with
-    ``all_reduce`` every leaf is shared, since every worker feeds ``inner``
-    the same gradients.
-    """
+    """For each array of ``inner``'s state, whether it differs by worker (cached per shape)."""
     shapes = _shapes(_plain(params))
     key = (jax.tree.structure(shapes), tuple((s.shape, s.dtype) for s in jax.tree.leaves(shapes)))
     if key not in self._flags:
@@ -485,17 +404,15 @@ class PerWorker(optax.GradientTransformationExtraArgs):
 
 
 def _worker_mean(unit: Any) -> Any:
-  """A stack of one value per worker, averaged over the workers and boxed as its param is."""
+  """A stack of one value per worker, averaged and boxed as its param is."""
   value = jnp.mean(_value(unit), axis=0)
   if isinstance(unit, meta.Partitioned):
-    return unit.replace(value=value, names=tuple(unit.names)[1:])
-  if isinstance(unit, meta.AxisMetadata):
-    return unit.replace_boxed(value)
+    return _rebox(unit, value, tuple(unit.names)[1:])
   variable = _variable_type()
   if variable is not None and isinstance(unit, variable):
     names = unit.get_metadata().get("out_sharding")
-    return unit.replace(value) if names is None else unit.replace(value, out_sharding=names[1:])
-  return value
+    return _rebox(unit, value, None if names is None else names[1:])
+  return _rebox(unit, value)
 
 
 def _differs_error(paths: Sequence[str], axis_name: Hashable) -> ValueError:
@@ -572,12 +489,9 @@ class _Step(NamedTuple):
     )(g_leaves, s_leaves, p_leaves)
 
   def diagnose(self, g_leaves: list[Any], s_leaves: list[Any], p_leaves: list[Any]) -> list[str]:
-    """The params whose update differs by worker, found with every mesh axis manual.
+    """The params whose update differs by worker, traced with every mesh axis manual.
 
-    For an update that failed inside :meth:`run`: with other mesh axes left
-    to GSPMD, optax wrappers (``MultiSteps``' ``lax.cond``) can fail on an
-    update that differs by worker before the check in :meth:`body` sees it.
-    Traced abstractly; an empty list if this trace fails too.
+    ``MultiSteps``' ``lax.cond`` can fail in :meth:`run` before :meth:`body` checks.
     """
     found: list[str] = []
 
@@ -599,7 +513,7 @@ class _Step(NamedTuple):
 def _stack_init(
   tx: optax.GradientTransformation, wrapper: PerWorker, params: Any, num_workers: int
 ) -> Any:
-  """``tx.init(params)`` with every per-worker leaf stacked W times and boxed over the workers."""
+  """``tx.init(params)`` with every per-worker leaf stacked W times, boxed over the workers."""
   mesh, axis_name = wrapper.mesh, wrapper.axis_name
   _check_no_clash(params, axis_name)
   flags = wrapper.per_worker_leaves(params)
@@ -631,41 +545,23 @@ def per_worker(
 ) -> PerWorker:
   """``tx`` for the stacked per-worker gradients of :func:`worker_value_and_grad`, in a jit step.
 
-  ``tx`` is a DisTrO optimizer built with ``axis_name`` (``dj.demo(lr,
-  axis_name=...)``), alone or inside ``optax`` wrappers (``MultiSteps``,
-  ``inject_hyperparams``, ``chain``, ``masked``, ``multi_transform``). Put
-  the wrappers inside ``per_worker``, not around it: they then see one
-  worker's gradient, as they would without DisTrO. The update runs
-  ``tx.update`` for every worker at once inside a ``jax.shard_map`` over
-  ``axis_name`` and returns the update every worker computed alike; the only
-  collectives across ``axis_name`` are ``tx``'s own: DisTrO's message.
-
-  With ``all_reduce=True``, ``tx`` is a dense optimizer and the gradients
-  are averaged over the workers first: the all-reduce baseline through the
-  same step and checkpoints.
-
-  Its state is ``tx``'s, leaf for leaf: a leaf that differs by worker
-  (:func:`distro_jax.worker_state_specs`) is stacked on a leading axis of
-  size W, boxed to be placed over ``axis_name``; a shared leaf is as ``tx``
-  makes it.
+  Put optax wrappers (``MultiSteps``, ``masked``, ...) inside, not around it.
+  The state is ``tx``'s, with every per-worker leaf stacked on a leading axis.
 
   Args:
-    tx: the optimizer, built with ``axis_name`` (or dense, ``all_reduce``).
-    mesh: the device mesh; ``axis_name`` is one of its axes
-      (:func:`workers_mesh` builds one).
+    tx: a DisTrO optimizer built with ``axis_name``; dense with ``all_reduce``.
+    mesh: the device mesh, with an axis ``axis_name`` (see :func:`workers_mesh`).
     axis_name: the workers' axis.
-    all_reduce: average the gradients over the workers before ``tx``.
+    all_reduce: average the gradients over the workers before ``tx`` (the dense baseline).
 
   Returns:
-    A :class:`PerWorker`. Its ``update`` needs ``params``; extra keyword
-    arguments go to ``tx.update``, the same for every worker.
+    A :class:`PerWorker`, whose ``update`` needs ``params`` and passes extra
+    keyword arguments to ``tx.update``.
 
   Raises:
-    ValueError: at ``update``, gradients without the worker axis (the
-      gradient of the whole batch), a state built for another worker count,
-      or a ``tx`` whose update differs between workers (built without
-      ``axis_name``, or dense without ``all_reduce``); at ``init`` and
-      ``update``, params partitioned over ``axis_name``.
+    ValueError: gradients without the workers' axis, a state of another
+      worker count, an update that differs by worker, or params partitioned
+      over ``axis_name``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, distro_jax as dj
@@ -710,11 +606,15 @@ def per_worker(
     return jax.tree.structure(params).unflatten(u_leaves), s_def.unflatten(n_leaves)
 
   def init_fn(params):
-    # optax.MultiSteps around this wrapper accumulates the stacked gradients
-    # into zeros shaped like the params, and fails in optax's own tree.map (or
-    # feeds this update params-shaped values): name the fix before it does.
+    # optax.MultiSteps around this wrapper would accumulate the stacked gradients
+    # into zeros shaped like the params and fail inside optax: name the fix first.
     if isinstance(sys._getframe(1).f_locals.get("self"), optax.MultiSteps):
-      raise ValueError(_multi_steps_around(axis_name))
+      raise ValueError(
+        "optax.MultiSteps is wrapped around dj.per_worker, so it would accumulate every "
+        "worker's stacked gradients into zeros shaped like the params. Put it inside, where "
+        "it accumulates each worker's own gradient: dj.per_worker(optax.MultiSteps(tx, k), "
+        f"mesh, {axis_name!r}); its gradient_step and mini_step still read from the state."
+      )
     return _stack_init(tx, wrapper, params, num_workers)
 
   wrapper = PerWorker(init_fn, update_fn)
@@ -725,7 +625,7 @@ def per_worker(
 
 
 def _gradient_leaves(updates: Any, params: Any, axis_name: Hashable) -> tuple[Any, list, list]:
-  """The params unboxed, the gradient's leaves and the params' paths, checked against each other."""
+  """The params unboxed, the gradient's leaves and the params' paths, checked."""
   if params is None:
     raise ValueError(
       "dj.per_worker needs the params in update (tx.update(grads, state, params)), to tell "
@@ -751,33 +651,30 @@ def _check_state(
   num_workers: int,
   axis_name: Hashable,
 ) -> Any:
-  """The treedef of ``tx``'s own state, once the stacked state's leaves are checked against it."""
+  """The treedef of ``tx``'s own state, once the stacked state's leaves are checked."""
   template, t_def = jax.tree.flatten(jax.eval_shape(tx.init, _shapes(plain_params)))
   if len(s_leaves) != len(template):
     raise ValueError(
       "The optimizer state does not match this optimizer's: build it with this "
       "dj.per_worker(...).init(params)."
     )
-  _check_state_shapes(s_leaves, template, flags, num_workers)
+  for x, t, stacked in zip(s_leaves, template, flags):
+    want = (num_workers, *t.shape) if stacked else t.shape
+    if np.shape(x) != want:
+      raise ValueError(
+        f"An optimizer state leaf has shape {np.shape(x)}, but this optimizer's layout on "
+        f"{num_workers} workers has {want}: the state was built for another worker count or "
+        "other params. Resize a state of another worker count with dj.resize_per_worker."
+      )
   dense_step.warn_if_replicated_per_worker(
     [x for x, f in zip(s_leaves, flags) if f], axis_name, num_workers
   )
   return t_def
 
 
-def _multi_steps_around(axis_name: Hashable) -> str:
-  return (
-    "optax.MultiSteps is wrapped around dj.per_worker, so it would accumulate every "
-    "worker's stacked gradients into zeros shaped like the params. Put it inside, where it "
-    "accumulates each worker's own gradient: dj.per_worker(optax.MultiSteps(tx, k), mesh, "
-    f"{axis_name!r}); its gradient_step and mini_step still read from the state."
-  )
-
-
 def _check_gradient_shapes(
   paths: list[str], g_leaves: list[Any], p_leaves: list[Any], num_workers: int, axis_name: Hashable
 ) -> None:
-  """Each gradient leaf must be its param's shape with the worker axis in front."""
   for path, g, p in zip(paths, g_leaves, p_leaves):
     if np.shape(g) != (num_workers, *np.shape(p)):
       hint = (
@@ -795,36 +692,12 @@ def _check_gradient_shapes(
       )
 
 
-def _check_state_shapes(
-  s_leaves: list[Any], template: list[Any], flags: list[bool], num_workers: int
-) -> None:
-  """The state must be this optimizer's on this many workers (per-worker leaves stacked)."""
-  for x, t, stacked in zip(s_leaves, template, flags):
-    want = (num_workers, *t.shape) if stacked else t.shape
-    if np.shape(x) != want:
-      raise ValueError(
-        f"An optimizer state leaf has shape {np.shape(x)}, but this optimizer's layout on "
-        f"{num_workers} workers has {want}: the state was built for another worker count or "
-        "other params. Resize a state of another worker count with dj.resize_per_worker."
-      )
-
-
 def _unit_sharding(unit: Any, mesh: Mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, P(*_names(unit, ndim)))
 
 
-def _rebox(unit: Any, value: Any) -> Any:
-  """``value`` in ``unit``'s box or variable, metadata unchanged."""
-  if isinstance(unit, meta.AxisMetadata):
-    return unit.replace_boxed(value)
-  variable = _variable_type()
-  if variable is not None and isinstance(unit, variable):
-    return unit.replace(value)
-  return value
-
-
 def _is_train_state(x: Any) -> bool:
-  """A ``flax`` ``TrainState`` (or alike) whose optimizer is a :class:`PerWorker`."""
+  """A flax ``TrainState`` (or alike) whose optimizer is a :class:`PerWorker`."""
   return isinstance(getattr(x, "tx", None), PerWorker) and all(
     hasattr(x, a) for a in ("params", "opt_state", "replace")
   )
@@ -842,23 +715,16 @@ def _check_wrapper(tx: Any) -> PerWorker:
 def abstract_per_worker(tx: Any, params: Any = None) -> Any:
   """The restore target of a :func:`per_worker` state saved on any number of workers.
 
-  Shared leaves are ``jax.ShapeDtypeStruct`` placed as their boxes say;
-  per-worker leaves are empty host NumPy arrays, for which a checkpointer
-  such as ``orbax``'s ``StandardRestore`` restores the saved array whole, on
-  the host, whatever worker count saved it. :func:`resize_per_worker` then
-  rearranges it for this run's workers and places it. Each process holds
-  every saved worker's state on its host until then.
+  Per-worker leaves are empty host NumPy arrays, so a checkpointer (``orbax``'s
+  ``StandardRestore``) restores them whole on the host; shared leaves are
+  placed ``jax.ShapeDtypeStruct``. Pass the restored state to :func:`resize_per_worker`.
 
   Args:
-    tx: the :class:`PerWorker` of this run; or a flax ``TrainState`` whose
-      ``tx`` is one, alone.
-    params: the params (arrays or ``jax.ShapeDtypeStruct``, boxed or not);
-      none with a ``TrainState``.
+    tx: the :class:`PerWorker` of this run, or a flax ``TrainState`` whose ``tx`` is one.
+    params: the params (arrays or ``jax.ShapeDtypeStruct``); none with a ``TrainState``.
 
   Returns:
-    A tree with the structure of ``tx.init(params)``; for a ``TrainState``,
-    the state with that tree as its ``opt_state`` (the rest of a restore
-    target as it is).
+    A tree shaped as ``tx.init(params)``; for a ``TrainState``, the state with it as ``opt_state``.
   """
   if params is None and _is_train_state(tx):
     return tx.replace(opt_state=abstract_per_worker(tx.tx, tx.params))
@@ -890,25 +756,18 @@ def resize_per_worker(
 ) -> Any:
   """A :func:`per_worker` state of W workers, rearranged for ``tx``'s W' workers.
 
-  The rules of :func:`distro_jax.resize_worker_state`: new worker ``i``
-  continues old worker ``keep[i]`` (default: the first ``min(W, W')``), the
-  others join with ``tx.init`` of the shared params (zero momentum), and a
-  leaving worker's unsent residual is dropped or folded into the stayers
-  (``leaving``). Shared leaves carry over; W is read from the state's shapes.
+  The rules are :func:`distro_jax.resize_worker_state`'s; W is read from the state's shapes.
 
   Args:
-    tx: the :class:`PerWorker` of this run, built on the new mesh; or a
-      flax ``TrainState`` whose ``tx`` is one and whose ``opt_state`` is the
-      state of W workers, alone.
-    state: the state of W workers (as :func:`abstract_per_worker` restores
-      it, or on devices); none with a ``TrainState``.
+    tx: the :class:`PerWorker` of this run, or a flax ``TrainState`` whose ``tx``
+      is one and whose ``opt_state`` is the state of W workers.
+    state: the state of W workers; none with a ``TrainState``.
     params: the shared params of this run; none with a ``TrainState``.
     keep: the old workers that stay, in their new order.
     leaving: ``"drop"`` or ``"fold"``, for a leaving worker's residual.
 
   Returns:
-    The state in the layout of ``tx.init(params)``, placed as its boxes say;
-    for a ``TrainState``, the train state with it as its ``opt_state``.
+    The state laid out as ``tx.init(params)``; for a ``TrainState``, the train state.
 
   Example:
     >>> import jax, jax.numpy as jnp, distro_jax as dj
@@ -936,27 +795,17 @@ def resize_per_worker(
   if len(s_leaves) != len(template):
     raise ValueError("the state is not this optimizer's: its leaves do not match tx.init's.")
   units, treedef = _units(jax.eval_shape(tx.init, params))
+  host = [elastic._on(tx.mesh, x) for x in s_leaves]
   if not any(flags):
     # All shared (all_reduce, or a stateless inner): nothing depends on the worker count.
-    return treedef.unflatten(
-      [
-        _rebox(u, jax.device_put(elastic._on(tx.mesh, x), _unit_sharding(u, tx.mesh, np.ndim(x))))
-        for u, x in zip(units, s_leaves)
-      ]
-    )
+    out = [jax.device_put(x, _unit_sharding(u, tx.mesh, np.ndim(x))) for u, x in zip(units, host)]
+    return treedef.unflatten([_rebox(u, x) for u, x in zip(units, out)])
   # dj.resize_worker_state works on the per-worker layout of dj.worker_state,
   # the W workers' blocks concatenated along axis 0, which a reshape gives.
-  host = [elastic._on(tx.mesh, x) for x in s_leaves]
   flat = [jnp.reshape(x, (-1, *np.shape(x)[2:])) if f else x for x, f in zip(host, flags)]
   placed = jax.device_put(plain_params, NamedSharding(tx.mesh, P()))
   resized = elastic.resize_worker_state(
-    tx.inner,
-    t_def.unflatten(flat),
-    placed,
-    tx.mesh,
-    tx.axis_name,
-    keep=keep,
-    leaving=leaving,
+    tx.inner, t_def.unflatten(flat), placed, tx.mesh, tx.axis_name, keep=keep, leaving=leaving
   )
   num_workers = tx.mesh.shape[tx.axis_name]
   out = []

@@ -1,21 +1,11 @@
 """Per-worker optimizer state: which leaves differ by worker, and their placement.
 
-Under DeMo each worker keeps its own momentum, while counts and anything
-computed from the shared aggregate (DisTrO-AdamW's moments, say) stay identical
-on every worker. The helpers here find out which leaves are which by tracing
-one update under ``jax.shard_map`` and reading each output's varying-axes type,
-so they work for any optax chain, including wrappers such as
-``optax.MultiSteps`` whose accumulators are per worker.
-
-Layout: a per-worker leaf of local shape ``(d0, ...)`` is one global array of
-shape ``(W * d0, ...)`` sharded over the data axis, so that inside the
-shard_map every worker sees exactly its own ``(d0, ...)`` and the train step
-needs no reshaping. A replicated leaf is stored once, ``P()``.
-
-With params sharded over more mesh axes (``param_specs``, e.g. FSDP on a
-``("replica", "fsdp")`` mesh), each device's state is ``tx.init`` of its own
-shards, and a leaf that differs over several axes is laid out the same way,
-its axis 0 split over all of them in mesh order: ``P(("replica", "fsdp"))``.
+Which leaves differ by worker (DeMo's momentum) and which are shared (counts,
+DisTrO-AdamW's moments) is found by tracing one update under ``jax.shard_map``,
+so any optax chain works. A per-worker leaf of local shape ``(d0, ...)`` is one
+global array ``(W * d0, ...)`` sharded over the data axis (with ``param_specs``,
+over every axis it differs on: ``P(("replica", "fsdp"))``); a shared leaf is
+replicated. See docs/elastic.md and docs/fsdp.md.
 """
 
 import collections
@@ -42,7 +32,7 @@ _PER_WORKER_SCALAR_FIX = (
 
 
 def is_spec(x: Any) -> bool:
-  """Whether ``x`` is a ``PartitionSpec``: the leaf of a tree of specs (a tuple, to jax.tree)."""
+  """Whether ``x`` is a ``PartitionSpec``, the leaf of a tree of specs."""
   return isinstance(x, P)
 
 
@@ -69,7 +59,6 @@ def _local_params(params: Any, mesh: Mesh, param_specs: Any) -> Any:
 
 
 def _abstract(params: Any, mesh: Mesh, param_specs: Any) -> Any:
-  """Global shapes of the params, placed as ``param_specs`` says."""
   return jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=NamedSharding(mesh, s)),
     params,
@@ -100,11 +89,9 @@ def _update_tracer(
   param_specs: Any,
   candidates: tuple[Hashable, ...],
 ) -> tuple[Any, Callable[[Marks], Marks]]:
-  """``tx``'s state shape, and a function of the state leaves' varying axes, traced once.
+  """``tx``'s state shape, and a function that traces one update with per-worker gradients.
 
-  The function traces one update with per-worker gradients and the state
-  leaves typed as varying over the axes given, and returns the axes over
-  which each new state leaf varies.
+  Given the axes each state leaf varies over, it returns those of the new state's leaves.
   """
   state_shape = jax.eval_shape(tx.init, _local_params(abstract_params, mesh, param_specs))
   leaves, treedef = jax.tree.flatten(state_shape)
@@ -140,15 +127,9 @@ def _multi_steps_start(
 ) -> Marks | None:
   """Where the least fixpoint of ``optax.MultiSteps``' state can start; ``None`` for other ``tx``.
 
-  Its update is a ``lax.cond`` whose branches must agree on every output's
-  varying axes, so the search cannot start from "all shared": with a
-  per-worker leaf passed in as shared, the cond does not trace at all, and
-  the search from the other side traces one full update per leaf and axis
-  (tens of seconds for a small model). It can start from what is known to
-  vary anyway: the accumulated gradients, as the gradients do, and what one
-  update of the inner optimizer makes vary from an all-shared state. That is
-  below the least fixpoint, so the search from there ends at it, usually
-  after one trace.
+  Its ``lax.cond`` does not trace with a per-worker leaf marked shared, so the
+  search starts from what varies anyway, below the fixpoint: the accumulated
+  gradients, and what one inner update makes vary.
   """
   multi = _multi_steps(tx)
   if (
@@ -193,26 +174,22 @@ def worker_state_specs(
   """PartitionSpecs of ``tx``'s state: ``P(axis_name)`` per worker, ``P()`` shared.
 
   Use them as the state's ``in_specs`` and ``out_specs`` in ``jax.shard_map``.
-  Finding them traces one update at least twice; the answers for the last few
-  (``tx``, params' shapes and dtypes, mesh, specs) are kept, so that
-  :func:`init_worker_state` and :func:`abstract_worker_state` ask again for free.
+  The answers for the last few arguments are kept.
 
   Args:
     tx: the optimizer, built with ``axis_name``.
     params: the params tree (arrays or ``jax.ShapeDtypeStruct``), global shapes.
     mesh: the device mesh, with an axis ``axis_name``.
     axis_name: the data-parallel axis (``"replica"`` on a 2-D FSDP mesh).
-    param_specs: the params' ``PartitionSpec`` tree, when they are sharded
-      (e.g. :attr:`distro_jax.FsdpPlan.specs`); default: replicated. A state
-      leaf that differs over the sharded axes too gets them in its spec.
+    param_specs: the params' ``PartitionSpec`` tree when they are sharded
+      (:attr:`distro_jax.FsdpPlan.specs`); default: replicated.
 
   Returns:
-    A tree of ``PartitionSpec`` with the structure of ``tx.init`` of one
-    device's params.
+    A tree of ``PartitionSpec`` shaped as ``tx.init`` of one device's params.
 
   Raises:
-    ValueError: if a per-worker leaf is a scalar, which this layout cannot
-      shard, or one update cannot be traced with per-worker gradients.
+    ValueError: a per-worker leaf is a scalar, or one update cannot be traced
+      with per-worker gradients.
   """
   if param_specs is None:
     param_specs = _default_param_specs(params)
@@ -220,25 +197,18 @@ def worker_state_specs(
 
 
 class _Found(NamedTuple):
-  """What one key of :data:`_FOUND` holds."""
-
   specs: Any  # worker_state_specs
-  init: Callable[[Any], Any]  # init_worker_state's jitted function, compiled at its first call
+  init: Callable[[Any], Any]  # init_worker_state's jitted function
 
 
-# Finding the specs traces one update at least twice (0.8 CPU-s a trace for
-# the tiny preset's DeMo), and a train step's setup asks for the same specs
-# three times: for the step, and through init_worker_state and
-# abstract_worker_state. They depend only on the optimizer, the params'
-# shapes and dtypes, the mesh and the specs, so the last few are kept, each
-# with its jitted init (a run started again in the same process compiles no
-# init).
+# A train step's setup asks for the same specs three times, and each answer
+# traces one update at least twice: keep the last few, each with its jitted init.
 _FOUND: collections.OrderedDict = collections.OrderedDict()
 _FOUND_SIZE = 8
 
 
 def _found(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: Any) -> _Found:
-  """The state's specs and jitted init for these arguments, kept for the last few keys."""
+  """The state's specs and jitted init for these arguments, kept for the last few."""
   if axis_name not in mesh.axis_names:
     raise ValueError(
       f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}; "
@@ -286,12 +256,8 @@ def _memo_key(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs
 def _find_specs(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: Any) -> Any:
   """:func:`worker_state_specs`, computed: the least fixpoint of one update's varying axes."""
   abstract_params = _abstract(params, mesh, param_specs)
-  candidates = tuple(
-    a
-    for a in mesh.axis_names
-    if a == axis_name
-    or any(a in _spec_axes(s) for s in jax.tree.leaves(param_specs, is_leaf=is_spec))
-  )
+  sharded = {a for s in jax.tree.leaves(param_specs, is_leaf=is_spec) for a in _spec_axes(s)}
+  candidates = tuple(a for a in mesh.axis_names if a == axis_name or a in sharded)
   state_shape, trace = _update_tracer(tx, abstract_params, mesh, axis_name, param_specs, candidates)
   leaves, treedef = jax.tree.flatten(state_shape)
 
@@ -302,15 +268,13 @@ def _find_specs(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_spe
     tx, state_shape, abstract_params, mesh, axis_name, param_specs, candidates
   )
   try:
-    # Least fixpoint: start with every leaf shared (or, for MultiSteps, with what
-    # must vary anyway), mark what the update makes varying.
+    # Least fixpoint: from every leaf shared (or MultiSteps' start), add what the update varies.
     varying: Marks = start or [()] * len(leaves)
     while (now := [union(a, b) for a, b in zip(varying, trace(varying))]) != varying:
       varying = now
   except TypeError:
-    # Some wrappers (optax.MultiSteps' lax.cond) cannot even be traced with a
-    # per-worker leaf passed in as shared. Come from the other side instead:
-    # everything varying, then drop each axis over which a leaf stays shared.
+    # Some wrappers (a lax.cond) do not trace with a per-worker leaf marked shared:
+    # start from everything varying, and drop each axis over which a leaf stays shared.
     varying = [candidates] * len(leaves)
     for i in range(len(leaves)):
       for a in candidates:
@@ -324,10 +288,8 @@ def _find_specs(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_spe
     try:
       traced = trace(varying)
     except TypeError as e:
-      # No marking lets the update trace. The known cause: a wrapper that
-      # decides per worker, on each worker's own gradient, between branches
-      # of different types (optax.apply_if_finite around the exchange); its
-      # state would be a per-worker scalar.
+      # No marking traces: a wrapper that branches per worker (optax.apply_if_finite
+      # around the exchange) between types, whose state would be a per-worker scalar.
       reason = str(e).split("\n", 1)[0].rstrip(".")
       raise ValueError(
         f"One update of the optimizer cannot be traced with per-worker gradients ({reason}); "
@@ -373,23 +335,19 @@ def init_worker_state(
   *,
   param_specs: Any = None,
 ) -> Any:
-  """``tx.init(params)`` for every worker, placed on the mesh.
+  """``tx.init(params)`` for every worker, placed on the mesh as :func:`worker_state_specs` say.
 
-  Per-worker leaves are laid out as :mod:`distro_jax.worker_state` describes;
-  shared leaves are replicated. Works across processes (the params must be
-  global arrays).
+  Works across processes, with the params as global arrays.
 
   Args:
     tx: the optimizer.
     params: the params tree, placed as ``param_specs`` says.
     mesh: the device mesh.
     axis_name: the data-parallel axis.
-    param_specs: the params' ``PartitionSpec`` tree when they are sharded;
-      default: replicated.
+    param_specs: the params' ``PartitionSpec`` tree when they are sharded.
 
   Returns:
-    The global optimizer state. ``jax.tree.map(lambda x: x.sharding.spec, state)``
-    equals :func:`worker_state_specs`.
+    The global optimizer state.
 
   Example:
     >>> import jax, jax.numpy as jnp, distro_jax as dj
@@ -416,11 +374,7 @@ def abstract_worker_state(
   *,
   param_specs: Any = None,
 ) -> Any:
-  """Shapes, dtypes and shardings of :func:`init_worker_state`, allocating nothing.
-
-  This is the restore target for a checkpoint (e.g. ``orbax``'s
-  ``StandardRestore``).
-  """
+  """Shapes, dtypes and shardings of :func:`init_worker_state`: a checkpoint's restore target."""
   if param_specs is None:
     param_specs = _default_param_specs(params)
   specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
