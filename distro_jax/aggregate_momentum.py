@@ -1,12 +1,4 @@
-"""Muon's momentum, as a stage of its own, for the aggregate every worker decodes.
-
-DeMo's decoupled momentum is no momentum for what it sends: a coefficient
-leaves the buffer the step it is sent. With a generous message the aggregate
-is close to this step's mean gradient, and a step along it alone forgoes what
-Muon's momentum buys. :func:`scale_by_muon_momentum` keeps that momentum on
-the aggregate; chained after the exchange it sees the same input on every
-worker, so its state stays identical across replicas.
-"""
+"""Muon's momentum as a stage of its own, for the aggregate every worker decodes."""
 
 from typing import Any, NamedTuple
 
@@ -32,10 +24,10 @@ class MuonMomentumState(NamedTuple):
 def scale_by_muon_momentum(decay: float = 0.95) -> optax.GradientTransformation:
   """Nesterov momentum in the form ``optax.contrib.muon`` steps with, bias corrected.
 
-  ``mu <- decay * mu + (1 - decay) * g``, and the output at update ``t`` (from
-  1) is ``decay * mu / (1 - decay**(t+1)) + (1 - decay) * g / (1 - decay**t)``.
-  This is the input that Muon orthogonalizes, so that chained before an
-  orthogonalizing step it gives Muon's direction on the same input.
+  ``mu <- decay * mu + (1 - decay) * g``; the output at update ``t`` (from 1)
+  is ``decay * mu / (1 - decay**(t+1)) + (1 - decay) * g / (1 - decay**t)``,
+  what Muon orthogonalizes. Chained after the exchange, its state is the same
+  on every worker.
 
   Args:
     decay: the moving average's decay, in ``[0, 1)``.

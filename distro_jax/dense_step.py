@@ -1,28 +1,7 @@
-"""Refusing a silent dense step: warnings when more than the message crosses the workers.
+"""Warnings when a step moves more than the message across the workers (docs/porting.md).
 
-DisTrO's promise is that only the compressed message leaves a worker. Three
-mistakes break it without an error of their own, and each is caught here:
-
-- **``axis_name=None`` in a ``jax.jit`` step over several devices.** Under
-  GSPMD, the gradient of a batch sharded over the devices is all-reduced (or,
-  with FSDP-sharded params, reduce-scattered) in full before the optimizer
-  sees it, and the optimizer then runs as one worker: a dense data-parallel
-  step that exchanges no message at all.
-- **The gradient of replicated params inside ``jax.shard_map``.** Autodiff's
-  transpose of replication is a ``psum``, so ``jax.grad`` with respect to the
-  params all-reduces the whole gradient before DisTrO compresses it.
-- **Per-worker state placed replicated in a ``jax.jit`` step** (see
-  :func:`distro_jax.per_worker`): every device holds every worker's state,
-  and the step's output sharding all-gathers each worker's new state across
-  the workers' links.
-
-Under ``jax.jit`` the shardings are known only once XLA has propagated them,
-so the checks read them with ``jax.debug.inspect_array_sharding``, whose
-callback runs at compile time; the warning is then issued once per compiled
-step. Outside ``jit`` the arrays' own shardings are read at once. The
-callback lives in the compiled step, which XLA's persistent compilation cache
-then cannot serve (a step over one device holds none); trace a step under
-:func:`quiet` to leave the checks out.
+Under ``jax.jit`` the checks run once per compile and keep the step out of
+XLA's persistent compilation cache; :func:`quiet` leaves them out.
 """
 
 import contextlib
@@ -50,12 +29,9 @@ _FIX = (
 
 
 class DenseStepWarning(UserWarning):
-  """A train step moves more than DisTrO's message across the workers.
+  """A train step all-reduces the whole gradient, or all-gathers per-worker state.
 
-  Raised for the uses that would all-reduce the whole gradient, or all-gather
-  per-worker state, while the optimizer runs as if it exchanged only its
-  message. Make it an error with
-  ``warnings.simplefilter("error", dj.DenseStepWarning)``.
+  Make it an error with ``warnings.simplefilter("error", dj.DenseStepWarning)``.
   """
 
 
@@ -63,11 +39,8 @@ class DenseStepWarning(UserWarning):
 def quiet() -> Iterator[None]:
   """Traces made while it is open hold none of these checks.
 
-  For a step whose placement is known good and that should come from XLA's
-  persistent compilation cache, and for traces that only read types:
-  :func:`distro_jax.worker_state_specs` traces updates with state typed as
-  shared on purpose (the start of its search), which would look like an
-  all-reduced gradient to :func:`warn_if_dense`.
+  For a step whose placement is known good, and for traces that only read
+  types (:func:`distro_jax.worker_state_specs`).
 
   Example:
     >>> import jax, jax.numpy as jnp, distro_jax as dj
@@ -83,19 +56,11 @@ def quiet() -> Iterator[None]:
     _QUIET.reset(token)
 
 
-def _manual_axes() -> frozenset[Hashable]:
-  """The mesh axes an enclosing ``jax.shard_map`` makes manual here (none outside one)."""
-  return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
-
-
 def _when_placed(arrays: Sequence[Any], decide: Callable[[list[Any]], None]) -> None:
   """Calls ``decide`` with the shardings of ``arrays``, once all of them are known.
 
-  Concrete arrays carry theirs; a traced one's is known only at compile
-  time, when ``jax.debug.inspect_array_sharding`` calls back with the
-  sharding XLA propagated to it. A traced step is compiled again for other
-  input shardings without being traced again, so the callbacks come once per
-  compile, and ``decide`` runs once per compile.
+  A traced array's sharding is known only when XLA compiles the step
+  (``jax.debug.inspect_array_sharding``), so ``decide`` runs once per compile.
   """
   traced = [i for i, x in enumerate(arrays) if isinstance(x, jax.core.Tracer)]
   # A host value is on no device yet: None.
@@ -124,22 +89,12 @@ def _tree_bytes(arrays: Sequence[Any]) -> int:
 def warn_if_dense(grads: Sequence[Any], axis_name: Hashable | None) -> None:
   """Warns if the gradients reaching a DisTrO update were all-reduced in full.
 
-  Called by the update of :func:`distro_jax.scale_by_demo` with the leaves of
-  its gradient. Two cases warn:
-
-  - ``axis_name=None`` outside ``jax.shard_map``, in a step that spans more
-    than one device. If every gradient leaf is replicated, each device holds
-    the whole gradient, so XLA all-reduced it; if the gradient is partitioned
-    over the devices (FSDP), XLA reduce-scattered it across devices holding
-    different rows. Either way the step is dense data parallelism. The
-    sharding alone cannot tell FSDP from tensor parallelism over the same
-    rows, so one worker spread over several devices warns too; trace such a
-    step under :func:`quiet`. A single-device step does not warn.
-  - ``axis_name`` bound by ``jax.shard_map``, where every gradient leaf is
-    typed as identical on all workers: autodiff all-reduced it.
+  It warns for ``axis_name=None`` in a step over several devices (replicated
+  or FSDP-partitioned gradients alike), and inside ``jax.shard_map`` for a
+  gradient typed as identical on every worker of ``axis_name``.
 
   Args:
-    grads: the gradient's leaves, as the update receives them.
+    grads: the gradient's leaves.
     axis_name: the transformation's ``axis_name``.
 
   Example:
@@ -149,7 +104,7 @@ def warn_if_dense(grads: Sequence[Any], axis_name: Hashable | None) -> None:
   grads = list(grads)
   if not grads or _QUIET.get():
     return
-  manual = _manual_axes()
+  manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)  # shard_map's axes
   if axis_name is None:
     if manual:
       return  # one device's own worker inside shard_map: nothing crosses
@@ -160,9 +115,7 @@ def warn_if_dense(grads: Sequence[Any], axis_name: Hashable | None) -> None:
       devices = max((len(s.device_set) for s in placed), default=1)
       if devices < 2:
         return
-      # A gradient partitioned over the devices (FSDP, nanodo's default) was
-      # reduce-scattered across devices holding different rows: as dense as an
-      # all-reduce, so it warns too.
+      # A partitioned gradient (FSDP) was reduce-scattered: as dense as an all-reduce.
       if len(placed) == len(shardings) and all(s.is_fully_replicated for s in placed):
         how = f"each holding the whole gradient ({nbytes:,} bytes): XLA all-reduced it"
       else:
@@ -196,13 +149,7 @@ def warn_if_dense(grads: Sequence[Any], axis_name: Hashable | None) -> None:
 def warn_if_replicated_per_worker(
   stacked: Sequence[Any], axis_name: Hashable, num_workers: int
 ) -> None:
-  """Warns if per-worker state, stacked on a leading axis, is not split over the workers.
-
-  Args:
-    stacked: per-worker leaves of shape ``(num_workers, ...)`` entering a step.
-    axis_name: the workers' mesh axis.
-    num_workers: its size.
-  """
+  """Warns if per-worker leaves ``(num_workers, ...)`` are not split over ``axis_name``."""
   stacked = list(stacked)
   if not stacked or num_workers < 2 or _QUIET.get():
     return

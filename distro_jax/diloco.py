@@ -1,20 +1,4 @@
-"""DiLoCo, the strongest low-communication peer, as an optax transformation.
-
-Each worker takes ``sync_every`` steps of its own inner optimizer on its own
-copy of the params; then the workers average how far they moved (the
-pseudo-gradient, one all-reduce) and take one Nesterov step with it from the
-last shared point. Traffic is one fp32 all-reduce of the params every
-``sync_every`` steps, plus the 4-byte count of the workers that took part.
-
-A worker whose round went non-finite (a NaN or inf gradient) is left out of
-that average, so its NaN reaches no replica, and restarts from the shared
-params with a fresh inner optimizer state.
-
-The params that the train step holds, checkpoints and evaluates are the
-shared outer params, identical on every worker at every step. Each worker's
-inner params live in its optimizer state; compute its gradient there, at
-:func:`inner_params`.
-"""
+"""DiLoCo, the low-communication peer, as an optax transformation (docs/library.md)."""
 
 from collections.abc import Hashable
 from typing import Any, NamedTuple
@@ -38,17 +22,12 @@ class DilocoState(NamedTuple):
   """State of :func:`diloco`.
 
   Attributes:
-    count: inner steps taken, int32 scalar, the same on every worker.
-    local_params: this worker's inner params; equal to the outer params right
-      after each synchronization.
+    count: inner steps taken, int32 scalar.
+    local_params: this worker's inner params.
     inner_state: this worker's inner optimizer state.
-    outer_momentum: the Nesterov momentum of the outer step, float32, the same
-      on every worker.
-    contributors: how many workers' pseudo-gradients went into this step's
-      outer step; those that were not finite are left out (so
-      ``W - contributors`` were excluded). On a step that does not
-      synchronize no worker is left out, and it is ``W``. int32 scalar, the
-      same on every worker; 0 before the first step.
+    outer_momentum: the outer step's Nesterov momentum, float32, shared.
+    contributors: the workers whose finite pseudo-gradients went into this
+      step's outer step (``W`` on other steps, 0 before the first), int32.
   """
 
   count: jax.Array
@@ -69,35 +48,23 @@ def diloco(
 ) -> optax.GradientTransformation:
   """DiLoCo: ``sync_every`` local steps of ``inner``, then an outer Nesterov step.
 
-  On every step, the worker's gradient (taken at :func:`inner_params`) moves
-  its own inner params by ``inner``. Every ``sync_every``-th step the workers
-  all-reduce ``delta = outer - inner`` (its mean over workers is the
-  pseudo-gradient ``g``), update ``m <- mu * m + g`` and set
-  ``outer <- outer - outer_lr * (g + mu * m)``; every worker restarts its inner
-  params from the new outer params. Between synchronizations the update of the
-  outer params is zero, so replicas stay identical.
+  The params are the shared outer ones; each worker's inner params live in its
+  state, and its gradient is taken there, at :func:`inner_params`.
 
-  A worker with a non-finite ``delta`` (a NaN or inf gradient during the
-  round) is left out: it adds zeros, the mean is over the workers that stayed
-  finite (counted in the same all-reduce), and its inner optimizer state
-  starts afresh. A round in which every worker failed moves nothing.
-
-  A run whose length is not a multiple of ``sync_every`` would end with inner
-  steps that never reach the outer params. Given ``total_steps``, the last
-  step synchronizes too: the final, shorter round's pseudo-gradient takes the
-  same outer Nesterov step, so every step of the run counts.
+  Every ``sync_every``-th step the pseudo-gradient ``g``, the workers' mean of
+  ``outer - inner``, takes a Nesterov step: ``m <- mu * m + g``,
+  ``outer <- outer - outer_lr * (g + mu * m)``; the workers restart there.
+  Other steps' updates are zero. A worker whose round went non-finite is left
+  out of the mean and restarts with a fresh inner state.
 
   Args:
-    inner: the inner optimizer, e.g. ``optax.adamw(lr)``; its state is per
-      worker and carries on across synchronizations.
+    inner: the inner optimizer, e.g. ``optax.adamw(lr)``; per worker.
     sync_every: inner steps between synchronizations (H). Static.
     outer_learning_rate: the outer step size (0.7 in the DiLoCo paper).
     outer_momentum: the outer Nesterov momentum (0.9 in the paper).
-    axis_name: the data-parallel axis bound by an enclosing ``jax.shard_map``;
-      ``None`` for one worker and no collective.
-    total_steps: the run's length in steps; step ``total_steps`` synchronizes
-      even when it is not a multiple of ``sync_every``. ``None``: only the
-      multiples do. Static.
+    axis_name: the workers' axis in ``jax.shard_map``; ``None`` for one worker.
+    total_steps: the run's length; its last step synchronizes too, so a last
+      partial round is not lost. ``None``: only the multiples do. Static.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`DilocoState`.
@@ -170,10 +137,8 @@ def _synchronize(
 ) -> tuple[Any, Any, Any, Any, jax.Array]:
   """A synchronization: the finite workers' mean pseudo-gradient, a Nesterov step, restart."""
   delta = jax.tree.map(lambda p, q: p.astype(jnp.float32) - q.astype(jnp.float32), params, local)
-  # A worker whose round went non-finite (a NaN gradient) would spread it through
-  # the all-reduce to every replica. It adds zeros instead, and the mean is over
-  # the workers that stayed finite, counted in the same all-reduce (COUNT_BYTES
-  # more than the pseudo-gradient).
+  # A non-finite round would spread its NaN to every replica: it adds zeros, and the
+  # mean is over the finite workers, counted in the same all-reduce (COUNT_BYTES).
   finite = exchange.all_finite(jax.tree.leaves(delta))
   delta = jax.tree.map(lambda d: jnp.where(finite, d, 0.0), delta)
   contributors = finite.astype(jnp.float32)
@@ -197,16 +162,8 @@ def _synchronize(
 def inner_params(opt_state: Any, params: Any) -> Any:
   """Where this worker's gradient is taken: DiLoCo's or SparseLoCo's inner params, else ``params``.
 
-  Args:
-    opt_state: the worker's optimizer state, possibly a chain containing a
-      :class:`DilocoState` or a :class:`~distro_jax.SparseLocoState`.
-    params: the shared params.
-
-  Returns:
-    The ``local_params`` of the first state in ``opt_state`` that has them
-    (a :class:`DilocoState` or a :class:`~distro_jax.SparseLocoState`; the
-    search is by that field's name), or ``params`` when there is none (every
-    other optimizer here).
+  Returns the ``local_params`` of the first :class:`DilocoState` or
+  :class:`~distro_jax.SparseLocoState` in ``opt_state`` (at any depth), else ``params``.
   """
   found = optax.tree_utils.tree_get_all_with_path(opt_state, "local_params")
   if not found:

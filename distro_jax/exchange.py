@@ -1,10 +1,4 @@
-"""What crosses the data axis: the payload all-gather, and nothing autodiff adds.
-
-DisTrO's promise is that only the compressed message leaves a worker. Under
-``jax.shard_map`` two things decide that: the one all-gather here, and taking
-gradients with respect to worker-local params (:func:`local_value_and_grad`),
-since autodiff all-reduces the gradient of a replicated value.
-"""
+"""What crosses the workers' axis: the message's all-gather, and nothing autodiff adds."""
 
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
@@ -23,11 +17,7 @@ __all__ = [
 
 
 def bound_axis_size(axis_name: Hashable | None) -> int:
-  """Size of the mapped axis ``axis_name``; 1 for ``None``.
-
-  Raises:
-    ValueError: if no enclosing ``jax.shard_map`` binds ``axis_name``.
-  """
+  """Size of the mapped axis ``axis_name`` (1 for ``None``); a ValueError if it is not bound."""
   if axis_name is None:
     return 1
   try:
@@ -45,11 +35,7 @@ def bound_axis_size(axis_name: Hashable | None) -> int:
 
 
 def all_gather_messages(message: jax.Array, axis_name: Hashable | None) -> jax.Array:
-  """Gathers each worker's ``uint8[N]`` message into ``uint8[W, N]``.
-
-  The result is typed as identical on every worker (``to="invarying"``), so
-  everything decoded from it, and the update, is too.
-  """
+  """Gathers each worker's ``uint8[N]`` message into ``uint8[W, N]``, typed as the same on all."""
   if axis_name is None:
     return message[None]
   return jax.lax.all_gather(message, axis_name, to="invarying")
@@ -58,13 +44,11 @@ def all_gather_messages(message: jax.Array, axis_name: Hashable | None) -> jax.A
 def pmean_gradients(axis_name: Hashable | None = "data") -> optax.GradientTransformation:
   """The all-reduce baseline as a transformation: average gradients over ``axis_name``.
 
-  ``optax.chain(dj.pmean_gradients("data"), optax.adamw(lr))`` is AdamW with
-  an ordinary data-parallel gradient all-reduce, fed the same local gradients
-  as :func:`distro_jax.demo`, so the two are drop-in alternatives in one train
-  step. ``axis_name=None`` is the identity.
+  ``optax.chain(dj.pmean_gradients("data"), optax.adamw(lr))`` takes the same
+  local gradients as :func:`distro_jax.demo`, so the two swap in one train step.
 
   Args:
-    axis_name: the data-parallel axis bound by an enclosing ``jax.shard_map``.
+    axis_name: the data-parallel axis of ``jax.shard_map``; ``None``: the identity.
 
   Returns:
     A stateless ``optax.GradientTransformation``.
@@ -88,11 +72,9 @@ def pmean_gradients(axis_name: Hashable | None = "data") -> optax.GradientTransf
 def worker_local(tree: Any, axis_name: Hashable | None = "data") -> Any:
   """Marks a replicated tree (the params) as varying over ``axis_name``.
 
-  Inside ``jax.shard_map``, the gradient with respect to a replicated value is
-  all-reduced by autodiff itself (the transpose of replication is a psum).
-  That is a full-gradient all-reduce, exactly what DisTrO avoids. Differentiate
-  with respect to ``worker_local(params)`` instead to get each worker's own
-  gradient, with no collective.
+  Inside ``jax.shard_map`` autodiff all-reduces the gradient of a replicated
+  value (the transpose of replication is a psum); the gradient with respect
+  to ``worker_local(params)`` is each worker's own, with no collective.
   """
   if axis_name is None:
     return tree
@@ -108,11 +90,7 @@ def varying_axes(x: jax.Array) -> frozenset[Hashable]:
 
 
 def as_varying(x: jax.Array, axes: Iterable[Hashable]) -> jax.Array:
-  """``x`` typed as varying over ``axes`` too, inside ``shard_map`` (no value changes).
-
-  Results built from values that vary (a loop carry, a custom call's output)
-  must carry the union of their inputs' varying axes.
-  """
+  """``x`` typed as varying over ``axes`` too, inside ``shard_map`` (no value changes)."""
   missing = tuple(sorted(frozenset(axes) - varying_axes(x), key=str))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
@@ -139,8 +117,8 @@ def local_value_and_grad(
 ) -> Callable[..., Any]:
   """``jax.value_and_grad(fun)`` for one worker: its own loss and gradient.
 
-  Use it inside ``jax.shard_map`` in place of ``jax.value_and_grad``; see
-  :func:`worker_local` for why the plain one would all-reduce the gradient.
+  Use it inside ``jax.shard_map`` in place of ``jax.value_and_grad``, which
+  would all-reduce the gradient (:func:`worker_local`).
 
   Args:
     fun: ``fun(params, *args)``; differentiated with respect to ``params``.

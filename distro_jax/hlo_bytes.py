@@ -1,11 +1,6 @@
-"""Measured communication: bytes entering collectives, read from compiled HLO.
+"""Measured communication: the bytes each device puts into collectives, read from compiled HLO."""
 
-The compiled module is the per-device SPMD program, so an operand's shape is
-what one device puts into the collective. Compiled HLO prints operands by name
-only, so every instruction's result shape is indexed first and the operands are
-looked up there.
-"""
-
+import math
 import re
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
@@ -22,31 +17,15 @@ __all__ = [
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 
+# Bytes per element of each HLO element type.
 _DTYPE_BYTES = {
-  "pred": 1,
-  "s4": 0.5,
-  "u4": 0.5,
-  "s8": 1,
-  "u8": 1,
-  "s16": 2,
-  "u16": 2,
-  "s32": 4,
-  "u32": 4,
-  "s64": 8,
-  "u64": 8,
-  "f16": 2,
-  "bf16": 2,
-  "f32": 4,
-  "f64": 8,
-  "c64": 8,
+  **dict.fromkeys(("s4", "u4"), 0.5),
+  **dict.fromkeys(("pred", "s8", "u8", "f8e4m3fn", "f8e5m2", "f8e4m3fnuz", "f8e5m2fnuz"), 1),
+  **dict.fromkeys(("f8e4m3", "f8e3m4", "f8e4m3b11fnuz"), 1),
+  **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
+  **dict.fromkeys(("s32", "u32", "f32"), 4),
+  **dict.fromkeys(("s64", "u64", "f64", "c64"), 8),
   "c128": 16,
-  "f8e4m3fn": 1,
-  "f8e5m2": 1,
-  "f8e4m3fnuz": 1,
-  "f8e5m2fnuz": 1,
-  "f8e4m3": 1,
-  "f8e3m4": 1,
-  "f8e4m3b11fnuz": 1,
 }
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMMENT = re.compile(r"/\*.*?\*/")
@@ -72,12 +51,8 @@ class CollectiveBytes(NamedTuple):
 def _shape_bytes(shape: str) -> int:
   total = 0.0
   for dtype, dims in _ARRAY.findall(shape):
-    if dtype not in _DTYPE_BYTES:
-      continue
-    n = 1
-    for d in filter(None, dims.split(",")):
-      n *= int(d)
-    total += n * _DTYPE_BYTES[dtype]
+    if dtype in _DTYPE_BYTES:
+      total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
   return int(total)
 
 
@@ -122,6 +97,7 @@ def _operands(call: str) -> list[str]:
 
 def _collectives(hlo_text: str) -> list[tuple[str, str, int, str]]:
   """``(kind, name, operand bytes, attributes)`` of every collective in HLO text."""
+  # Compiled HLO names operands without their shapes: index every result shape first.
   shapes: dict[str, str] = {}
   instrs: list[tuple[str, str, str]] = []
   for line in hlo_text.splitlines():
@@ -204,10 +180,7 @@ def _device_groups(attrs: str, num_devices: int) -> list[list[int]]:
   m = _GROUPS_IOTA.search(attrs)
   if m:
     shape = [int(x) for x in m.group(1).split(",")]
-    ids = np.arange(num_devices).reshape([int(x) for x in m.group(2).split(",")])
-    if m.group(3):
-      ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-    return ids.reshape(shape).tolist()
+    return _iota(num_devices, m.group(2), m.group(3)).reshape(shape).tolist()
   m = _GROUPS_LIST.search(attrs)
   groups = []
   if m:
@@ -221,13 +194,12 @@ def collective_bytes_by_axes(
 ) -> dict[tuple[Hashable, ...], CollectiveBytes]:
   """Per-device collective bytes, keyed by the mesh axes each collective crosses.
 
-  A collective crosses a mesh axis when the devices of one of its groups sit
-  at different positions along that axis. On a ``("replica", "fsdp")`` mesh,
-  the key ``("replica",)`` is the traffic over the slow links between sites.
+  A collective crosses an axis when one of its groups spans several positions
+  along it: on a ``("replica", "fsdp")`` mesh, ``("replica",)`` is the traffic
+  between sites.
 
   Args:
-    hlo_text: the compiled HLO of a step jitted over ``mesh`` (logical device
-      ``i`` is ``mesh.devices.flat[i]``, as JAX assigns them).
+    hlo_text: the compiled HLO of a step jitted over ``mesh``.
     mesh: the mesh the step runs on.
 
   Returns:
@@ -250,8 +222,7 @@ def collective_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Colle
   """Compiles ``fn(*args, **kwargs)`` and measures the bytes entering collectives.
 
   Args:
-    fn: a function, jitted or not (it is jitted if it has no ``lower``). For a
-      train step, pass the jitted step itself with its real arguments.
+    fn: a function, jitted or not; for a train step, the jitted step itself.
     *args: its arguments, placed as they will be at run time.
     **kwargs: its keyword arguments.
 

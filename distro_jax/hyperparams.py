@@ -1,12 +1,4 @@
-"""Checks of the transformations' hyperparameters, shared by DeMo and SparseLoCo.
-
-Two kinds of argument need care in an optax factory. Sizes that fix a
-message's shape (top-k, chunk, the steps between synchronizations) must be
-static Python ints, even under ``optax.inject_hyperparams``, which would
-otherwise trace every int. Decays may be traced (injected): their range is
-checked when they are concrete, and their dtype always, since a decay cast to
-bf16 or float16 is not the decay that was asked for.
-"""
+"""Checks of hyperparameters, and defaults that ``optax.inject_hyperparams`` leaves alone."""
 
 import numbers
 from typing import Any
@@ -26,10 +18,7 @@ __all__ = [
 
 
 class _Static:
-  """A default that ``optax.inject_hyperparams`` does not take for a number.
-
-  It compares, hashes and prints as its value.
-  """
+  """A default that ``optax.inject_hyperparams`` does not take for a number."""
 
   __slots__ = ("value",)
 
@@ -46,12 +35,7 @@ class _Static:
 class StaticInt(_Static):
   """An int default that ``optax.inject_hyperparams`` leaves static.
 
-  ``inject_hyperparams`` turns every int argument, defaults included, into an
-  array hyperparameter, which is traced inside ``jit``. The top-k and chunk
-  sizes fix the message's shape and cannot be traced, so their defaults are
-  this non-int stand-in: ``inject_hyperparams(dj.demo)(learning_rate=...)``
-  then works with no ``static_args``. It compares, hashes and prints as its
-  value.
+  For sizes that fix a message's shape; it compares, hashes and prints as its value.
   """
 
   __slots__ = ()
@@ -66,16 +50,9 @@ class StaticInt(_Static):
 
 
 class StaticFloat(_Static):
-  """A float default that ``optax.inject_hyperparams`` leaves as it is.
+  """A float default that ``optax.inject_hyperparams`` does not cast to the params' dtype.
 
-  ``inject_hyperparams`` casts every float argument, defaults included, to
-  the params' dtype. In bfloat16 a decay of 0.999 becomes 1.0: a momentum
-  that never decays, and Adam's bias correction ``1 - b2**t`` becomes zero
-  (``inject_hyperparams(optax.adamw)`` on bfloat16 params returns NaN). Decay
-  defaults that bfloat16 cannot hold are this stand-in, so that
-  ``inject_hyperparams(dj.demo)(learning_rate=...)`` keeps them exact. Set
-  one yourself and it is injected as any float, in the params' dtype unless
-  ``inject_hyperparams`` gets ``hyperparam_dtype=jnp.float32``.
+  For decays that bfloat16 would round to 1 (0.999).
   """
 
   __slots__ = ()
@@ -93,19 +70,10 @@ def unwrap_static(value: Any) -> Any:
 
 
 def static_positive_int(name: str, value: Any, example: int) -> int:
-  """``value`` as a positive Python int, or an error that names ``name`` and the fix.
-
-  Args:
-    name: the argument's name, as the user passes it.
-    value: what was passed: an int, a :class:`StaticInt`, or a concrete 0-d array.
-    example: a sensible value to suggest.
-
-  Returns:
-    The int.
+  """``value`` (an int, a :class:`StaticInt` or a concrete 0-d array) as a positive int.
 
   Raises:
-    TypeError: a traced value (set through ``inject_hyperparams`` without
-      ``static_args``), or anything that is not an integer (bools included).
+    TypeError: a traced value, or anything that is not an integer (bools included).
     ValueError: zero or a negative int.
   """
   if isinstance(value, StaticInt):
@@ -126,11 +94,7 @@ def static_positive_int(name: str, value: Any, example: int) -> int:
 
 
 def check_learning_rate(name: str, value: Any) -> None:
-  """Raises unless ``value`` is a number, a numeric array (an injected one) or a schedule.
-
-  Raises:
-    TypeError: anything else (a string, ``None``, a bool), naming ``name`` and the fix.
-  """
+  """Raises a TypeError unless ``value`` is a number, a numeric array or a schedule."""
   if callable(value):
     return
   # An injected rate (a traced or concrete array) is checked by its dtype.
@@ -151,17 +115,11 @@ def check_learning_rate(name: str, value: Any) -> None:
 def check_decay(name: str, value: Any, *, one_allowed: bool, hint: str) -> None:
   """Raises if a concrete ``value`` is outside ``[0, 1)`` (or ``[0, 1]`` when ``one_allowed``).
 
-  A traced value (an injected hyperparameter) has no value to check, but its
-  dtype is known: one narrower than 32 bits is refused either way.
-
-  Args:
-    name: the argument's name.
-    value: the decay.
-    one_allowed: whether 1 (keep everything) is a valid decay.
-    hint: what to use instead, appended to the message.
+  A traced value is checked by its dtype only: one narrower than 32 bits is
+  refused. ``hint``, what to use instead, ends the message.
 
   Raises:
-    ValueError: a concrete decay out of range.
+    ValueError: a decay out of range, or in a dtype narrower than 32 bits.
   """
   dtype = getattr(value, "dtype", None)
   if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
@@ -183,9 +141,7 @@ def check_decay(name: str, value: Any, *, one_allowed: bool, hint: str) -> None:
 
 
 def static_nonnegative_float(name: str, value: Any, example: float) -> float:
-  """``value`` as a finite Python float of 0 or more, or an error naming ``name`` and the fix.
-
-  For numbers that shape what a step computes at trace time (not injected).
+  """``value`` as a finite Python float of 0 or more, for numbers used at trace time.
 
   Raises:
     TypeError: a traced value, or anything that is not a real number (bools included).

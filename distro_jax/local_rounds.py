@@ -1,12 +1,4 @@
-"""The local rounds that :func:`distro_jax.diloco` and :func:`distro_jax.sparseloco` share.
-
-Each worker steps its own inner params with its inner optimizer; every
-``sync_every``-th step (and, given ``total_steps``, the run's last) a
-synchronization turns the workers' inner params into one outer update, and
-every worker restarts there. What a synchronization computes is the
-optimizer's own; when it runs, and how a worker whose round went non-finite
-restarts, are here.
-"""
+"""The local rounds that :func:`distro_jax.diloco` and :func:`distro_jax.sparseloco` share."""
 
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -36,11 +28,9 @@ def inner_step(
 ) -> tuple[jax.Array, Any, Any]:
   """One step of ``inner`` on this worker's own params: ``(count, local_params, inner_state)``.
 
-  ``state`` holds them before the step, in fields of those names.
-
   Raises:
-    ValueError: ``params`` is ``None`` (``name``, e.g. ``"dj.diloco"``, says
-      whose update), or no enclosing ``jax.shard_map`` binds ``axis_name``.
+    ValueError: ``params`` is ``None`` (the message names ``name``), or
+      ``axis_name`` is not bound.
   """
   if params is None:
     raise ValueError(f"{name} needs the outer params: call tx.update(grads, state, params).")
@@ -65,10 +55,8 @@ def synchronize_when_due(
   """``synchronize(local_params, carry, inner_state)`` on a synchronizing step, else nothing.
 
   ``synchronize`` returns ``(outer_updates, local_params, carry, inner_state,
-  contributors)``; ``carry`` is the optimizer's own state that a round
-  changes, and ``count`` the step count after this step's inner step. Other
-  steps return a zero update, the inputs unchanged, and every worker counted.
-  ``sync_every`` and ``total_steps`` (``None``: only the multiples) are static.
+  contributors)``; other steps return a zero update, the inputs unchanged and
+  every worker counted. ``count`` is the step count after the inner step.
   """
   everyone = jnp.full([], exchange.bound_axis_size(axis_name), jnp.int32)
 
@@ -92,10 +80,8 @@ def restart(
 ) -> tuple[Any, Any]:
   """Every worker's inner params at the new outer params, and a failed worker's fresh inner state.
 
-  A worker whose round was not finite restarts from the shared params like
-  the others, and with ``inner.init``'s state, since its own may hold the
-  NaN. Leaves shared by every worker (a step count) took in no gradient, so
-  they carry on.
+  A worker whose round was not finite takes ``inner.init``'s state, since its
+  own may hold the NaN; leaves shared by every worker (a step count) carry on.
   """
   local = exchange.worker_local(optax.apply_updates(params, outer_updates), axis_name)
   inner_state = jax.tree.map(

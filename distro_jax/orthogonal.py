@@ -1,16 +1,4 @@
-"""A matrix's nearest semi-orthogonal direction, by Muon's Newton-Schulz iteration.
-
-DeMo's decoded aggregate of a hidden weight matrix is a few DCT cosines per
-chunk, and its sign or its RMS-scaled self keeps whatever few directions
-dominate them. Muon (Jordan et al., 2024) steps along ``U V^T`` of the
-update's SVD instead, so every direction of the matrix moves by the same
-amount; ``normalize="orth"`` of :func:`distro_jax.demo` does the same with
-DeMo's aggregate. The iteration is five steps of an odd quintic in ``X``
-whose coefficients push the singular values into a band around one (about
-0.7 to 1.2, not exactly one: it trades exactness for speed, as Muon's does).
-Five steps lift a singular value of about 1/500 of the Frobenius norm or
-more into the band; smaller ones grow but stay below it.
-"""
+"""A matrix's nearest semi-orthogonal direction, by Muon's Newton-Schulz iteration."""
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +18,8 @@ def orthogonalize(x_MxN: jax.Array, steps: int = 5) -> jax.Array:
 
   Returns:
     An array like ``x`` with ``x``'s singular vectors and its singular values
-    moved into a band around one (zero stays zero). Computed in float32.
+    moved into a band around one, about 0.7 to 1.2 (zero stays zero). Computed
+    in float32.
 
   References:
     Jordan et al., "Muon: An optimizer for hidden layers in neural networks",

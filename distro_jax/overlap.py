@@ -1,19 +1,4 @@
-"""The overlapped exchange as a program of its own, for runtimes that run one program at a time.
-
-With ``delayed_apply`` the all-gather of step t reads only the optimizer
-state, so nothing in it waits on step t's forward and backward pass. Whether
-the two then run together is the runtime's choice. XLA's CPU runtime, as
-measured here with gloo between processes, blocks the thread that reaches a
-collective until the transfer ends (the Python thread that dispatched its
-program, too), and in a fused train step the forward and backward pass
-waited for it (docs/overlapped.md). Launched as its own program from a
-thread of its own, the all-gather runs while the gradient's program computes.
-
-:func:`gather_pending` is that program's body. Its result goes back into the
-update as ``tx.update(grads, opt_state, params, gathered=...)``, which then
-decodes it instead of all-gathering; the arithmetic is the same, so the
-result is the same to the bit (``tests/test_overlap.py``).
-"""
+"""The overlapped exchange's all-gather as a program of its own (docs/overlapped.md)."""
 
 from collections.abc import Hashable
 from typing import Any
@@ -29,24 +14,21 @@ __all__ = ["gather_pending"]
 def gather_pending(opt_state: Any, axis_name: Hashable | None = "data") -> jax.Array:
   """All-gathers the message in flight of a ``delayed_apply`` exchange.
 
-  Call it inside ``jax.shard_map`` (a program of its own, launched before the
-  gradient's), and pass the result to the update as ``gathered=``. It reads
-  only ``DemoState.pending``, so it can start before the step's batch exists.
+  For runtimes that run one program at a time (XLA on CPU). Call it inside
+  ``jax.shard_map``, as a program launched before the gradient's, and pass
+  the result to ``tx.update(..., gathered=...)``, which then decodes it
+  instead of all-gathering, to the same bits.
 
   Args:
     opt_state: a worker's optimizer state holding exactly one ``delayed_apply``
-      :class:`~distro_jax.DemoState` (at any depth: ``optax.chain``,
-      ``optax.multi_transform`` with a synchronous group, ...).
-    axis_name: the workers' mapped axis; ``None`` for one worker, with no
-      collective.
+      :class:`~distro_jax.DemoState`, at any depth.
+    axis_name: the workers' mapped axis; ``None`` for one worker.
 
   Returns:
-    ``uint8[W, message bytes]``, every worker's pending message in the order
-    of their indices on ``axis_name``, the same on every worker.
+    ``uint8[W, message bytes]``: every worker's pending message, in worker order.
 
   Raises:
-    ValueError: if ``opt_state`` holds no ``delayed_apply`` exchange, or
-      more than one.
+    ValueError: ``opt_state`` holds no ``delayed_apply`` exchange, or several.
 
   Example:
     >>> import jax, jax.numpy as jnp, distro_jax as dj

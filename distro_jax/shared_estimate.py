@@ -1,21 +1,4 @@
-"""A running estimate of the workers' mean momentum, corrected by each message.
-
-DeMo's message is cut from the momentum and leaves it: what a step applies is
-only what was sent this step, a sparse, coarse slice. Muon instead steps along
-the whole momentum. :func:`track_shared_estimate` keeps both halves apart, as
-EF21 (Richtarik et al., 2021) does for compressed gradients: every worker keeps
-its own momentum of its gradient, whole; every worker also keeps the same
-estimate ``E`` of the workers' mean momentum; the message carries each worker's
-difference from ``E``, compressed; and the decoded mean of the differences
-moves ``E``. ``E`` is then a dense matrix that tracks the mean momentum, and the
-step (for example orthogonalized, as Muon's) is taken along it.
-
-``E`` is built from what every worker decoded, so it stays bit-identical on
-every worker. Each worker's momentum is scaled to a unit root mean square per
-tensor before the difference is taken, so that a 1-bit message (signs, no
-magnitude) and ``E`` share one unit: every coefficient sent moves ``E`` by
-``step`` times the mean sign the workers sent for it.
-"""
+"""EF21 around an exchange: a shared estimate of the workers' mean momentum (docs/results.md)."""
 
 from collections.abc import Hashable
 from typing import Any, NamedTuple
@@ -33,13 +16,11 @@ class EstimateState(NamedTuple):
   """State of :func:`track_shared_estimate`.
 
   Attributes:
-    exchange: the wrapped exchange's state (a :class:`distro_jax.DemoState`),
-      per worker.
-    momentum: this worker's momentum of its gradients, float32, shaped like
-      the params; per worker. A worker whose momentum is not finite restarts
-      it from zero (its message is left out by the exchange).
-    estimate: the estimate ``E`` of the workers' mean unit-RMS momentum,
-      float32, shaped like the params; the same on every worker.
+    exchange: the wrapped exchange's state, per worker.
+    momentum: this worker's float32 momentum of its gradients (restarted from
+      zero when it is not finite).
+    estimate: ``E``, the workers' mean unit-RMS momentum, float32, built from
+      what every worker decoded, so the same bits on every worker.
   """
 
   exchange: Any
@@ -69,26 +50,21 @@ def track_shared_estimate(
 ) -> optax.GradientTransformationExtraArgs:
   """Steps along a shared estimate of the mean momentum that the messages correct.
 
-  Per tensor, on every worker: ``M <- decay * M + (1 - decay) * g``;
-  ``D = M / rms(M) - E``; ``Q`` = the exchange of ``D`` (each worker's
-  compressed ``D``, decoded as the mean over the workers); ``E <- E + step * Q``;
-  the output is ``E``. ``exchange_stage`` should keep no error feedback of its
-  own (DeMo's stateless mode): ``E`` lags exactly by what was not sent, so
-  what a message leaves out is still in the next step's ``D``.
+  Per tensor: ``M <- decay * M + (1 - decay) * g``; ``D = M / rms(M) - E``;
+  ``Q`` = the exchange's decoded mean of ``D``; ``E <- E + step * Q``; the
+  output is ``E``. ``exchange_stage`` should keep no error feedback of its own:
+  what a message leaves out stays in the next step's ``D``.
 
   Args:
     exchange_stage: the compressed exchange, e.g.
       ``dj.scale_by_demo(1.0, compression_decay=0.0, ...)``.
     decay: each worker's momentum decay, in ``[0, 1)`` (Muon's is 0.95).
-    step: how far ``E`` moves per unit of the decoded mean: with 1-bit
-      values, the move of a coefficient that every worker who sent it agreed on.
-    axis_name: the workers' axis, as the exchange's; the tensor's other
-      axes (FSDP within a site) enter its root mean square.
+    step: how far ``E`` moves per unit of the decoded mean.
+    axis_name: the workers' axis, as the exchange's.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
-    :class:`EstimateState`; it passes ``contribute`` and ``gathered`` on to
-    the exchange.
+    :class:`EstimateState`; extra arguments go on to the exchange.
 
   References:
     Richtarik, Sokolov, Fatkhullin, "EF21: A New, Simpler, Theoretically

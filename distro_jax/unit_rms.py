@@ -1,19 +1,7 @@
 """How DeMo turns its decoded aggregate into a step: its sign, unit RMS, or orthogonalized.
 
-DeMo turns the decoded aggregate into a step with its sign, so every entry
-moves by the learning rate. With one drawn coefficient of each 8x8 chunk per
-worker (``random_positions``), the aggregate of a chunk is a few cosines, and
-its sign gives an entry where they cancel the same step as one where they
-agree. Scaling each tensor to a root mean square of one keeps the step's size
-(the sign's RMS is one too) and the entries' relative sizes (docs/results.md).
-``"orth"`` orthogonalizes each matrix first, as Muon does
-(:func:`distro_jax.orthogonalize`), and scales the result to unit RMS.
-
-A model that stacks its layers (one ``(n_layers, ...)`` array per kind of
-weight, as a scanned model does) marks those params :class:`PerLayer`, so
-each layer is normalized on its own, as a separate param would be. A param
-split across a worker's devices (FSDP) is marked :class:`Split`, so each
-device takes its block of the whole tensor's step.
+The ``normalize`` modes of :func:`distro_jax.demo`: ``"sign"`` (DeMo's), ``"rms"`` (each
+tensor at a root mean square of one), ``"orth"`` (each matrix orthogonalized, then at unit RMS).
 """
 
 import dataclasses
@@ -37,14 +25,9 @@ NORMALIZE = ("sign", "rms", "orth")
 class PerLayer:
   """A normalize mode for a param whose leading axes stack layers: each layer on its own.
 
-  ``normalize="rms"`` scales a whole tensor to unit RMS and ``"orth"``
-  orthogonalizes a matrix. On a stack of layers ``(n_layers, ...)``, as a
-  scanned model holds them, that would be one step for all layers at once.
-  ``PerLayer(mode)`` applies ``mode`` to each ``x[i]`` instead, which is
-  what the layers held as separate params get. A layer of shape ``(1, n)``
-  is the row layout of a vector (chunked on its own, see
-  :func:`distro_jax.dct.plan_chunks`), so ``"orth"`` scales it to unit RMS,
-  as it does a vector.
+  ``PerLayer(mode)`` applies ``mode`` to each ``x[i]`` of an ``(n_layers, ...)``
+  stack, as separate params would get it. ``"orth"`` scales a layer of shape
+  ``(1, n)``, a vector's row layout, to unit RMS.
 
   Attributes:
     mode: one of :data:`NORMALIZE`.
@@ -79,17 +62,9 @@ class PerLayer:
 class Split:
   """A normalize mode for a param split across a worker's devices: each takes its block.
 
-  Under FSDP a worker's devices each hold a block of a param, cut along one
-  axis. ``"orth"`` (and :class:`PerLayer`, when the cut falls within the
-  layers) needs the whole tensor, so ``Split(mode, axis, over)`` all-gathers
-  the decoded aggregate over ``over`` (the worker's own devices, on fast
-  links), applies ``mode`` to the whole tensor and keeps this device's
-  block: the step the unsplit param gets (up to the rounding of another
-  compiled program). Every device computes it from the same gathered
-  values, so the blocks of every worker agree bit for bit.
-  ``"sign"`` needs no gather. Use it inside ``jax.shard_map``, with
-  ``axis`` and ``over`` as the param's ``PartitionSpec`` names them
-  (:func:`distro_jax.plan_fsdp` gives both).
+  Inside ``jax.shard_map``, all-gathers the decoded aggregate over ``over``,
+  applies ``mode`` to the whole tensor and keeps this device's block
+  (docs/fsdp.md). :func:`distro_jax.plan_fsdp` gives ``axis`` and ``over``.
 
   Attributes:
     mode: one of :data:`NORMALIZE`, or a :class:`PerLayer` of one.
@@ -120,11 +95,7 @@ class Split:
 
 
 def check_normalize(normalize: Any) -> Any:
-  """``normalize``, refused unless it is one of :data:`NORMALIZE` or a tree of them.
-
-  A function of the params passes here; what it returns is checked when it
-  meets the params (:func:`normalize_modes`).
-  """
+  """``normalize``, refused unless it is a mode, a tree of them, or a function (checked later)."""
   if callable(normalize):
     return normalize
   for mode in [normalize] if isinstance(normalize, str) else jax.tree.leaves(normalize):
@@ -141,17 +112,7 @@ def check_normalize(normalize: Any) -> Any:
 
 
 def normalize_modes(normalize: Any, params: Any) -> list[str]:
-  """The mode of each leaf of ``params``, from a mode, a tree of them, or a function.
-
-  Args:
-    normalize: one of :data:`NORMALIZE`; a tree of them with the params'
-      structure or a prefix of it; or a function of the params that returns
-      one of those.
-    params: the tree the modes are for (params or updates).
-
-  Returns:
-    One checked mode per leaf of ``params``, in leaf order.
-  """
+  """One checked mode per leaf of ``params``, from a mode, a tree of them, or a function."""
   spec = check_normalize(normalize(params) if callable(normalize) else normalize)
   leaves, treedef = jax.tree.flatten(params)
   if isinstance(spec, str):
@@ -169,19 +130,10 @@ def normalize_modes(normalize: Any, params: Any) -> list[str]:
 def normalized_step(
   q: jax.Array, mode: str | PerLayer, sharded_over: Iterable[Hashable] = ()
 ) -> jax.Array:
-  """The step along ``q`` that ``mode`` gives, in ``q``'s dtype.
+  """The step along ``q`` (or this device's block of it) that ``mode`` gives, in ``q``'s dtype.
 
-  Args:
-    q: one tensor's decoded aggregate, or under ``shard_map`` this device's
-      block of it.
-    mode: one of :data:`NORMALIZE`, or a :class:`PerLayer` or :class:`Split`
-      of one. ``"orth"`` orthogonalizes a matrix and scales any other tensor
-      (a vector, a scalar) to unit RMS.
-    sharded_over: the mesh axes whose devices hold the other blocks of ``q``
-      (ignored for a :class:`Split` mode, which names its own).
-
-  Returns:
-    An array like ``q``.
+  ``"orth"`` scales a tensor that is not a matrix to unit RMS. ``sharded_over``:
+  the mesh axes holding the other blocks of ``q``.
   """
   if isinstance(mode, Split):
     return _split_step(q, mode)
@@ -244,19 +196,14 @@ def to_unit_rms(x: jax.Array, sharded_over: Iterable[Hashable] = ()) -> jax.Arra
 
   Args:
     x: one tensor, or under ``shard_map`` this device's block of it.
-    sharded_over: the mesh axes whose devices hold the other blocks of the
-      tensor; the mean is over all of them.
-
-  Returns:
-    An array like ``x``.
+    sharded_over: the mesh axes holding the tensor's other blocks.
   """
   axes = tuple(sorted(sharded_over, key=str))
   sq = jnp.sum(jnp.square(x.astype(jnp.float32)))
   size = jnp.asarray(x.size, jnp.float32)
   if axes:
-    # Gathered and summed in index order rather than psum'd: an all-reduce may
-    # add the blocks in another order on another group of devices, and every
-    # worker's copy of the tensor must get the same bits.
+    # Gathered and summed in index order, not psum'd: an all-reduce may add the blocks
+    # in another order on another group of devices, and every worker must get the same bits.
     sq = jnp.sum(jax.lax.all_gather(sq, axes, to="invarying"))
     size = size * jax.lax.psum(1, axes)
   mean_sq = sq / size
@@ -267,13 +214,11 @@ def to_unit_rms(x: jax.Array, sharded_over: Iterable[Hashable] = ()) -> jax.Arra
 def scale_to_unit_rms(axis_name: Hashable | None = None) -> optax.GradientTransformation:
   """Scales each tensor of the updates to a root mean square of one.
 
-  Under ``shard_map``, a tensor split over mesh axes other than
-  ``axis_name`` (FSDP within a worker) is scaled by the RMS of the whole
-  tensor, the same on each of its blocks.
+  A tensor split over mesh axes other than ``axis_name`` (FSDP) is scaled by
+  the whole tensor's RMS.
 
   Args:
-    axis_name: the workers' axis, across which each worker holds a whole copy;
-      ``None`` when there is none.
+    axis_name: the workers' axis; ``None`` when there is none.
 
   Returns:
     An ``optax.GradientTransformation`` with no state.
@@ -285,24 +230,13 @@ def scale_to_unit_rms(axis_name: Hashable | None = None) -> optax.GradientTransf
     >>> print(*(round(float(u), 3) for u in updates["w"]))
     1.732 -0.577 0.577 0.577
   """
-
   return scale_by_normalize("rms", axis_name)
 
 
 def scale_by_normalize(
   normalize: Any, axis_name: Hashable | None = None
 ) -> optax.GradientTransformation:
-  """Turns each tensor of the updates into a step as ``normalize`` says.
-
-  Args:
-    normalize: as given to :func:`distro_jax.demo`: a mode of
-      :data:`NORMALIZE`, a tree of them like the params (or a prefix of it),
-      or a function of the params that returns one.
-    axis_name: the workers' axis, as for :func:`scale_to_unit_rms`.
-
-  Returns:
-    An ``optax.GradientTransformation`` with no state.
-  """
+  """Turns each tensor of the updates into a step as ``normalize`` (of ``dj.demo``) says."""
   check_normalize(normalize)
 
   def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:

@@ -1,9 +1,4 @@
-"""Byte accounting: what one worker sends per step, against the baselines.
-
-The transformation and this accounting build their :class:`~distro_jax.codec.WireLayout`
-with the same function, so the figure reported here is the length of the
-message that enters the collective, to the byte.
-"""
+"""Byte accounting: what one worker sends per step, to the byte, against the baselines."""
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -23,12 +18,7 @@ def carried(x: Any) -> bool:
 
 
 class CarriedLeaves:
-  """Which of a flat list of leaves the message carries, to take them out and put results back.
-
-  A zero-size tensor has nothing to send, so the transformations leave it out
-  of the message and give it an empty result; this keeps that bookkeeping in
-  one place.
-  """
+  """Which of a flat list of leaves the message carries (see :func:`carried`)."""
 
   def __init__(self, leaves: list[Any]):
     self.mask = [carried(x) for x in leaves]
@@ -44,30 +34,19 @@ class CarriedLeaves:
 
   def merge(self, picked: list[Any], others: list[Any]) -> list[Any]:
     """One entry per leaf: ``picked``'s in order at the carried leaves, ``others``' elsewhere."""
-    it = iter(picked)
-    return [next(it) if k else o for o, k in zip(others, self.mask, strict=True)]
+    return self.with_empty(picked, others, lambda o: o)
 
   def with_empty(
     self, picked: list[Any], leaves: list[Any], empty: Callable[[Any], Any]
   ) -> list[Any]:
-    """One entry per leaf: ``picked``'s at the carried leaves, ``empty(leaf)`` elsewhere.
-
-    ``empty`` runs only for the leaves left out, so no result is built for a
-    carried leaf only to be dropped (which an update run outside ``jax.jit``
-    would pay for in memory).
-    """
+    """One entry per leaf: ``picked``'s at the carried leaves, ``empty(leaf)`` (only) elsewhere."""
     it = iter(picked)
     return [next(it) if k else empty(x) for x, k in zip(leaves, self.mask, strict=True)]
 
 
 def plan_tree(params: Any, compression_chunk: int) -> list[dct.ChunkPlan]:
   """A :class:`~distro_jax.dct.ChunkPlan` for every leaf, in tree order."""
-  return [plan_chunk_leaf(x, compression_chunk) for x in jax.tree.leaves(params)]
-
-
-def plan_chunk_leaf(x: Any, compression_chunk: int) -> dct.ChunkPlan:
-  """The :class:`~distro_jax.dct.ChunkPlan` of one array or ``ShapeDtypeStruct``."""
-  return dct.plan_chunks(tuple(np.shape(x)), compression_chunk)
+  return [dct.plan_chunks(tuple(np.shape(x)), compression_chunk) for x in jax.tree.leaves(params)]
 
 
 def wire_layout(
@@ -78,11 +57,7 @@ def wire_layout(
   quantize_1bit: bool,
   random_positions: bool = False,
 ) -> codec.WireLayout:
-  """The message layout for a params tree (arrays or ``jax.ShapeDtypeStruct``).
-
-  Its tensors are the leaves it carries (see :func:`carried`), in tree order;
-  a zero-size leaf has no part in it.
-  """
+  """The message layout of a params tree, the transformations' own: its carried leaves, in order."""
   tensors = []
   leaves = [x for x in jax.tree.leaves(params) if carried(x)]
   for x, plan in zip(leaves, plan_tree(leaves, compression_chunk)):
@@ -92,11 +67,7 @@ def wire_layout(
 
 
 def ring_allreduce_factor(num_workers: int) -> float:
-  """Operands a ring all-reduce moves up each worker's link: ``2 (W - 1) / W``.
-
-  A reduce-scatter then an all-gather, each passing ``(W - 1) / W`` of the
-  operand along the ring.
-  """
+  """Operands a ring all-reduce moves up each worker's link: ``2 (W - 1) / W``."""
   return 2 * (num_workers - 1) / num_workers
 
 
@@ -104,15 +75,11 @@ class WireBytes(NamedTuple):
   """Bytes per worker per step, and what they are compared with.
 
   Attributes:
-    payload: the DisTrO message, the bytes one worker puts on the wire:
-      indices bit-packed at ``ceil(log2(chunk size))`` bits (none when the
-      positions are drawn), then values (or sign bits); see
-      :mod:`distro_jax.codec`.
+    payload: the message one worker sends (layout: :mod:`distro_jax.codec`).
     grad_bf16: the full gradient in bf16, the DisTrO report's baseline.
     grad_fp32: the full gradient in fp32.
     grad: the full gradient in the parameters' own dtypes.
-    ring_allreduce: what a ring all-reduce of that gradient moves per worker,
-      ``2 (W - 1) / W * grad``.
+    ring_allreduce: what a ring all-reduce of ``grad`` moves per worker.
     num_workers: the W used for ``ring_allreduce``.
   """
 
@@ -146,14 +113,12 @@ def wire_bytes(
   """Payload bytes per worker per step for ``params``, with the baselines.
 
   Args:
-    params: a tree of arrays or ``jax.ShapeDtypeStruct`` (``jax.eval_shape``
-      output works, so billion-parameter models need no memory).
+    params: a tree of arrays or ``jax.ShapeDtypeStruct`` (``jax.eval_shape``'s).
     compression_topk: coefficients kept per chunk (clamped to the chunk size).
     compression_chunk: chunk target length per axis.
     quantize_1bit: whether values travel as sign bits.
     num_workers: W, for the ring all-reduce baseline.
-    random_positions: whether the positions are drawn from a shared seed
-      instead of sent (:func:`distro_jax.scale_by_demo`).
+    random_positions: whether the positions are drawn instead of sent.
 
   Returns:
     A :class:`WireBytes`.
@@ -171,10 +136,8 @@ def wire_bytes(
     >>> psyche = dj.wire_bytes(params, compression_topk=8, quantize_1bit=True)
     >>> psyche.payload  # per 64x64 chunk 8 x 12 index bits + 4 sign bits (4 more in the order)
     51200
-    >>> drawn = dj.wire_bytes(
-    ...     params, compression_topk=1, compression_chunk=8, quantize_1bit=True,
-    ...     random_positions=True,
-    ... )
+    >>> drawn = dj.wire_bytes(params, compression_topk=1, compression_chunk=8,
+    ...                       quantize_1bit=True, random_positions=True)
     >>> drawn.payload  # a flag byte, then one sign bit per 8x8 chunk
     32769
   """
