@@ -1,11 +1,7 @@
-"""Unsigned integers at any bit width, packed densely into bytes.
+"""Unsigned integers at any bit width, packed densely into bytes, and arrays as raw bytes.
 
-A chunk of 4096 coefficients needs 12 bits per index, not the 16 of a
-``uint16``; a 2-bit quantized value needs 2, not 8. :func:`pack_bits` lays
-``n`` values of ``bits`` bits each end to end, least significant bit first,
-into ``ceil(n * bits / 8)`` bytes, and :func:`unpack_bits` reads them back.
-Both are pure, shape-static and exact, so every worker decodes the same
-message to the same integers.
+Values of ``bits`` bits go end to end, least significant bit first: bit ``j``
+of value ``i`` is stream bit ``i * bits + j``, bit ``s % 8`` of byte ``s // 8``.
 """
 
 import math
@@ -28,10 +24,7 @@ __all__ = [
 
 
 def bits_for(num_values: int) -> int:
-  """Bits that index ``num_values`` distinct values: ``ceil(log2 n)``, at least 1.
-
-  Examples: 4096 -> 12, 64 -> 6, 40 -> 6, 2 -> 1, 1 -> 1.
-  """
+  """Bits that index ``num_values`` distinct values: ``ceil(log2 n)``, at least 1."""
   if num_values < 1:
     raise ValueError(f"bits_for needs at least one value, got {num_values}.")
   return max(1, (num_values - 1).bit_length())
@@ -48,19 +41,11 @@ def _check_bits(bits: int) -> None:
 
 
 def to_bit_stream(values: jax.Array, bits: int) -> jax.Array:
-  """The bits of ``values``, least significant first, one per ``uint8`` entry.
-
-  Several of these, at different widths, concatenate into one stream that
-  ``jnp.packbits(stream, bitorder="little")`` packs with no padding between
-  them; :func:`pack_bits` is that for a single array.
+  """The bits of ``values``, ``uint8[values.size * bits]``, to concatenate and ``jnp.packbits``.
 
   Args:
-    values: non-negative integers below ``2**bits``, any shape (flattened in C
-      order).
+    values: non-negative integers below ``2**bits``, any shape (flattened in C order).
     bits: width of each value, 1 to 32. Static.
-
-  Returns:
-    ``uint8[values.size * bits]`` of zeros and ones.
   """
   _check_bits(bits)
   flat = jnp.ravel(values).astype(jnp.uint32)
@@ -69,15 +54,12 @@ def to_bit_stream(values: jax.Array, bits: int) -> jax.Array:
 
 
 def from_bit_stream(stream: jax.Array, bits: int, count: int) -> jax.Array:
-  """Inverse of :func:`to_bit_stream`, with leading batch axes kept.
+  """Inverse of :func:`to_bit_stream`: ``uint32[..., count]``, leading batch axes kept.
 
   Args:
     stream: ``uint8[..., count * bits]`` of zeros and ones.
     bits: width of each value. Static.
     count: how many values. Static.
-
-  Returns:
-    ``uint32[..., count]``.
   """
   _check_bits(bits)
   lead = stream.shape[:-1]
@@ -90,14 +72,11 @@ def pack_bits(values: jax.Array, bits: int) -> jax.Array:
   """Packs non-negative integers below ``2**bits`` into bytes, end to end.
 
   Args:
-    values: an integer array of any shape; it is flattened in C order. Bits
-      above ``bits`` are dropped, so the caller keeps values in range.
+    values: integers of any shape, flattened in C order; bits above ``bits`` are dropped.
     bits: width of each value, 1 to 32. Static.
 
   Returns:
-    ``uint8[packed_bytes(values.size, bits)]``; bit ``j`` of value ``i`` is
-    stream bit ``i * bits + j``, and stream bit ``s`` is bit ``s % 8`` of byte
-    ``s // 8``.
+    ``uint8[packed_bytes(values.size, bits)]``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -115,15 +94,12 @@ def pack_bits(values: jax.Array, bits: int) -> jax.Array:
 
 
 def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
-  """Inverse of :func:`pack_bits`, with leading batch axes kept.
+  """Inverse of :func:`pack_bits`: ``uint32[..., count]``, leading batch axes kept.
 
   Args:
     packed: ``uint8[..., packed_bytes(count, bits)]``.
     bits: width of each value, as packed. Static.
     count: how many values were packed. Static.
-
-  Returns:
-    ``uint32[..., count]``.
   """
   _check_bits(bits)
   if bits == 8:
@@ -138,10 +114,7 @@ def to_bytes(x: jax.Array) -> jax.Array:
 
 
 def from_bytes(b: jax.Array, dtype: DTypeLike, shape: tuple[int, ...]) -> jax.Array:
-  """Inverse of :func:`to_bytes` for one array of ``shape``; ``b`` may have leading batch axes.
-
-  ``dtype`` is anything ``np.dtype`` takes: ``jnp.float32``, ``np.float32``, ``"bfloat16"``.
-  """
+  """Inverse of :func:`to_bytes` for an array of ``shape`` and ``dtype``; leading axes kept."""
   dtype = np.dtype(dtype)
   lead = b.shape[:-1]
   if dtype.itemsize == 1:

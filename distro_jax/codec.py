@@ -1,46 +1,19 @@
-"""Codec and wire format: per-chunk top-k, the byte message, and aggregation.
+"""Codec and wire format: per-chunk top-k, one worker's byte message, the aggregate.
 
-One worker's message for a whole parameter tree is a single ``uint8`` vector,
-so one collective carries it. It is laid out as:
+A worker's message for a whole tree is one ``uint8`` vector (docs/design.md,
+"The wire format and its bytes"). Its exact layout, after a flag byte where
+:attr:`WireLayout.header_bytes` says so:
 
-1. **Indices**, one bit stream for every tensor in tree order: each tensor's
-   ``rows * k`` chunk-local indices (row-major over chunks, then in top-k
-   order within a chunk), each written with ``ceil(log2(chunk size))`` bits,
-   least significant bit first (12 bits for a 4096-coefficient chunk, 6 for
-   64). With ``quantize_1bit`` the stream goes on with the sign bits (set: +1,
-   clear: -1), tensor after tensor, and half of them travel in the order of
-   the indices instead (below). The stream is packed 8 bits to a
-   byte with no padding between tensors, and padded with zeros to a whole
-   byte at its end (:mod:`distro_jax.bitpack`).
-2. **Values**, without ``quantize_1bit``: per tensor, ``rows * k`` values in
-   the parameter dtype, in the same order as the indices.
+1. One bit stream, least significant bit first, packed 8 bits to a byte and
+   padded with zeros at its end only: every tensor's ``rows * k`` chunk-local
+   indices in tree order (chunk after chunk, top-k order within one), each of
+   :func:`index_bits` bits (none with drawn positions); then, with
+   ``quantize_1bit``, every tensor's sign bits (set: +1): ``ceil(k / 2)`` a
+   chunk, the other signs carried by the order of each index pair (``k`` a
+   chunk with drawn positions).
+2. Without ``quantize_1bit``, every tensor's ``rows * k`` values in its dtype.
 
-**Signs in the order of the indices.** The k indices of a chunk are a set,
-so the order they are sent in is free to carry information (up to
-``log2(k!)`` bits). With ``quantize_1bit`` each pair of consecutive positions
-``(2j, 2j+1)`` of a chunk carries one sign that way: the pair goes out in
-ascending order when its smaller index has a positive value, descending when
-negative, and only the sign of its larger index is written as a bit; an odd
-k's last value keeps its own bit. So a chunk sends ``ceil(k / 2)`` sign bits
-instead of k (at top-k 8 of a 64x64 chunk, 8 x 12 + 4 = 100 bits instead of
-104). The receiver reads each pair's order back into both signs.
-
-**Drawn positions.** With ``WireLayout.drawn_positions`` the positions are
-not chosen by magnitude but drawn at random from a key that every worker can
-build (:func:`draw_positions`), so the message has no indices: after its flag
-byte, one sign bit per value with ``quantize_1bit``, else the values alone.
-
-A message whose sender's values were not finite is all zeros, and receivers
-leave it out of the aggregate. A valid message can never look like that, since
-the first chunk of the first tensor that keeps two or more coefficients names
-two different positions. When no tensor keeps more than one coefficient per
-chunk there is no such chunk, and the message starts with one flag byte
-instead (1: valid, 0: left out).
-
-The indices come back exactly as sent (with ``quantize_1bit``, the same set
-in each chunk, each pair possibly swapped), with their values, so decoding is
-exact and identical on every worker, and the aggregate does not depend on the
-format.
+A message whose sender's values were not finite is all zeros, and is left out.
 """
 
 import math
@@ -86,7 +59,7 @@ class TensorWire(NamedTuple):
     rows: number of chunks.
     k: coefficients kept per chunk.
     chunk_size: coefficients per chunk.
-    value_dtype: dtype name of the values on the wire (the parameter dtype).
+    value_dtype: dtype name of the values on the wire (the param's).
   """
 
   rows: int
@@ -104,7 +77,7 @@ class TensorWire(NamedTuple):
 
   @property
   def sign_bits(self) -> int:
-    """Sign bits written with ``quantize_1bit``: each pair's other sign is in its order."""
+    """Sign bits written with ``quantize_1bit``, ``ceil(k / 2)`` per chunk."""
     return self.rows * (self.k - self.k // 2)
 
 
@@ -114,9 +87,7 @@ class WireLayout(NamedTuple):
   Attributes:
     tensors: one :class:`TensorWire` per leaf, in tree order.
     quantize_1bit: whether values travel as sign bits in the bit stream.
-    drawn_positions: the positions are drawn from a seed every worker knows
-      (:func:`draw_positions`), so the message carries no indices, and with
-      ``quantize_1bit`` one sign bit per value.
+    drawn_positions: positions drawn from a shared key (:func:`draw_positions`), not sent.
   """
 
   tensors: tuple[TensorWire, ...]
@@ -125,7 +96,7 @@ class WireLayout(NamedTuple):
 
   @property
   def marker(self) -> int | None:
-    """The tensor whose first chunk marks validity (two distinct indices), or ``None``."""
+    """The tensor whose first chunk's two distinct indices mark validity, or ``None``."""
     if self.drawn_positions:
       return None
     return next((i for i, t in enumerate(self.tensors) if t.k >= 2), None)
@@ -175,6 +146,18 @@ def _batching(nb: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
   return (*range(nb), nb, nb + 2), (*range(nb), nb, nb + 1)
 
 
+def _gather_numbers(nb: int, offset_dims: tuple[int, ...]) -> jax.lax.GatherDimensionNumbers:
+  """A gather from a block view at ``(i, j)`` pairs ``(*lead, A, B, k, 2)``."""
+  operand_batch, index_batch = _batching(nb)
+  return jax.lax.GatherDimensionNumbers(
+    offset_dims=offset_dims,
+    collapsed_slice_dims=(nb + 1, nb + 3),
+    start_index_map=(nb + 1, nb + 3),
+    operand_batching_dims=operand_batch,
+    start_indices_batching_dims=index_batch,
+  )
+
+
 def _coords(idx: jax.Array, c2: int) -> jax.Array:
   """Chunk-local indices ``i * c2 + j`` as ``(i, j)`` pairs on a new last axis."""
   idx = idx.astype(jnp.int32)
@@ -191,50 +174,33 @@ def _flat_positions(idx: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
 
 
 def gather_blocks(x_blocks: jax.Array, idx: jax.Array) -> jax.Array:
-  """Entries of a block view at chunk-local indices.
+  """The entries ``(*lead, A, B, k)`` of a block view at chunk-local indices ``i * c2 + j``.
 
   Args:
     x_blocks: ``(*lead, A, c1, B, c2)``.
     idx: int ``(*lead, A, B, k)``, each in ``[0, c1 * c2)``.
-
-  Returns:
-    ``(*lead, A, B, k)``: ``x_blocks[..., a, i, b, j]`` for each ``i * c2 + j``.
   """
   if not dct.placed_on_mesh(x_blocks):
-    # One flat index per entry is the cheapest gather there is. On a mesh the
-    # batched form below tells the compiler which axes the indices run along,
-    # so the sharding of the chunk axes carries through.
+    # A flat gather is cheapest; on a mesh the batched form below lets the
+    # sharding of the chunk axes carry through.
     flat = _flat_positions(idx, x_blocks.shape)
     return x_blocks.reshape(-1).at[flat].get(mode="promise_in_bounds", unique_indices=True)
-  nb = x_blocks.ndim - 4
-  operand_batch, index_batch = _batching(nb)
-  dn = jax.lax.GatherDimensionNumbers(
-    offset_dims=(),
-    collapsed_slice_dims=(nb + 1, nb + 3),
-    start_index_map=(nb + 1, nb + 3),
-    operand_batching_dims=operand_batch,
-    start_indices_batching_dims=index_batch,
-  )
   return jax.lax.gather(
     x_blocks,
     _coords(idx, x_blocks.shape[-1]),
-    dn,
+    _gather_numbers(x_blocks.ndim - 4, ()),
     (1,) * x_blocks.ndim,
     mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
   )
 
 
 def scatter_blocks(x_blocks: jax.Array, idx: jax.Array, updates: jax.Array) -> jax.Array:
-  """Writes ``updates`` into a block view at chunk-local indices (distinct per chunk).
+  """``x_blocks`` with ``updates`` written at chunk-local indices.
 
   Args:
     x_blocks: ``(*lead, A, c1, B, c2)``.
     idx: int ``(*lead, A, B, k)``, distinct within each chunk.
     updates: ``(*lead, A, B, k)``, or a scalar.
-
-  Returns:
-    ``x_blocks`` with those entries replaced. Each location is written at most
-    once, so no backend needs atomics.
   """
   updates = jnp.broadcast_to(jnp.asarray(updates, x_blocks.dtype), idx.shape)
   if not dct.placed_on_mesh(x_blocks):
@@ -271,11 +237,9 @@ def _top_k_rows(rows: list[jax.Array], k: int) -> list[jax.Array]:
     if len(members) == 1:
       out[members[0]] = jax.lax.top_k(rows[members[0]], k)[1]
       continue
-    # Each row is ranked on its own, so stacking rows changes no result, and
-    # one call costs less than many on every backend.
+    # Rows are ranked each on its own, so one stacked call gives the same result.
     _, idx = jax.lax.top_k(jnp.concatenate([rows[i] for i in members]), k)
-    # XLA turns top-k into its fast kernel only when it sees whole rows taken
-    # from a sort; splitting here would merge into those slices and undo it.
+    # Keeps the split out of the top-k, or XLA loses its fast top-k kernel.
     idx = jax.lax.optimization_barrier(idx)
     bounds = np.cumsum([rows[i].shape[0] for i in members])[:-1]
     for i, part in zip(members, jnp.split(idx, bounds)):
@@ -284,15 +248,7 @@ def _top_k_rows(rows: list[jax.Array], k: int) -> list[jax.Array]:
 
 
 def select_topk_many(blocks: list[jax.Array], ks: list[int]) -> list[tuple[jax.Array, jax.Array]]:
-  """:func:`select_topk_blocks` for many tensors, with one top-k call per kind of row.
-
-  Args:
-    blocks: block views ``(*lead, A, c1, B, c2)``, one per tensor.
-    ks: how many to keep per chunk, one per tensor.
-
-  Returns:
-    Per tensor, what :func:`select_topk_blocks` returns, to the bit.
-  """
+  """:func:`select_topk_blocks` of each of ``blocks`` with its ``k``, in fewer top-k calls."""
   if any(dct.placed_on_mesh(x) for x in blocks):
     # Stacking tensors would merge their shardings; keep each on its own.
     return [select_topk_blocks(x, k) for x, k in zip(blocks, ks)]
@@ -333,7 +289,7 @@ def _two_stage(block_shape: tuple[int, ...], k: int) -> bool:
 
 
 def _rows(x_blocks: jax.Array) -> jax.Array:
-  """The chunks of a block view as rows ``(*lead, A, B, c1 * c2)`` (a transposed copy)."""
+  """The chunks of a block view as rows ``(*lead, A, B, c1 * c2)``."""
   *lead, a, c1, b, c2 = x_blocks.shape
   nb = len(lead)
   perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
@@ -341,47 +297,32 @@ def _rows(x_blocks: jax.Array) -> jax.Array:
 
 
 def _group_maxima(x_blocks: jax.Array) -> jax.Array:
-  """Max magnitude of every run of 8 along each chunk row: ``(*lead, A, B, c1 * c2 / 8)``.
-
-  Read where the data lies; only these maxima (an eighth) are rearranged.
-  """
+  """Max magnitude of every run of 8 of each chunk, as rows ``(*lead, A, B, c1 * c2 / 8)``."""
   *lead, a, c1, b, c2 = x_blocks.shape
-  nb = len(lead)
   runs = x_blocks.reshape(*lead, a, c1, b, c2 // _GROUP, _GROUP)
-  # A max over eight strided reads is one vectorized loop; a reduce over a
-  # minor axis of 8 runs about three times slower on CPU. Same values.
+  # Eight strided maxima vectorize; a reduce over a minor axis of 8 is slower on CPU.
   maxima = jnp.abs(runs[..., 0])
   for e in range(1, _GROUP):
     maxima = jnp.maximum(maxima, jnp.abs(runs[..., e]))
-  perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
-  return maxima.transpose(perm).reshape(*lead, a, b, c1 * c2 // _GROUP)
+  return _rows(maxima)
 
 
 def _candidates(x_blocks: jax.Array, groups: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The 8 entries of each chosen group, in index order: ``(*lead, A, B, 8k)``, and the groups."""
+  """The 8 entries of each chosen group, ``(*lead, A, B, 8k)``, and the groups."""
   *lead, a, c1, b, c2 = x_blocks.shape
   k = groups.shape[-1]
   per_row = c2 // _GROUP
-  # Groups run along chunk rows (c2 is a multiple of 8): group g holds
-  # chunk-local indices 8g to 8g + 7, one contiguous run of the block view.
+  # Group g is chunk-local indices 8g to 8g + 7, contiguous in the block view.
   if not dct.placed_on_mesh(x_blocks):
     runs = _flat_positions(groups * _GROUP, x_blocks.shape) // _GROUP
     found = x_blocks.reshape(-1, _GROUP).at[runs].get(mode="promise_in_bounds")
     return found.reshape(*lead, a, b, k * _GROUP), groups
   nb = len(lead)
-  operand_batch, index_batch = _batching(nb)
-  dn = jax.lax.GatherDimensionNumbers(
-    offset_dims=(nb + 3,),
-    collapsed_slice_dims=(nb + 1, nb + 3),
-    start_index_map=(nb + 1, nb + 3),
-    operand_batching_dims=operand_batch,
-    start_indices_batching_dims=index_batch,
-  )
   coords = jnp.stack([groups // per_row, groups % per_row], axis=-1)
   found = jax.lax.gather(
     x_blocks.reshape(*lead, a, c1, b, per_row, _GROUP),
     coords,
-    dn,
+    _gather_numbers(nb, (nb + 3,)),
     (1,) * (nb + 4) + (_GROUP,),
     mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
   )
@@ -389,39 +330,23 @@ def _candidates(x_blocks: jax.Array, groups: jax.Array) -> tuple[jax.Array, jax.
 
 
 def _top_k(x: jax.Array, k: int) -> jax.Array:
-  """Indices of the ``k`` largest entries of each last-axis row, largest first, ties low.
-
-  XLA partitions its top-k kernel by gathering the rows onto every device, so
-  on a mesh this is a stable sort, which it partitions along the other axes.
-  Both give the same indices in the same order.
-  """
+  """``jax.lax.top_k``'s indices; on a mesh a stable sort, which XLA shards without a gather."""
   if not dct.placed_on_mesh(x):
     return jax.lax.top_k(x, k)[1]
   return jnp.argsort(-x, axis=-1, stable=True)[..., :k]
 
 
 def select_topk_blocks(x_blocks: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """Keeps the ``k`` largest-magnitude entries of every chunk of a block view.
-
-  Ties go to the lower chunk-local index, as ``jax.lax.top_k`` documents, so
-  the choice is the same on every backend. Wide chunks whose rows split into
-  groups of 8 are searched in two stages, which pick exactly the same
-  indices in the same order: the k groups of 8 with the largest maxima hold
-  every one of the top k (each element of the top k lifts its own group's
-  maximum to at least the k-th value, and at most k groups can reach it), so
-  a second top-k over those 8k candidates, kept in index order, finds them.
-  The first stage reads the chunks where they lie, so only the group maxima
-  (an eighth of the data) are rearranged.
+  """The ``k`` largest-magnitude entries of every chunk, ties to the lower index.
 
   Args:
-    x_blocks: float ``(*lead, A, c1, B, c2)`` (see :func:`distro_jax.dct.to_blocks`).
+    x_blocks: a float block view ``(*lead, A, c1, B, c2)`` (:func:`distro_jax.dct.to_blocks`).
     k: how many to keep, ``1 <= k <= c1 * c2``.
 
   Returns:
-    ``(indices, values)``, both ``(*lead, A, B, k)``: int32 chunk-local
-    positions ``i * c2 + j`` in descending magnitude, and the entries there.
+    int32 chunk-local indices ``(*lead, A, B, k)``, largest first, and the entries there.
   """
-  if not _two_stage(x_blocks.shape, k):
+  if not _two_stage(x_blocks.shape, k):  # docs/performance.md, "The top-k in two stages"
     rows = _rows(x_blocks)
     idx = _top_k(jnp.abs(rows), k)
     return idx, jnp.take_along_axis(rows, idx, axis=-1)
@@ -438,12 +363,7 @@ def zero_selected_blocks(x_blocks: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def unsharded(x: jax.Array) -> jax.Array:
-  """``x`` replicated, when its type shards it over explicit mesh axes.
-
-  A message is one byte vector, so a selection sharded with its param (one
-  worker under ``jax.jit`` on an explicit mesh) is gathered first: the
-  selection, a sliver of the param, never the param itself.
-  """
+  """``x`` replicated when its type shards it over explicit mesh axes, else ``x`` itself."""
   sharding = dct.explicit_sharding(x)
   if sharding is None:
     return x
@@ -453,11 +373,7 @@ def unsharded(x: jax.Array) -> jax.Array:
 
 
 def _signs_into_order(idx_RxK: jax.Array, positive_RxK: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Each pair of a chunk's indices ordered by its smaller index's sign; the bits left to write.
-
-  Returns ``(indices (rows, k), bits (rows, ceil(k / 2)))``: per pair, the
-  sign of its larger index, then an odd k's last sign.
-  """
+  """Pairs ascending iff the smaller index is positive; bits: the larger's signs, odd k's last."""
   pairs = idx_RxK.shape[-1] // 2
   a, b = idx_RxK[:, 0 : 2 * pairs : 2], idx_RxK[:, 1 : 2 * pairs : 2]
   sa, sb = positive_RxK[:, 0 : 2 * pairs : 2], positive_RxK[:, 1 : 2 * pairs : 2]
@@ -474,9 +390,8 @@ def _signs_into_order(idx_RxK: jax.Array, positive_RxK: jax.Array) -> tuple[jax.
 
 
 def _signs_from_order(idx: jax.Array, bits: jax.Array) -> jax.Array:
-  """Inverse of :func:`_signs_into_order`: the sign (True: +) of every index, ``(..., rows, k)``."""
-  k = idx.shape[-1]
-  pairs = k // 2
+  """Inverse of :func:`_signs_into_order`: whether each index's value is positive."""
+  pairs = idx.shape[-1] // 2
   x, y = idx[..., 0 : 2 * pairs : 2], idx[..., 1 : 2 * pairs : 2]
   high_positive = bits[..., :pairs]
   ascending = x < y  # the smaller index (first) is positive
@@ -492,26 +407,18 @@ def encode_message(
   layout: WireLayout,
   valid: jax.Array | bool = True,
 ) -> jax.Array:
-  """Serializes one worker's top-k selections into its wire message.
+  """One worker's wire message, ``uint8[layout.num_bytes]``.
 
   Args:
-    indices: per tensor, int chunk-local positions, ``rows * k`` of them in any
-      shape whose C-order flattening is row-major over chunks (``(rows, k)``,
-      or ``(*lead, A, B, k)`` from :func:`select_topk_blocks`).
-    values: per tensor, float coefficients (full precision), shaped as the indices.
+    indices: per tensor, ``rows * k`` int chunk-local positions, chunk-major in C order.
+    values: per tensor, float values shaped as the indices.
     layout: the :class:`WireLayout` of the tree.
-    valid: False marks the message as one to leave out (the sender's values
-      were not finite): it goes out as all zeros (after a 0 flag byte when the
-      layout has one).
-
-  Returns:
-    ``uint8[layout.num_bytes]``.
+    valid: False sends the message as all zeros, one to leave out.
   """
   indices = [unsharded(x) for x in indices]
   values = [unsharded(x) for x in values]
   signs = []
   if layout.drawn_positions:
-    # Every receiver draws the positions itself; only the values travel.
     if layout.quantize_1bit:
       signs = [(v >= 0).reshape(-1).astype(jnp.uint8) for v in values]
     indices = []
@@ -532,26 +439,22 @@ def encode_message(
   if not layout.quantize_1bit:
     parts += [bitpack.to_bytes(v.astype(t.value_dtype)) for t, v in zip(layout.tensors, values)]
   message = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
-  # Zeros mark a message to leave out; the message is tiny, so this costs nothing.
   return jnp.where(jnp.asarray(valid, bool), message, jnp.zeros_like(message))
 
 
 def decode_message(
   message: jax.Array, layout: WireLayout, positions: list[jax.Array] | None = None
 ) -> tuple[list[tuple[jax.Array, jax.Array]], jax.Array]:
-  """Parses messages back into (int32 indices, float32 values) per tensor.
+  """Parses messages back into int32 indices and float32 values per tensor.
 
   Args:
     message: ``uint8[..., layout.num_bytes]``; leading axes (the workers) are kept.
     layout: the :class:`WireLayout` of the tree.
-    positions: with ``layout.drawn_positions`` (and only then), the positions
-      each sender drew (:func:`draw_positions`), per tensor ``rows * k`` of
-      them for every message, with the message's leading axes first.
+    positions: per tensor, each sender's drawn positions; given iff ``layout.drawn_positions``.
 
   Returns:
-    ``(tensors, valid)``: per tensor, ``(indices, values)`` of shape
-    ``(..., rows, k)``, exactly as sent; and the bool validity flag of each
-    message, ``(...)``.
+    ``(tensors, valid)``: per tensor ``(indices, values)``, ``(..., rows, k)``, as
+    sent (with ``quantize_1bit`` a pair's order may differ); and ``bool[...]``.
   """
   lead = message.shape[:-1]
   offset = layout.header_bytes
@@ -582,7 +485,6 @@ def decode_message(
     if layout.quantize_1bit:
       n = layout.tensor_sign_bits(t)
       bits = stream[..., start : start + n].reshape(*lead, t.rows, -1).astype(bool)
-      # Drawn positions carry no order, so every sign is a bit of its own.
       drawn = layout.drawn_positions
       positive = bits if drawn else _signs_from_order(out_idx[len(out_val)], bits)
       out_val.append(jnp.where(positive, 1.0, -1.0).astype(jnp.float32))
@@ -602,18 +504,9 @@ def decode_message(
 
 
 def message_valid(message: jax.Array, layout: WireLayout) -> jax.Array:
-  """The validity flag of each message, without decoding its values.
-
-  Args:
-    message: ``uint8[..., layout.num_bytes]``; leading axes are kept.
-    layout: the :class:`WireLayout` of the tree.
-
-  Returns:
-    ``bool[...]``: whether each message was sent valid.
-  """
+  """``bool[...]``: whether each message ``uint8[..., layout.num_bytes]`` was sent valid."""
   if layout.marker is None:
     return message[..., 0] == 1
-  # The flag is the marker tensor's first two indices: equal means invalid.
   _, valid = decode_message(message, layout)
   return valid
 
@@ -628,23 +521,15 @@ def position_key(
   worker: jax.Array | int,
   shard: jax.Array | int | None = None,
 ) -> jax.Array:
-  """The key of one sender's drawn positions for one tensor at one step.
-
-  Built from what every worker knows, so that a receiver can draw a sender's
-  positions itself (:func:`draw_positions`).
+  """The ``jax.random`` key of a sender's drawn positions, which any worker can build.
 
   Args:
     step: the transformation's step count.
     tensor: the tensor's index in the flattened tree.
     worker: the sender's index on the workers' axis.
-    shard: for a tensor sharded within a site (FSDP), the device's index
-      along the axes that shard it; ``None`` otherwise.
-
-  Returns:
-    A ``jax.random`` key.
+    shard: within an FSDP site, the device's index along the axes that shard the tensor.
   """
-  # Threefry whatever jax_default_prng_impl says: a process configured with
-  # another generator would draw other positions and decode its peers wrong.
+  # Threefry whatever jax_default_prng_impl says, so every process draws alike.
   root = jax.random.key(_POSITIONS_SEED, impl="threefry2x32")
   key = jax.random.fold_in(jax.random.fold_in(root, step), tensor)
   if shard is not None:
@@ -657,28 +542,18 @@ def draw_positions(
 ) -> jax.Array:
   """``k`` distinct chunk-local positions for every chunk of a block view, drawn at random.
 
-  The ``n = c1 * c2`` positions of a chunk are cut into ``k`` runs of
-  (nearly) equal length, ``[floor(j n / k), floor((j + 1) n / k))``, and one
-  position is drawn from each, so the k are distinct by construction and
-  spread over the chunk's frequencies. Within a run, position ``i * c2 + j``
-  (frequency ``i`` along the chunk's first axis, ``j`` along its second) is
-  drawn with probability proportional to ``((1 + i) (1 + j)) ** -frequency_bias``:
-  uniformly at 0, more often at low frequencies above it. The draw is in
-  integers (the weights are rounded to integers that sum to about 2**24, each
-  at least 1), so it is the same on every backend; any worker that knows the
-  key (:func:`position_key`) draws the same positions, and the message need
-  not carry them. Each draw is elementwise, so a sharded block view gets its
-  positions where its chunks lie.
+  One position from each of ``k`` equal runs of the chunk; within a run,
+  position ``i * c2 + j`` is drawn with weight ``((1 + i) (1 + j)) ** -frequency_bias``,
+  in integer arithmetic, so every backend draws the same.
 
   Args:
-    key: a ``jax.random`` key.
+    key: a ``jax.random`` key (:func:`position_key`).
     block_shape: the block view ``(*lead, A, c1, B, c2)``.
     k: positions per chunk, ``1 <= k <= c1 * c2``.
     frequency_bias: the exponent of the preference for low frequencies, 0 or more.
 
   Returns:
-    int32 ``(*lead, A, B, k)``, each in ``[0, c1 * c2)``, in ascending order
-    within a chunk.
+    int32 ``(*lead, A, B, k)``, ascending within a chunk.
   """
   *lead, a, c1, b, c2 = block_shape
   lo, hi, ends = draw_tables(c1, c2, k, frequency_bias)
@@ -691,19 +566,11 @@ def draw_positions(
 def draw_tables(
   c1: int, c2: int, k: int, frequency_bias: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-  """The tables of :func:`draw_positions`: each run's tickets, and where each position's end.
-
-  Args:
-    c1: the chunk's length along its first axis.
-    c2: its length along the second.
-    k: positions per chunk.
-    frequency_bias: as for :func:`draw_positions`.
+  """:func:`draw_positions`'s tables for a ``c1 x c2`` chunk.
 
   Returns:
-    ``(lo, hi, ends)``: int32 ``(k,)`` bounds ``[lo, hi)`` of the tickets
-    drawn for each run, and int32 ``(c1 * c2,)`` ends of each position's
-    tickets (position ``p`` owns ``[ends[p - 1], ends[p])``), or ``None`` for
-    a uniform draw, whose ticket is the position itself.
+    ``(lo, hi, ends)``: int32 ``(k,)`` ticket bounds ``[lo, hi)`` of each run, and
+    int32 ``(c1 * c2,)`` ends of each position's tickets, or ``None`` for a uniform draw.
   """
   n = c1 * c2
   if not 1 <= k <= n:
@@ -714,8 +581,7 @@ def draw_tables(
   freq = (1.0 + np.arange(c1)[:, None]) * (1.0 + np.arange(c2)[None, :])
   weight = freq.reshape(-1) ** -float(frequency_bias)
   counts = np.maximum(np.round(weight / weight.sum() * 2**24), 1).astype(np.int64)
-  # Position p owns the tickets [ends[p - 1], ends[p]); a ticket drawn within
-  # a run's tickets names one of the run's positions.
+  # Position p owns the tickets [ends[p - 1], ends[p]).
   ends = np.cumsum(counts)
   starts = np.concatenate([[0], ends])
   lo, hi = starts[bounds[:-1]], ends[bounds[1:] - 1]
@@ -734,15 +600,7 @@ def _mix32(h: jax.Array) -> jax.Array:
 def _worker_keys(
   indices_WxRxK: jax.Array, values_WxRxK: jax.Array, chunk_size: int
 ) -> tuple[jax.Array, jax.Array]:
-  """Two 32-bit content hashes per worker; they fix a canonical worker order.
-
-  Each key is a wrapping sum over the worker's entries of a scrambled (flat
-  position, value bits) pair, so it reads the set of entries a worker sent and
-  not their order: a wire format that reorders a chunk's entries (the 1-bit
-  signs-in-order format) leaves the order, and every mean, as they were.
-  Integer sums wrap identically in any order, so the keys are also the same
-  whichever way the workers were numbered.
-  """
+  """Two 32-bit hashes per worker of the set of (position, value) entries it sent."""
   num_workers, rows = indices_WxRxK.shape[:2]
   bits = jax.lax.bitcast_convert_type(values_WxRxK.astype(jnp.float32), jnp.uint32)
   row = jnp.arange(rows, dtype=jnp.uint32).reshape(1, rows, 1)
@@ -755,16 +613,12 @@ def _worker_keys(
 
 
 def worker_order(indices_WxRxK: jax.Array, values_WxRxK: jax.Array, chunk_size: int) -> jax.Array:
-  """The canonical order in which :func:`aggregate_blocks` folds the workers in.
+  """The int32 permutation ``(W,)`` of the workers that :func:`aggregate_blocks` folds in.
 
   Args:
     indices_WxRxK: int32 chunk-local indices, ``(W, rows, k)``.
     values_WxRxK: float32 values, same shape.
     chunk_size: coefficients per chunk.
-
-  Returns:
-    int32 ``(W,)``, a permutation of the workers sorted by a hash of what each
-    sent, the same whichever way the workers are numbered.
   """
   key_a, key_b = _worker_keys(indices_WxRxK, values_WxRxK, chunk_size)
   return jnp.lexsort((key_b, key_a)).astype(jnp.int32)
@@ -775,28 +629,17 @@ def aggregate_blocks(
   block_shapes: list[tuple[int, ...]],
   valid_W: jax.Array | None = None,
 ) -> list[tuple[jax.Array, jax.Array]]:
-  """Mean over contributors, coefficient by coefficient, straight into block views.
+  """Each coefficient's mean over the workers that chose it (0 if none), in block views.
 
-  A coefficient that several workers chose gets the mean of their values; one
-  that nobody chose is 0. Workers are folded in one at a time with a running
-  mean, ``mu <- mu + (v - mu) / n``, which returns ``v`` exactly when all
-  contributions equal ``v``. Each tensor takes them in its own canonical order
-  (:func:`worker_order`, a hash of that tensor's part of the messages), so the
-  result does not depend on how the workers are numbered, to the bit. Every
-  scatter writes each location at most once (one worker names an index at
-  most once per chunk), so no backend needs atomics. One loop over the
-  workers folds every tensor.
+  A running mean over the workers in :func:`worker_order` (docs/design.md, "The aggregate").
 
   Args:
-    selections: per tensor, ``(indices, values)`` of shape ``(W, *lead, A, B,
-      k)`` (or any shape with W first and ``rows * k`` entries per worker, in
-      chunk-major order).
+    selections: per tensor, ``(indices, values)``, ``(W, *lead, A, B, k)`` or W then chunk-major.
     block_shapes: per tensor, its block view ``(*lead, A, c1, B, c2)``.
     valid_W: optional bool per worker; a worker marked False is left out.
 
   Returns:
-    Per tensor, ``(mean, count)`` in its block view: float32 means over
-    contributors and int32 contributor counts.
+    Per tensor, float32 ``mean`` and int32 contributor ``count`` in its block view.
   """
   if not selections:
     return []
@@ -814,7 +657,7 @@ def aggregate_blocks(
     prepared.append(
       (idx.reshape(num_workers, *lead, a, b, k), val.reshape(num_workers, *lead, a, b, k))
     )
-  # The count only ever reaches W; a narrow type keeps this dense buffer small.
+  # The count only reaches W; a narrow type keeps this dense buffer small.
   count_dtype = jnp.uint8 if num_workers < 255 else jnp.int32
 
   def fold(i, carry):
@@ -831,9 +674,7 @@ def aggregate_blocks(
     return out
 
   def zeros(idx_W: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
-    # Zeros of the same shape would be merged into one buffer, which the loop
-    # then copies into each tensor's slot; a zero XLA cannot prove (an index
-    # is never negative) keeps one fresh buffer per tensor.
+    # A zero XLA cannot prove keeps equal-shaped buffers from being merged into one.
     zero = jnp.minimum(idx_W.reshape(-1)[0], 0).astype(dtype)
     return jnp.broadcast_to(zero, shape)
 
@@ -841,12 +682,10 @@ def aggregate_blocks(
     (zeros(idx, s, jnp.float32), zeros(idx, s, count_dtype))
     for (idx, _), s in zip(prepared, block_shapes)
   ]
-  # The loop carry must be typed as varying over every mesh axis its inputs
-  # vary over (e.g. "fsdp" when each device aggregates its own shard).
+  # The carry must vary over every mesh axis its inputs vary over (e.g. "fsdp").
   axes = frozenset(varying_axes(valid_W))
   for idx, val in prepared:
     axes |= varying_axes(idx) | varying_axes(val)
-
   init = jax.tree.map(lambda x: as_varying(x, axes), init)
   result = jax.lax.fori_loop(0, num_workers, fold, init)
   return [(mean, count.astype(jnp.int32)) for mean, count in result]

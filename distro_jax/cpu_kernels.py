@@ -1,40 +1,8 @@
-"""DeMo's fused CPU kernels: built once with the machine's C++ compiler, called through ``jax.ffi``.
+"""DeMo's fused CPU kernels, built with the C++ compiler on first use, called through ``jax.ffi``.
 
-On XLA's CPU backend the chunked DCT is a pair of dense matmuls and the top-k a
-heap over every row, each a pass of its own over param-sized buffers
-(docs/performance.md). The kernels in ``native/demo_cpu.cc`` do DeMo's
-param-sized work chunk by chunk while the chunk sits in cache:
-
-- :func:`compress`: ``m' = decay * m + lr * DCT(g)`` and, per chunk of
-  ``m'``, its top-k (the indices exactly those of
-  :func:`distro_jax.codec.select_topk_blocks` on the same ``m'``, largest
-  magnitude first, ties to the lower index) or the values at drawn positions
-  (64x64 chunks, or 8x8 chunks taken a band of 8 rows at a time);
-- :func:`decode`: the mean of what the workers sent (the running mean of
-  :func:`distro_jax.codec.aggregate_blocks`, in the same worker order, to the
-  bit) and its inverse DCT, whose first stage reads only the chunk's nonzero
-  coefficients (64x64 and 8x8 chunks);
-- :func:`draw_positions`: :func:`distro_jax.codec.draw_positions` to the bit
-  (the threefry hashes and the frequency bias's tickets), one pass.
-
-The 64-point DCT is the even/odd recursion, not the dense matmul, so its
-results differ from :func:`distro_jax.dct.forward_blocks` by float32
-rounding: against a float64 DCT, about 1e-6 of the largest coefficient where
-the matmuls are off by about 4e-7 (docs/performance.md). The 8-point one is
-the dense products of :mod:`distro_jax.dct`'s basis, summed in a fixed order
-that need not be XLA's, so it too differs by rounding. Every replica runs the same kernel on the
-same inputs and gets the same bits: the code has no fused multiply-add, no
-reassociation and no libm call.
-
-They serve tensors cut into 64x64 chunks (the default chunk on matrices whose
-sides are multiples of 64) or, with drawn positions and for the decode, 8x8
-chunks; float32 gradients; and arrays that are not placed on a mesh by the
-compiler (inside ``shard_map`` or on one device). Everything else takes the
-XLA path. They are built on first use with ``$CXX`` (``c++`` by
-default) into ``$DISTRO_JAX_CACHE`` (``~/.cache/distro_jax``) and used when
-JAX's default backend is the CPU. Set ``DISTRO_JAX_CPU_KERNELS=0``, or use
-:func:`disabled`, for the XLA path everywhere; a machine with no compiler
-gets it with a warning.
+What they compute, how they round, when they run and where they are built:
+docs/performance.md, "The fused CPU kernels". ``DISTRO_JAX_CPU_KERNELS=0`` or
+:func:`disabled` turns them off; :func:`serves` says which tensors they take.
 """
 
 import contextlib
@@ -60,7 +28,7 @@ from distro_jax import codec, dct, exchange, kernel_switch
 
 try:
   import fcntl
-except ImportError:  # not POSIX: concurrent first builds each build, as before
+except ImportError:  # not POSIX: concurrent first builds each build
   fcntl = None
 
 __all__ = [
@@ -76,9 +44,7 @@ __all__ = [
 ]
 
 CHUNK = 64
-# The chunk sides the kernels handle: 64x64 (the defaults' chunks) and 8x8
-# (one drawn position of each, the message recommended past 1,000x).
-SIDES = (8, 64)
+SIDES = (8, 64)  # 8x8 chunks only with drawn positions and in the decode
 # The top-k's first stage ranks the 512 groups of 8 of a chunk, so k stops there.
 MAX_K = CHUNK * CHUNK // 8
 SWITCH = "DISTRO_JAX_CPU_KERNELS"
@@ -135,10 +101,8 @@ def _build(compiler: str) -> pathlib.Path:
   if target.exists():
     return target
   target.parent.mkdir(parents=True, exist_ok=True)
-  # Processes of one machine starting at once (a multi-process run, a test
-  # suite's workers) build once: the others wait for the lock, then find the
-  # file. It is built under a temporary name and renamed, so that no process
-  # loads a half-written one.
+  # Processes starting at once build once: the others wait for the lock. The
+  # rename keeps any process from loading a half-written file.
   with _exclusive(target.with_suffix(".lock")):
     if target.exists():
       return target
@@ -156,7 +120,7 @@ def _build(compiler: str) -> pathlib.Path:
 
 @contextlib.contextmanager
 def _exclusive(path: pathlib.Path) -> Iterator[None]:
-  """Holds an exclusive lock on ``path`` (an advisory one: every builder takes it)."""
+  """Holds an advisory exclusive lock on ``path``."""
   with open(path, "a") as f:
     if fcntl is not None:
       fcntl.flock(f, fcntl.LOCK_EX)
@@ -171,8 +135,7 @@ _build_lock = threading.Lock()
 
 
 def _library() -> bool:
-  """Builds (or finds), loads and registers the kernels once; False if that fails."""
-  # Threads tracing at once (a threaded train loop) build and register once.
+  """Builds (or finds), loads and registers the kernels once, under a lock; False if that fails."""
   with _build_lock:
     return _load()
 
@@ -204,12 +167,7 @@ def _load() -> bool:
 
 
 def available() -> bool:
-  """Whether DeMo's update uses the kernels where they apply, as traced now.
-
-  True when JAX's default backend is the CPU, ``DISTRO_JAX_CPU_KERNELS`` is
-  not ``0``, no :func:`disabled` block is open in this thread, and the kernels
-  built.
-  """
+  """Whether DeMo's update takes the kernels where they serve: on a CPU, not switched off, built."""
   if _switch.off() or jax.default_backend() != "cpu":
     return False
   return _library()
@@ -228,27 +186,16 @@ def disabled() -> contextlib.AbstractContextManager[None]:
 
 
 def switched_off() -> bool:
-  """Whether ``DISTRO_JAX_CPU_KERNELS=0`` or a :func:`disabled` block turns them off now.
-
-  Unlike :func:`available`, this builds nothing: for a caller that keys what
-  it traced on the switch, whether or not the update it traced is DeMo's.
-  """
+  """Whether ``DISTRO_JAX_CPU_KERNELS=0`` or a :func:`disabled` block is on (builds nothing)."""
   return _switch.off()
 
 
 def serves(
   plan: dct.ChunkPlan, *arrays: jax.Array, k: int | None = None, drawn: bool = False
 ) -> bool:
-  """Whether the kernels handle a tensor of ``plan`` given as ``arrays`` (block views).
+  """Whether the kernels take a tensor of ``plan`` given as block views ``arrays``.
 
-  Args:
-    plan: the tensor's chunk plan.
-    *arrays: its float32 block views the kernel would read.
-    k: with ``drawn=False``, the top-k per chunk that :func:`compress` would
-      select (64x64 chunks only); ``None`` asks about :func:`decode`, which
-      takes 64x64 and 8x8 chunks.
-    drawn: whether :func:`compress` would take drawn positions (64x64 or 8x8
-      chunks) instead of selecting its top-k.
+  ``k`` (``None``: :func:`decode`) and ``drawn`` as in :func:`distro_jax.kernel_switch.fits`.
   """
   fit = kernel_switch.fits(
     plan, arrays, k=k, drawn=drawn, sides=SIDES, top_k_side=CHUNK, max_k=MAX_K
@@ -257,13 +204,7 @@ def serves(
 
 
 def serves_draw(block_shape: tuple[int, ...], like: jax.Array) -> bool:
-  """Whether :func:`draw_positions` handles the positions of a tensor with this block view.
-
-  Args:
-    block_shape: the tensor's block view ``(*lead, A, c1, B, c2)``.
-    like: the tensor (in any view), whose placement is checked: not on a
-      compiler-placed mesh, where the draw must be sharded with the chunks.
-  """
+  """Whether :func:`draw_positions` takes the positions of ``block_shape`` for tensor ``like``."""
   *lead, a, _, b, _ = block_shape
   return math.prod(lead) * a * b > 0 and not dct.placed_on_mesh(like) and available()
 
@@ -275,7 +216,7 @@ def _tables_np() -> np.ndarray:
     size = 1 << m
     parts.append(2.0 * np.cos(np.pi * (2 * np.arange(size) + 1) / (4.0 * size)))
   parts.append(np.array([np.cos(np.pi / 4), np.sqrt(1.0 / CHUNK), np.sqrt(2.0 / CHUNK)]))
-  # NumPy's, not dct.dct_basis's jax array: this runs while the update traces.
+  # NumPy's, not a jax array: this runs while the update traces.
   parts.append(dct._basis_np(CHUNK).reshape(-1))
   return np.concatenate(parts).astype(np.float32)
 
@@ -294,12 +235,7 @@ def tables() -> jax.Array:
 
 
 def _typed_like(outs: tuple[jax.Array, ...], *inputs: jax.Array) -> tuple[jax.Array, ...]:
-  """``outs`` typed as varying over every mesh axis some input varies over.
-
-  Inside ``shard_map`` a custom call's results come out typed as the same on
-  every device; what they hold depends on the inputs, so they vary as the
-  inputs do (as the XLA path's elementwise results would).
-  """
+  """``outs`` typed as varying over the inputs' mesh axes (a custom call's are typed invariant)."""
   axes = frozenset().union(*(exchange.varying_axes(x) for x in inputs))
   return tuple(exchange.as_varying(o, axes) for o in outs)
 
@@ -321,19 +257,16 @@ def compress(
   """``m' = decay * m + lr * DCT(g)`` and the top-k (or the drawn entries) of every chunk of ``m'``.
 
   Args:
-    g_blocks: a float32 gradient in its block view ``(*lead, A, c, B, c)``,
-      ``c`` 64 (or 8 with ``positions``).
+    g_blocks: a float32 gradient's block view ``(*lead, A, c, B, c)``, ``c`` 64 (8 if drawn).
     m_blocks: the float32 momentum, same shape.
     decay: the momentum's decay.
     lr: the learning rate that scales the new coefficients.
-    k: entries kept per chunk, 1 to :data:`MAX_K` (512).
-    positions: drawn chunk-local positions ``(*lead, A, B, k)`` (from
-      :func:`draw_positions`); the values there are taken instead of the top-k.
+    k: entries kept per chunk, 1 to ``MAX_K``.
+    positions: drawn chunk-local positions ``(*lead, A, B, k)``, taken instead of the top-k.
 
   Returns:
-    ``(m', indices, values)``: ``m'`` in the block view, and int32 indices and
-    float32 values of shape ``(*lead, A, B, k)``: the top-k in
-    ``jax.lax.top_k``'s order, or ``positions`` and ``m'`` there.
+    ``(m', indices, values)``: ``m'``'s block view, and int32 indices (in
+    ``jax.lax.top_k``'s order) and float32 values, ``(*lead, A, B, k)``.
   """
   _require()
   *lead, a, side, b, _ = g_blocks.shape
@@ -359,21 +292,13 @@ def compress(
 def decode(
   indices: jax.Array, values: jax.Array, valid_W: jax.Array, block_shape: tuple[int, ...]
 ) -> jax.Array:
-  """The inverse DCT of the mean of the workers' selections, in the block view.
-
-  The workers are folded in in :func:`distro_jax.codec.worker_order`, as
-  :func:`distro_jax.codec.aggregate_blocks` folds them, so the mean is the
-  same to the bit.
+  """The inverse DCT of :func:`distro_jax.codec.aggregate_blocks`'s mean, same bits, float32.
 
   Args:
     indices: int chunk-local indices ``(W, *lead, A, B, k)`` from each worker.
     values: float values, same shape.
     valid_W: bool per worker; False leaves it out.
     block_shape: the tensor's block view ``(*lead, A, c, B, c)``, ``c`` 64 or 8.
-
-  Returns:
-    float32 of shape ``block_shape``: what :func:`distro_jax.dct.inverse_blocks`
-    gives of :func:`distro_jax.codec.aggregate_blocks`'s mean.
   """
   _require()
   num_workers = indices.shape[0]
@@ -395,22 +320,7 @@ def decode(
 def draw_positions(
   key: jax.Array, block_shape: tuple[int, ...], k: int, frequency_bias: float = 0.0
 ) -> jax.Array:
-  """:func:`distro_jax.codec.draw_positions`, to the bit, in one pass.
-
-  JAX's draw (two threefry hashes per entry, then a search of the frequency
-  bias's tickets) is a dozen passes on XLA's CPU backend; here each entry's
-  hashes, fold and search run while it sits in a register. Under ``jax.vmap``
-  over keys (a receiver drawing every sender's positions) it is one call.
-
-  Args:
-    key: a threefry ``jax.random`` key (:func:`distro_jax.codec.position_key`).
-    block_shape: the block view ``(*lead, A, c1, B, c2)``.
-    k: positions per chunk, ``1 <= k <= c1 * c2``.
-    frequency_bias: the draw's preference for low frequencies, 0 or more.
-
-  Returns:
-    int32 ``(*lead, A, B, k)``, what :func:`distro_jax.codec.draw_positions` returns.
-  """
+  """:func:`distro_jax.codec.draw_positions` with a threefry key, to the bit, in one pass."""
   _require()
   *lead, a, c1, b, c2 = block_shape
   lo, hi, ends = codec.draw_tables(c1, c2, k, frequency_bias)
@@ -426,11 +336,6 @@ def draw_positions(
   return out
 
 
-@functools.cache
-def _basis8_np() -> np.ndarray:
-  return dct._basis_np(8).reshape(-1)
-
-
 def basis8() -> jax.Array:
   """The 8x8 kernels' table: the orthonormal 8-point DCT-II basis, row-major."""
-  return jnp.asarray(_basis8_np())
+  return jnp.asarray(dct._basis_np(8).reshape(-1))

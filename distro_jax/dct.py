@@ -1,27 +1,8 @@
-"""Chunked orthonormal DCT-II: how a tensor is cut into chunks, and the transform.
+"""The chunked orthonormal DCT-II: how a tensor is cut into chunks, and the transform.
 
-Every tensor is viewed as ``(*batch, n1, n2)``: a scalar as ``(1, 1)``, a vector
-``(n,)`` as ``(1, n)`` (which is exactly the reference's 1-D chunking, since a
-length-1 axis gets a 1x1 identity transform), and anything of higher rank keeps
-its leading axes as batch axes. Each of the last two axes is cut into chunks of
-the largest divisor that does not exceed the target, and every
-``(c1, c2)`` block gets a separable 2-D DCT.
-
-The coefficients stay **in place**: DeMo's momentum has its param's shape,
-each block's coefficients written over that block, coefficient ``(i, j)`` of a
-block at the block's row ``i`` and column ``j``, so any sharding of the param
-that does not cut a chunk applies to it unchanged. The transform works on the
-block view ``(*batch, n1 // c1, c1, n2 // c2, c2)`` (:func:`to_blocks`, no
-data moved), where both 1-D transforms are plain matmuls over an axis with no
-transpose in between (:data:`DCT_BASIS`). A chunk-local index, as the wire
-carries it, is ``i * c2 + j``; :func:`to_chunks` lays a tensor out with one
-chunk per row in that order (row-major over ``(*batch, n1 // c1, n2 // c2)``),
-for reading a state chunk by chunk, or converting a momentum saved one chunk
-per row (the layout before this one).
-
-The transform is a pair of small matmuls with a precomputed basis, not an FFT:
-chunks are at most a few dozen long, where a dense basis is fastest on every
-accelerator.
+What is chunked and where the coefficients live is docs/design.md, "The chunked
+DCT". Everything here works on a tensor's block view
+``(*batch, n1 // c1, c1, n2 // c2, c2)`` (:func:`to_blocks`, a reshape).
 """
 
 import functools
@@ -34,9 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# jax 0.11.2 (seen on a GPU machine) has no jax.experimental.shard_alike, and
-# its private module is gone too. The library must still import there; only
-# the sharding hint for an auto mesh in from_blocks is then skipped.
+# Some jax versions have no shard_alike; from_blocks then skips a sharding hint.
 try:
   from jax.experimental.shard_alike import shard_alike
 except ImportError:
@@ -61,18 +40,7 @@ __all__ = [
 
 
 def chunk_length(n: int, target: int) -> int:
-  """Largest divisor of ``n`` that is at most ``target``.
-
-  Examples: ``(4096, 64) -> 64``, ``(40, 64) -> 40``, ``(96, 64) -> 48``,
-  ``(7, 64) -> 7``, and a prime above the target gives 1.
-
-  Args:
-    n: axis length, at least 1.
-    target: the chunk length aimed for, at least 1.
-
-  Returns:
-    The chunk length for that axis.
-  """
+  """The chunk length of an axis of length ``n``: its largest divisor up to ``target`` (>= 1)."""
   if n < 1 or target < 1:
     raise ValueError(f"chunk_length needs n >= 1 and target >= 1, got {n=}, {target=}.")
   if n <= target:
@@ -117,51 +85,43 @@ class ChunkPlan(NamedTuple):
 
   @property
   def coeff_shape(self) -> tuple[int, int]:
-    """Shape of the coefficient array in the rows layout, ``(rows, chunk_size)``."""
+    """Shape of :func:`to_chunks`'s rows, ``(rows, chunk_size)``."""
     return (self.rows, self.chunk_size)
 
   @property
   def state_shape(self) -> tuple[int, ...]:
-    """Shape of DeMo's in-place momentum: the tensor's own, and ``(1,)`` for a scalar.
-
-    A scalar gets one axis so that per-worker state can be laid out along axis 0
-    (see :mod:`distro_jax.worker_state`).
-    """
+    """Shape of DeMo's in-place momentum: the tensor's own, ``(1,)`` for a scalar."""
     return self.shape or (1,)
 
   @property
   def batch_dims(self) -> int:
-    """Number of leading (batch) axes the tensor keeps in its block view."""
+    """Number of leading (batch) axes of the block view."""
     return max(len(self.shape) - 2, 0)
 
   @property
   def block_shape(self) -> tuple[int, ...]:
-    """The block view ``(*batch, n1 // c1, c1, n2 // c2, c2)`` (see :func:`to_blocks`)."""
+    """The block view's shape, ``(*batch, n1 // c1, c1, n2 // c2, c2)``."""
     lead = self.shape[:-2] if len(self.shape) >= 2 else ()
     return (*lead, self.n1 // self.c1, self.c1, self.n2 // self.c2, self.c2)
 
 
 def in_place_zeros(p: Any) -> jax.Array:
-  """Float32 zeros of ``plan.state_shape`` for param ``p``: a chunked state kept in place.
-
-  DeMo's momentum and SparseLoCo's error feedback both start here. A scalar
-  gets shape ``(1,)`` (see :attr:`ChunkPlan.state_shape`); otherwise
-  ``zeros_like`` keeps the param's sharding where its type carries one
-  (explicit meshes).
-  """
+  """Float32 zeros of :attr:`ChunkPlan.state_shape` for param ``p``, sharded like it."""
   if np.ndim(p) == 0:
     return jnp.zeros((1,), jnp.float32)
   return jnp.zeros_like(p, dtype=jnp.float32)
 
 
 def refuse_non_float(params: Any, method: str, real_only: str) -> None:
-  """Raises for a complex, integer or bool param, naming it, the reason and the fixes.
+  """Refuses complex, integer and bool params, naming each and the fixes.
 
   Args:
     params: the params tree given to ``init``.
     method: the optimizer's name, e.g. ``"DeMo"``.
-    real_only: the parts of it that need real values, e.g. ``"top-k by magnitude and
-      quantizer"``.
+    real_only: the parts of it that need real values, e.g. ``"top-k by magnitude"``.
+
+  Raises:
+    ValueError: for the first param that is not a real float.
   """
   leave_out = (
     f"leave it out of {method} with optax.masked or optax.multi_transform (e.g. "
@@ -178,7 +138,6 @@ def refuse_non_float(params: Any, method: str, real_only: str) -> None:
         "real values only. Keep it as two real parameters (e.g. jnp.stack([z.real, z.imag]), "
         f"recombined in the model), or {leave_out}."
       )
-    # Left in, an int32 param got an all-zero update: it silently never trained.
     raise ValueError(
       f"Parameter {name} has the non-float dtype {dtype}, which has no gradient to compress "
       f"(jax.grad gives it none). Make it a float param if it is meant to train, or {leave_out}."
@@ -186,15 +145,7 @@ def refuse_non_float(params: Any, method: str, real_only: str) -> None:
 
 
 def plan_chunks(shape: tuple[int, ...], target: int) -> ChunkPlan:
-  """Plans the chunking of a tensor of ``shape`` for a chunk target ``target``.
-
-  Args:
-    shape: the tensor's shape; any rank, including 0.
-    target: the chunk length aimed for on each of the last two axes.
-
-  Returns:
-    A :class:`ChunkPlan`.
-  """
+  """The :class:`ChunkPlan` of a ``shape`` (any rank, no empty axis) for chunk target ``target``."""
   shape = tuple(int(d) for d in shape)
   if any(d == 0 for d in shape):
     raise ValueError(f"Cannot chunk a tensor with a zero-length axis, shape {shape}.")
@@ -217,14 +168,7 @@ def _basis_np(n: int) -> np.ndarray:
 
 
 def dct_basis(n: int) -> jax.Array:
-  """The orthonormal DCT-II matrix ``D`` of size ``n``: ``y = D @ x``, ``x = D.T @ y``.
-
-  Args:
-    n: transform length.
-
-  Returns:
-    A float32 array of shape ``(n, n)`` whose rows are the basis vectors.
-  """
+  """The float32 orthonormal DCT-II matrix ``D``, ``(n, n)``: ``y = D @ x``, ``x = D.T @ y``."""
   return jnp.asarray(_basis_np(n))
 
 
@@ -232,12 +176,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def explicit_sharding(x: jax.Array) -> Any:
-  """``x``'s sharding when its type carries one over explicit mesh axes, else ``None``.
-
-  Under ``jax.jit`` on a mesh with ``AxisType.Explicit`` axes a reshape that
-  splits a sharded axis must be told where the sharding goes; everywhere else
-  (auto meshes, inside ``shard_map``, one device) the compiler decides.
-  """
+  """``x``'s sharding when its type shards it over explicit mesh axes, else ``None``."""
   sharding = getattr(jax.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
   if mesh is None or not mesh.axis_names:
@@ -251,11 +190,7 @@ def explicit_sharding(x: jax.Array) -> Any:
 
 
 def placed_on_mesh(x: jax.Array) -> bool:
-  """Whether ``x``'s type places it on mesh axes that the compiler shards (auto or explicit).
-
-  Inside ``shard_map`` (every axis manual) or on one device it is not, and any
-  layout trick is free; on a mesh, ops must let the sharding flow through.
-  """
+  """Whether ``x``'s type places it on mesh axes the compiler shards (not manual ones)."""
   sharding = getattr(jax.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
   if mesh is None or not mesh.axis_names:
@@ -295,19 +230,14 @@ def _block_spec(spec: tuple[Any, ...], plan: ChunkPlan) -> jax.sharding.Partitio
 
 
 def to_blocks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
-  """The block view of ``x``: shape ``plan.block_shape``, no data moved.
+  """The block view of ``x``, ``plan.block_shape``: block ``(..., a, :, b, :)`` is chunk ``(a, b)``.
+
+  An explicit sharding moves to the chunk-count axes; an axis whose chunks do
+  not divide over its shards is gathered first.
 
   Args:
     x: a tensor of shape ``plan.shape`` (or ``plan.state_shape``), any dtype.
     plan: its :class:`ChunkPlan`.
-
-  Returns:
-    ``x`` reshaped to ``(*batch, n1 // c1, c1, n2 // c2, c2)``; block
-    ``(..., a, :, b, :)`` is chunk ``(a, b)``. A sharding of ``x`` over
-    explicit mesh axes moves to the chunk-count axes; a sharded axis whose
-    chunks do not divide over its shards is gathered first (chunks are
-    transformed whole), and :func:`from_blocks` with ``like`` shards the
-    result back.
   """
   sharding = explicit_sharding(x)
   if sharding is None:
@@ -327,18 +257,12 @@ def from_blocks(
   shape: tuple[int, ...] | None = None,
   like: jax.Array | None = None,
 ) -> jax.Array:
-  """Inverse of :func:`to_blocks`.
+  """Inverse of :func:`to_blocks` for a ``y`` of ``plan.block_shape``.
 
   Args:
-    y: an array of shape ``plan.block_shape``.
     plan: the :class:`ChunkPlan` it was made with.
-    shape: the shape to return, ``plan.shape`` by default (or ``plan.state_shape``).
-    like: an array whose explicit sharding the result should have (the
-      tensor that went into :func:`to_blocks`); by default the one the block
-      view carries.
-
-  Returns:
-    ``y`` reshaped to ``shape``, its explicit sharding carried back.
+    shape: the shape to return, ``plan.shape`` by default.
+    like: an array whose sharding the result takes, e.g. the tensor given to :func:`to_blocks`.
   """
   shape = tuple(plan.shape if shape is None else shape)
   sharding = explicit_sharding(y)
@@ -357,9 +281,7 @@ def from_blocks(
   if want is not None:
     return y if jax.typeof(y).sharding.spec == want.spec else jax.sharding.reshard(y, want)
   if explicit_sharding(y) is None:
-    # On an auto mesh the sharding is the compiler's to choose; ask for the
-    # one it gives ``like`` (results decoded from a replicated message would
-    # otherwise come back replicated).
+    # On an auto mesh ask for ``like``'s sharding, or a decoded result stays replicated.
     if shard_alike is None:
       _warn_no_shard_alike()
     else:
@@ -372,26 +294,17 @@ def _warn_no_shard_alike() -> None:
   warnings.warn(
     f"jax {jax.__version__} has no shard_alike, so on a mesh of AxisType.Auto the "
     "update and optimizer state (DeMo's, SparseLoCo's) may come back replicated instead "
-    "of sharded like the params "
-    "(the values are the same). Use a mesh with AxisType.Explicit to keep the "
-    "params' sharding, or a jax that has jax.experimental.shard_alike.",
+    "of sharded like the params (the values are the same). Use a mesh with AxisType.Explicit "
+    "to keep the params' sharding, or a jax that has jax.experimental.shard_alike.",
     stacklevel=3,
   )
 
 
 def _along_c1(basis: jax.Array, x: jax.Array) -> jax.Array:
-  """``basis @ block`` for every block of a block view: the transform along ``c1``.
-
-  For each ``(*batch, a)`` the chunks of that band form one ``(c1, B * c2)``
-  matrix, so this is a batched matmul whose output is already in place. Written
-  as a plain contraction, XLA would put the basis's free axis first and
-  transpose the result back, one more pass over the data. With a single chunk
-  along the last axis that transpose is free, and the plain form is kept. So
-  it is where the mesh shards the bands over explicit axes: a basis broadcast
-  along them would be replicated, and the compiler would gather the bands to
-  match it.
-  """
+  """``basis @ block`` for every block: the transform along ``c1``."""
   *lead, a, c1, b, c2 = x.shape
+  # A batched matmul over each band writes in place, where an einsum adds a
+  # transpose; unless that is free (b == 1) or the bands are explicitly sharded.
   if b == 1 or explicit_sharding(x) is not None:
     return jnp.einsum("ip,...apbj->...aibj", basis, x, precision=_HIGHEST)
   bands = x.reshape(*lead, a, c1, b * c2)
@@ -401,15 +314,7 @@ def _along_c1(basis: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def forward_blocks(x_blocks: jax.Array, plan: ChunkPlan) -> jax.Array:
-  """The 2-D DCT of every block of a block view; float32, same layout.
-
-  Args:
-    x_blocks: ``plan.block_shape``, any float dtype.
-    plan: its :class:`ChunkPlan`.
-
-  Returns:
-    Float32 coefficients of shape ``plan.block_shape``, in place.
-  """
+  """The float32 2-D DCT of every block of a block view ``x_blocks`` (any float dtype)."""
   d1, d2 = dct_basis(plan.c1), dct_basis(plan.c2)
   x = x_blocks.astype(jnp.float32)
   t = jnp.einsum("jq,...apbq->...apbj", d2, x, precision=_HIGHEST)
@@ -424,11 +329,7 @@ def inverse_blocks(y_blocks: jax.Array, plan: ChunkPlan) -> jax.Array:
 
 
 class Basis(NamedTuple):
-  """What a chunk's coefficients are, as a pair of block-view functions. Static.
-
-  The compressed exchanges (DeMo's, SparseLoCo's) select, send and feed back
-  coefficients in a basis and decode the aggregate back out of it; only these
-  two functions say which basis that is.
+  """The basis a chunk's coefficients are in, as a pair of block-view functions. Static.
 
   Attributes:
     name: ``"dct"`` or ``"identity"``.
@@ -471,19 +372,9 @@ def basis(use_dct: bool) -> Basis:
 
 
 def to_chunks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
-  """Rearranges ``x`` into the rows layout, one chunk per row; no transform.
+  """``x`` (``plan.shape`` or ``plan.state_shape``) as float32 rows, one chunk per row.
 
-  On a tensor this is the no-DCT ablation's "coefficients"; on in-place
-  coefficients (DeMo's momentum) it gives each chunk's coefficients as a row,
-  position ``i * c2 + j`` the chunk-local index the wire carries.
-
-  Args:
-    x: a tensor of shape ``plan.shape`` (or ``plan.state_shape``), any float dtype.
-    plan: its :class:`ChunkPlan`.
-
-  Returns:
-    Float32 array of shape ``plan.coeff_shape``; row ``r`` holds the entries
-    of chunk ``r``, row-major with the ``c1`` axis first.
+  Row ``r`` is chunk ``r`` in chunk-local order ``i * c2 + j``; no transform.
   """
   x = jnp.reshape(x.astype(jnp.float32), plan.block_shape)
   nb = plan.batch_dims
@@ -492,15 +383,7 @@ def to_chunks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
 
 
 def from_chunks(y: jax.Array, plan: ChunkPlan) -> jax.Array:
-  """Inverse of :func:`to_chunks`.
-
-  Args:
-    y: float32 array of shape ``plan.coeff_shape``.
-    plan: the :class:`ChunkPlan` it was made with.
-
-  Returns:
-    A float32 tensor of shape ``plan.shape``.
-  """
+  """Inverse of :func:`to_chunks`: ``plan.coeff_shape`` back to ``plan.shape``."""
   lead, (a, c1, b, c2) = plan.block_shape[:-4], plan.block_shape[-4:]
   nb = plan.batch_dims
   y = y.reshape(*lead, a, b, c1, c2)

@@ -1,15 +1,8 @@
 """What the CPU's and the GPU's fused kernels share: their off switch, and which tensors they take.
 
-A set of kernels is another implementation of DeMo's compress and decode
-stages, with the stages' inputs and outputs: :mod:`distro_jax.cpu_kernels`,
-taken on a CPU backend, and :mod:`distro_jax.pallas_kernels`, on a GPU. Each
-stage's ``_fused`` (:mod:`distro_jax.compress`, :mod:`distro_jax.decode`)
-asks the CPU's ``serves``, then the Pallas one's, and takes XLA's path where
-neither serves the tensor. Each set is turned off by an environment variable
-(``DISTRO_JAX_CPU_KERNELS=0``, ``DISTRO_JAX_PALLAS=0``) or, for the traces
-of one thread, by a ``disabled()`` block (:class:`Switch`); and each takes a
-tensor only in float32 block views of square chunks it has kernels for, not
-placed on a mesh by the compiler (:func:`fits`).
+:mod:`distro_jax.cpu_kernels` and :mod:`distro_jax.pallas_kernels` each take a
+tensor only in float32 block views of square chunks they have kernels for, not
+placed on a mesh by the compiler (:func:`fits`); docs/library.md, "The pipeline".
 """
 
 import contextlib
@@ -57,16 +50,14 @@ def fits(
   top_k_side: int,
   max_k: int,
 ) -> bool:
-  """Whether a set of kernels can take a tensor of ``plan`` given as ``arrays`` (block views).
+  """Whether a set of kernels can take a tensor of ``plan`` given as block views ``arrays``.
 
   Args:
     plan: the tensor's chunk plan.
     arrays: its block views the kernel would read.
-    k: with ``drawn=False``, the top-k per chunk a compress would select;
-      ``None`` asks about the decode.
+    k: the top-k per chunk a compress would select; ``None`` asks about the decode.
     drawn: whether the compress would take drawn positions.
-    sides: the square chunk sides the kernels take for drawn positions and
-      the decode.
+    sides: the square chunk sides the kernels take for drawn positions and the decode.
     top_k_side: the one chunk side their top-k takes.
     max_k: the largest top-k they select.
   """

@@ -1,33 +1,8 @@
-"""DeMo's fused kernels for the GPU, in Pallas: compress and decode, one pass per chunk.
+"""DeMo's fused GPU kernels in Pallas (Triton): compress and decode, one pass per chunk.
 
-XLA's GPU path runs each stage of the update as several kernels with a
-param-sized buffer between each: the two DCT matmuls, the momentum, the
-top-k's two stages; on the receiving side the scatter loop of the mean, then
-the inverse DCT (docs/performance.md: at 934M parameters the update is 4.7x
-AdamW's, near the memory bound). Here each stage is one Pallas kernel that
-reads a chunk once and writes its results once:
-
-- :func:`compress`: ``m' = decay * m + lr * DCT(g)`` and the chunk's top-k
-  (64x64 chunks; at drawn positions, 64x64 or 8x8 chunks, ``m'`` alone), the
-  same contract as :func:`distro_jax.cpu_kernels.compress`. The values sent
-  are read back from the stored ``m'`` (a gather of k entries a chunk), so
-  they are its bits whatever the compiler does with the kernel;
-- :func:`decode`: the mean of the W workers' messages, folded in
-  :func:`distro_jax.codec.worker_order` with the running mean of
-  :func:`distro_jax.codec.aggregate_blocks` (so the same bits), and its
-  inverse DCT, without the dense mean and count buffers between the two.
-
-The top-k is exact: ``k`` rounds of (largest magnitude, lowest position among
-ties), ``jax.lax.top_k``'s order. The DCTs are float32 products at
-``Precision.HIGHEST`` (no TF32), so they differ from XLA's by float32
-rounding only; every replica runs the same kernel on the same inputs and gets
-the same bits.
-
-They lower with Triton (``jax.experimental.pallas.triton``). JAX takes them
-on a GPU backend where they serve (:func:`serves`), XLA's path elsewhere;
-``DISTRO_JAX_PALLAS=0`` (or :func:`disabled`) asks for XLA's path on the GPU
-too. On the CPU they run in Pallas's interpret mode, for tests only
-(``interpret=True``).
+What they compute: docs/performance.md, "On the GPU: Pallas kernels"; their
+contract is :mod:`distro_jax.cpu_kernels`'s. ``DISTRO_JAX_PALLAS=0`` or
+:func:`disabled` turns them off; :func:`interpreted` runs them on any backend, for tests.
 """
 
 import contextlib
@@ -45,24 +20,17 @@ from distro_jax import codec, dct, exchange, kernel_switch
 __all__ = ["available", "compress", "decode", "disabled", "interpreted", "interpreting", "serves"]
 
 SWITCH = "DISTRO_JAX_PALLAS"
-# The chunk sides served: 64x64 chunks (top-k or drawn) and 8x8 (drawn).
-SIDES = (8, 64)
+SIDES = (8, 64)  # 8x8 chunks only with drawn positions and in the decode
 # The top-k runs k rounds over the chunk; past this the two-stage XLA top-k wins.
 MAX_K = 64
-# 8x8 chunks are taken up to this many along a band at a time.
-_BAND = 16
+_BAND = 16  # 8x8 chunks taken at once along a band, at most
 _HIGHEST = jax.lax.Precision.HIGHEST
 _switch = kernel_switch.Switch(SWITCH)
-# Set by interpreted(): the update takes the kernels in interpret mode, on any backend.
-_local = threading.local()
+_local = threading.local()  # interpret: set by interpreted()
 
 
 def available() -> bool:
-  """Whether DeMo's update takes these kernels where they serve, as traced now.
-
-  True on a GPU backend unless ``DISTRO_JAX_PALLAS=0`` or a :func:`disabled`
-  block is open in this thread; anywhere within :func:`interpreted`.
-  """
+  """Whether DeMo's update takes the kernels where they serve: on a GPU or interpreted, not off."""
   if _switch.off():
     return False
   return interpreting() or jax.default_backend() == "gpu"
@@ -70,10 +38,7 @@ def available() -> bool:
 
 @contextlib.contextmanager
 def interpreted() -> Iterator[None]:
-  """Traces DeMo's update with these kernels in Pallas's interpret mode (this thread only).
-
-  For checking the kernels where there is no GPU: the update then takes them
-  wherever they serve, on any backend, slowly.
+  """Traces DeMo's update with the kernels in Pallas's interpret mode, on any backend (this thread).
 
   Example:
     >>> import distro_jax as dj
@@ -109,15 +74,7 @@ def disabled() -> contextlib.AbstractContextManager[None]:
 def serves(
   plan: dct.ChunkPlan, *arrays: jax.Array, k: int | None = None, drawn: bool = False
 ) -> bool:
-  """Whether the kernels take a tensor of ``plan`` given as ``arrays`` (block views).
-
-  Args:
-    plan: the tensor's chunk plan.
-    *arrays: its float32 block views the kernel would read.
-    k: with ``drawn=False``, the top-k per chunk that :func:`compress` would
-      select (64x64 chunks, ``k <= MAX_K``); ``None`` asks about :func:`decode`.
-    drawn: whether :func:`compress` would take drawn positions.
-  """
+  """:func:`distro_jax.cpu_kernels.serves` for these kernels."""
   return available() and kernel_switch.fits(
     plan, arrays, k=k, drawn=drawn, sides=SIDES, top_k_side=64, max_k=MAX_K
   )
@@ -128,7 +85,7 @@ def _pow2(n: int) -> int:
 
 
 def _band(b: int) -> int:
-  """Chunks of a band taken at once: the largest power of two up to _BAND dividing b."""
+  """The largest power of two up to ``_BAND`` that divides ``b``."""
   t = _BAND
   while b % t:
     t //= 2
@@ -142,24 +99,15 @@ def _bases(side: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _together(*arrays: jax.Array) -> tuple[list[jax.Array], dict]:
-  """``arrays`` typed alike inside ``shard_map``, and the outputs' typing to match.
-
-  A ``pallas_call`` inside ``shard_map`` takes its outputs' varying axes from
-  ``out_shape``: every input is typed as varying over the axes any of them
-  varies over, and so is every output (what it computes depends on them).
-  """
+  """``arrays`` typed as varying over all their mesh axes, and ``out_shape``'s typing to match."""
   axes = frozenset().union(*(exchange.varying_axes(x) for x in arrays))
   typed = [exchange.as_varying(x, axes) for x in arrays]
   manual = getattr(jax.typeof(typed[0]), "manual_axis_type", None)
   return typed, ({} if manual is None else {"manual_axis_type": manual})
 
 
-def _interpreting(interpret: bool) -> bool:
-  return interpret or interpreting()
-
-
 def _params(interpret: bool) -> dict:
-  if interpret:
+  if interpret or interpreting():
     return {"interpret": True}
   from jax.experimental.pallas import triton as pl_triton
 
@@ -218,29 +166,13 @@ def compress(
   *,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``m' = decay * m + lr * DCT(g)`` and the top-k (or the drawn entries) of every chunk of ``m'``.
+  """:func:`distro_jax.cpu_kernels.compress` on the GPU; 8x8 chunks only with ``positions``.
 
-  The contract of :func:`distro_jax.cpu_kernels.compress`.
-
-  Args:
-    g_blocks: a float32 gradient in its block view ``(*lead, A, c, B, c)``,
-      ``c`` 64 (or 8 with ``positions``).
-    m_blocks: the float32 momentum, same shape.
-    decay: the momentum's decay.
-    lr: the learning rate that scales the new coefficients.
-    k: entries kept per chunk.
-    positions: drawn chunk-local positions ``(*lead, A, B, k)``; the values
-      there are taken instead of the top-k.
-    interpret: run in Pallas's interpret mode (any backend; for tests).
-
-  Returns:
-    ``(m', indices, values)``: ``m'`` in the block view, and int32 indices and
-    float32 values of shape ``(*lead, A, B, k)``.
+  ``interpret`` runs it in Pallas's interpret mode, on any backend.
   """
   *lead, a, side, b, _ = g_blocks.shape
   bands = int(np.prod(lead, dtype=np.int64)) * a
   kp = _pow2(k)
-  interpret = _interpreting(interpret)
   scalars = jnp.stack([jnp.asarray(decay, jnp.float32), jnp.asarray(lr, jnp.float32)])
   g = g_blocks.reshape(bands, side, b, side)
   m = m_blocks.reshape(bands, side, b, side)
@@ -276,8 +208,7 @@ def compress(
     )(scalars, d, g, m)
     idx = positions.astype(jnp.int32)
   m_new = m_new.reshape(g_blocks.shape)
-  # The values sent, read back from the stored m': the k of a chunk cost a
-  # gather of k entries, and they are the momentum's bits by construction.
+  # Values read back from the stored m' are its bits whatever the compiler did.
   idx = exchange.as_varying(idx, exchange.varying_axes(m_new))
   return m_new, idx, codec.gather_blocks(m_new, idx)
 
@@ -288,7 +219,6 @@ def _decode64_kernel(order_ref, ok_ref, d_ref, dt_ref, idx_ref, val_ref, q_ref, 
   flat = flat + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
 
   def entry(n, carry):
-    # Worker after worker in their canonical order, each's entries in turn.
     mean, count = carry
     # lax's integer division, not jnp's: the operands are non-negative, and
     # jnp's sign corrections do not lower inside a Triton loop.
@@ -345,26 +275,9 @@ def decode(
   *,
   interpret: bool = False,
 ) -> jax.Array:
-  """The inverse DCT of the mean of the workers' selections, in the block view.
-
-  The contract of :func:`distro_jax.cpu_kernels.decode`: the workers folded
-  in :func:`distro_jax.codec.worker_order` (computed here by XLA, a hash of
-  the small message), so the mean is that of
-  :func:`distro_jax.codec.aggregate_blocks` to the bit.
-
-  Args:
-    indices: int chunk-local indices ``(W, *lead, A, B, k)`` from each worker.
-    values: float values, same shape.
-    valid_W: bool per worker; False leaves it out.
-    block_shape: the tensor's block view ``(*lead, A, c, B, c)``, ``c`` 64 or 8.
-    interpret: run in Pallas's interpret mode (any backend; for tests).
-
-  Returns:
-    float32 of shape ``block_shape``.
-  """
+  """:func:`distro_jax.cpu_kernels.decode`; ``interpret`` runs it in Pallas's interpret mode."""
   workers = indices.shape[0]
   *lead, a, side, b, _ = block_shape
-  interpret = _interpreting(interpret)
   bands = int(np.prod(lead, dtype=np.int64)) * a
   k = indices.shape[-1]
   idx = indices.astype(jnp.int32).reshape(workers, bands, b, k)
@@ -379,6 +292,7 @@ def decode(
   d, dt = (jnp.asarray(x) for x in _bases(side))
   (order, ok, d, dt, idx, val), typing = _together(order, ok, d, dt, idx, val)
   whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  vec = whole((workers,))
   out_shape = jax.ShapeDtypeStruct((bands, side, b, side), jnp.float32, **typing)
   if side == 64:
     per_chunk = pl.BlockSpec((workers, None, None, kp), lambda r, c: (0, r, c, 0))
@@ -386,14 +300,7 @@ def decode(
       functools.partial(_decode64_kernel, workers=workers, k=k),
       out_shape=out_shape,
       grid=(bands, b),
-      in_specs=[
-        whole((workers,)),
-        whole((workers,)),
-        whole((64, 64)),
-        whole((64, 64)),
-        per_chunk,
-        per_chunk,
-      ],
+      in_specs=[vec, vec, whole((64, 64)), whole((64, 64)), per_chunk, per_chunk],
       out_specs=pl.BlockSpec((None, 64, None, 64), lambda r, c: (r, 0, c, 0)),
       **_params(interpret),
     )(order, ok, d, dt, idx, val)
@@ -404,7 +311,7 @@ def decode(
       functools.partial(_decode8_kernel, workers=workers, k=k),
       out_shape=out_shape,
       grid=(bands, b // bt),
-      in_specs=[whole((workers,)), whole((workers,)), whole((8, 8)), per_band, per_band],
+      in_specs=[vec, vec, whole((8, 8)), per_band, per_band],
       out_specs=pl.BlockSpec((None, 8, bt, 8), lambda r, c: (r, 0, c, 0)),
       **_params(interpret),
     )(order, ok, d, idx, val)
