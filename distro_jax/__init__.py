@@ -17,6 +17,7 @@ from distro_jax import (
   wire,
 )
 from distro_jax.aggregate_momentum import MuonMomentumState, scale_by_muon_momentum
+from distro_jax.compression import Compression
 from distro_jax.dense_step import DenseStepWarning
 from distro_jax.diloco import DilocoState, diloco, inner_params
 from distro_jax.elastic import (
@@ -79,6 +80,7 @@ __all__ = [
   "pallas_kernels",
   "wire",
   "CollectiveBytes",
+  "Compression",
   "DemoState",
   "DenseStepWarning",
   "DeviceBytes",

@@ -31,7 +31,13 @@ from distro_jax.message import Format, MessageFormat, Received
 __all__ = ["Delayed", "Synchronous", "deliver", "schedule"]
 
 
-def deliver(fmt: Format, selection: Any, valid: jax.Array, axis_name: Hashable | None) -> Received:
+def deliver(
+  fmt: Format,
+  selection: Any,
+  valid: jax.Array,
+  axis_name: Hashable | None,
+  collective: str = "all_gather",
+) -> Received:
   """This step's message from every worker on ``axis_name``, read back.
 
   Args:
@@ -42,6 +48,8 @@ def deliver(fmt: Format, selection: Any, valid: jax.Array, axis_name: Hashable |
     axis_name: the workers' axis; ``None`` for one worker, whose message is
       then its own aggregate, so no bytes are made (and, for params sharded
       under ``jax.jit``, nothing of the selection is gathered).
+    collective: ``"all_gather"`` or ``"all_to_all"``
+      (:func:`distro_jax.exchange.all_gather_messages`).
 
   Returns:
     Every worker's message as a :class:`~distro_jax.message.Received`.
@@ -61,7 +69,7 @@ def deliver(fmt: Format, selection: Any, valid: jax.Array, axis_name: Hashable |
   """
   if axis_name is None:
     return fmt.as_received(selection, valid)
-  gathered = exchange.all_gather_messages(fmt.encode(selection, valid), axis_name)
+  gathered = exchange.all_gather_messages(fmt.encode(selection, valid), axis_name, collective)
   assert gathered.shape == (exchange.bound_axis_size(axis_name), fmt.num_bytes)
   return fmt.decode(gathered)
 
@@ -71,9 +79,11 @@ class Synchronous(NamedTuple):
 
   Attributes:
     axis_name: the workers' axis, or ``None`` for one worker.
+    collective: how the messages travel (:func:`deliver`).
   """
 
   axis_name: Hashable | None
+  collective: str = "all_gather"
 
   def feed_back(self, momentum_blocks: list[jax.Array], state: Any, fmt: MessageFormat) -> list:
     """Nothing is in flight, so nothing leaves the momentum before this step's message."""
@@ -85,7 +95,7 @@ class Synchronous(NamedTuple):
   ) -> tuple[Received, None]:
     """This step's messages, and no message left pending (``gathered`` is a delayed exchange's)."""
     del state, gathered
-    return deliver(fmt, selection, send, self.axis_name), None
+    return deliver(fmt, selection, send, self.axis_name, self.collective), None
 
   def next_momentum(
     self,
@@ -126,10 +136,12 @@ class Delayed(NamedTuple):
   Attributes:
     axis_name: the workers' axis, or ``None`` for one worker.
     num_workers: the size of that axis (1 for ``None``).
+    collective: how the messages travel (:func:`deliver`).
   """
 
   axis_name: Hashable | None
   num_workers: int
+  collective: str = "all_gather"
 
   def in_flight(self, fmt: MessageFormat, state: Any) -> MessageFormat:
     """The format of the message in flight: every update replaces it and counts one."""
@@ -164,7 +176,7 @@ class Delayed(NamedTuple):
     message = fmt.encode(selection, send)
     _check_pending(state.pending, message)
     if gathered is None:
-      gathered = exchange.all_gather_messages(state.pending, self.axis_name)
+      gathered = exchange.all_gather_messages(state.pending, self.axis_name, self.collective)
     else:
       _check_gathered(gathered, self.num_workers, fmt.num_bytes)
     assert gathered.shape == (self.num_workers, fmt.num_bytes)
@@ -193,12 +205,12 @@ class Delayed(NamedTuple):
 
 
 def schedule(
-  axis_name: Hashable | None, num_workers: int, delayed_apply: bool
+  axis_name: Hashable | None, num_workers: int, delayed_apply: bool, collective: str = "all_gather"
 ) -> Synchronous | Delayed:
   """:class:`Delayed` with ``delayed_apply``, else :class:`Synchronous`."""
   if delayed_apply:
-    return Delayed(axis_name, num_workers)
-  return Synchronous(axis_name)
+    return Delayed(axis_name, num_workers, collective)
+  return Synchronous(axis_name, collective)
 
 
 def _check_pending(pending: jax.Array | None, message: jax.Array) -> None:

@@ -135,7 +135,11 @@ def warn_if_dense(grads: Sequence[Any], axis_name: Hashable | None) -> None:
       )
 
     _when_placed(grads, decide)
-  elif axis_name in manual and not any(exchange.varies_over(g, axis_name) for g in grads):
+  elif (
+    axis_name in manual
+    and exchange.types_checked(axis_name)  # check_vma=False types nothing by worker
+    and not any(exchange.varies_over(g, axis_name) for g in grads)
+  ):
     warnings.warn(
       f"The gradient reaching this DisTrO update is typed as identical on every worker of "
       f"{axis_name!r}: jax.grad with respect to params replicated over {axis_name!r} "

@@ -1,6 +1,8 @@
 """What crosses the workers' axis: the message's all-gather, and nothing autodiff adds."""
 
-from collections.abc import Callable, Hashable, Iterable
+import contextlib
+import contextvars
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -8,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 __all__ = [
+  "COLLECTIVES",
   "all_gather_messages",
   "bound_axis_size",
   "local_value_and_grad",
@@ -34,11 +37,75 @@ def bound_axis_size(axis_name: Hashable | None) -> int:
     ) from e
 
 
-def all_gather_messages(message: jax.Array, axis_name: Hashable | None) -> jax.Array:
-  """Gathers each worker's ``uint8[N]`` message into ``uint8[W, N]``, typed as the same on all."""
+COLLECTIVES = ("all_gather", "all_to_all")
+
+
+def all_gather_messages(
+  message: jax.Array, axis_name: Hashable | None, collective: str = "all_gather"
+) -> jax.Array:
+  """Gathers each worker's ``uint8[N]`` message into ``uint8[W, N]``, in worker order.
+
+  ``"all_gather"`` is typed as the same on every worker. ``"all_to_all"``
+  sends this worker's message straight to every peer, one dependent hop where
+  a ring all-gather (gloo's, on CPU) takes ``W - 1``, for the same bytes on
+  each link; its result is typed as differing by worker, so it needs a
+  ``jax.shard_map`` built with ``check_vma=False``.
+  """
   if axis_name is None:
     return message[None]
-  return jax.lax.all_gather(message, axis_name, to="invarying")
+  if collective == "all_gather" or _TYPES_ONLY.get():
+    return jax.lax.all_gather(message, axis_name, to="invarying")
+  _check_direct(axis_name)
+  num_workers = jax.lax.axis_size(axis_name)
+  copies_WxN = jnp.broadcast_to(message[None], (num_workers, *message.shape))
+  return jax.lax.all_to_all(copies_WxN, axis_name, 0, 0, tiled=True)
+
+
+_TYPES_ONLY = contextvars.ContextVar("distro_jax_types_only", default=False)
+
+
+@contextlib.contextmanager
+def types_only() -> Iterator[None]:
+  """Traces every exchange as the ring all-gather: for traces read only for their types.
+
+  :func:`distro_jax.worker_state_specs` reads which state differs by worker
+  from ``shard_map``'s types, which an all-to-all exchange runs without; the
+  ring gives the same values the types describe.
+  """
+  token = _TYPES_ONLY.set(True)
+  try:
+    yield
+  finally:
+    _TYPES_ONLY.reset(token)
+
+
+def check_collective(collective: str) -> str:
+  """``collective`` if it is one of :data:`COLLECTIVES`, else a ValueError naming them."""
+  if collective not in COLLECTIVES:
+    raise ValueError(f"collective={collective!r} is not one of {COLLECTIVES}.")
+  return collective
+
+
+def types_checked(axis_name: Hashable) -> bool:
+  """Whether the enclosing ``shard_map`` types values by worker (``check_vma=True``)."""
+  return varies_over(jax.lax.axis_index(axis_name), axis_name)
+
+
+def _check_direct(axis_name: Hashable) -> None:
+  if types_checked(axis_name):
+    raise ValueError(
+      "collective='all_to_all' returns every worker's message typed as differing by worker "
+      "(JAX has no cast to 'the same on all'), which a shard_map that checks replication "
+      "cannot return as replicated. Build the step with jax.shard_map(..., check_vma=False), "
+      "or use collective='all_gather'."
+    )
+  mesh = jax.sharding.get_abstract_mesh()
+  others = [a for a in mesh.manual_axes if a != axis_name and mesh.shape[a] > 1]
+  if others:
+    raise ValueError(
+      f"collective='all_to_all' runs without shard_map's types, which say how a worker is "
+      f"split over the other axes {others} (FSDP); use collective='all_gather' there."
+    )
 
 
 def pmean_gradients(axis_name: Hashable | None = "data") -> optax.GradientTransformation:

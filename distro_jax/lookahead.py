@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import optax
 
 from distro_jax import codec, dct, decode, exchange, message, unit_rms, wire
+from distro_jax.compression import Compression, takes_compression
 from distro_jax.diloco import inner_params
-from distro_jax.hyperparams import static_positive_int
 from distro_jax.transforms import DemoState, delayed_states
 
 __all__ = ["gradient_point", "lookahead_update"]
@@ -53,22 +53,9 @@ def _selected(momentum: Any, params: Any) -> Any:
 _GUESSES = ("momentum", "message")
 
 
-def _pending_layout(
-  state: DemoState,
-  leaves: list[jax.Array],
-  compression_topk: int,
-  compression_chunk: int,
-  quantize_1bit: bool,
-  random_positions: bool,
-) -> codec.WireLayout:
+def _pending_layout(state: DemoState, leaves: list[jax.Array], c: Compression) -> codec.WireLayout:
   """The layout of the message in flight, checked against the bytes the state holds."""
-  layout = wire.wire_layout(
-    leaves,
-    compression_topk=static_positive_int("compression_topk", compression_topk, example=32),
-    compression_chunk=compression_chunk,
-    quantize_1bit=quantize_1bit,
-    random_positions=random_positions,
-  )
+  layout = c.layout(leaves)
   if state.pending.shape != (layout.num_bytes,):
     raise ValueError(
       f"The pending message holds {state.pending.shape[-1]} bytes, but these options give "
@@ -78,21 +65,18 @@ def _pending_layout(
   return layout
 
 
+@takes_compression
 def lookahead_update(
   state: DemoState,
   params: Any,
   learning_rate: optax.ScalarOrSchedule,
   *,
-  compression_topk: int = 32,
-  compression_chunk: int = 64,
-  quantize_1bit: bool = False,
-  use_dct: bool = True,
   weight_decay: float = 0.0,
-  random_positions: bool = False,
   normalize: Any = "sign",
   guess: str = "momentum",
   scale: float = 1.0,
   axis_name: Hashable | None = None,
+  **compression: Any,
 ) -> Any:
   """This worker's guess of the update in flight, from a ``delayed_apply`` :class:`DemoState`.
 
@@ -101,20 +85,17 @@ def lookahead_update(
       :func:`distro_jax.demo`, as the train step receives it.
     params: the params, as the train step holds them.
     learning_rate: the ``learning_rate`` given to :func:`distro_jax.demo`.
-    compression_topk: as given to :func:`distro_jax.demo`.
-    compression_chunk: as given to :func:`distro_jax.demo`.
-    quantize_1bit: as given to :func:`distro_jax.demo`.
-    use_dct: as given to :func:`distro_jax.demo`.
     weight_decay: as given to :func:`distro_jax.demo`.
-    random_positions: as given to :func:`distro_jax.demo` (with
-      ``guess="momentum"`` only).
     normalize: as given to :func:`distro_jax.demo`, or another mode for a
       cheaper guess (``"rms"`` skips the orthogonalization).
     guess: ``"momentum"`` (Psyche's: the momentum before error feedback) or
-      ``"message"`` (this worker's own message, as sent).
+      ``"message"`` (this worker's own message, as sent; not with
+      ``random_positions``).
     scale: a factor on the whole guess.
     axis_name: the workers' axis, as given to :func:`distro_jax.demo`;
       needed only under FSDP within a site.
+    **compression: the :class:`~distro_jax.Compression` options given to
+      :func:`distro_jax.demo` (its decay and frequency bias play no part).
 
   Returns:
     A tree like ``params``: zero before the first message (or after one
@@ -122,24 +103,22 @@ def lookahead_update(
     ``step`` the ``normalize`` mode's.
   """
   unit_rms.check_normalize(normalize)
+  c = Compression.of(compression).checked()
   if guess not in _GUESSES:
     raise ValueError(f"guess must be one of {_GUESSES}, got {guess!r}.")
-  if random_positions and guess == "message":
+  if c.random_positions and guess == "message":
     raise ValueError(
       'guess="message" decodes the pending message at its sent positions, which '
       'random_positions=True does not keep; use the default guess="momentum".'
     )
-  compression_chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
   all_leaves, treedef = jax.tree.flatten(params)
   all_momenta = treedef.flatten_up_to(state.momentum)
   # A zero-size param has no part in the message, and no guess to move it by.
   carried = wire.CarriedLeaves(all_leaves)
   leaves = carried.pick(all_leaves)
-  layout = _pending_layout(
-    state, leaves, compression_topk, compression_chunk, quantize_1bit, random_positions
-  )
-  plans = wire.plan_tree(leaves, compression_chunk)
-  basis = dct.basis(use_dct)
+  layout = _pending_layout(state, leaves, c)
+  plans = wire.plan_tree(leaves, c.compression_chunk)
+  basis = c.basis
   momenta = [dct.to_blocks(m, plan) for m, plan in zip(carried.pick(all_momenta), plans)]
   if guess == "message":
     # The pending message, read back and decoded as a receiver decodes the

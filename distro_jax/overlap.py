@@ -11,7 +11,9 @@ from distro_jax.transforms import delayed_states
 __all__ = ["gather_pending"]
 
 
-def gather_pending(opt_state: Any, axis_name: Hashable | None = "data") -> jax.Array:
+def gather_pending(
+  opt_state: Any, axis_name: Hashable | None = "data", collective: str = "all_gather"
+) -> jax.Array:
   """All-gathers the message in flight of a ``delayed_apply`` exchange.
 
   For runtimes that run one program at a time (XLA on CPU). Call it inside
@@ -23,6 +25,8 @@ def gather_pending(opt_state: Any, axis_name: Hashable | None = "data") -> jax.A
     opt_state: a worker's optimizer state holding exactly one ``delayed_apply``
       :class:`~distro_jax.DemoState`, at any depth.
     axis_name: the workers' mapped axis; ``None`` for one worker.
+    collective: ``"all_gather"`` or ``"all_to_all"``
+      (:func:`distro_jax.exchange.all_gather_messages`); the exchange's own.
 
   Returns:
     ``uint8[W, message bytes]``: every worker's pending message, in worker order.
@@ -51,4 +55,5 @@ def gather_pending(opt_state: Any, axis_name: Hashable | None = "data") -> jax.A
       "dj.demo(lr, delayed_apply=True)); with several overlapped exchanges, let each update "
       "all-gather its own message (leave gathered out)."
     )
-  return exchange.all_gather_messages(states[0].pending, axis_name)
+  collective = exchange.check_collective(collective)
+  return exchange.all_gather_messages(states[0].pending, axis_name, collective)

@@ -1,76 +1,16 @@
-"""SparseLoCo: local steps, then a top-k, 2-bit, error-feedback pseudo-gradient exchange.
+"""SparseLoCo: local steps, then a top-k, 2-bit, error-fed pseudo-gradient exchange.
 
-Each worker takes ``sync_every`` (H) steps of its own inner optimizer from the
-shared params ``theta``. Then it folds its pseudo-gradient ``d = theta -
-theta_w`` into a decayed error-feedback buffer ``e <- decay * e + d``, keeps the
-top-k entries of every chunk of ``e``, quantizes them, and removes what it
-sent, as quantized, from ``e``. The workers all-gather these messages and
-average them, optionally clipping each worker's contribution to the median
-norm first, and every worker takes the outer step ``theta <- theta - outer_lr
-* mean`` and restarts from it. The inner optimizer's state carries on.
+Each worker takes ``sync_every`` (H) steps of its own inner optimizer, then
+sends the top-k of its error-fed pseudo-gradient, quantized, and every worker
+takes the same outer step from the mean (docs/design.md, section 6: the
+quantizer, the wire, the median clip and the drawn message). As with
+:func:`distro_jax.diloco`, the params the train step holds are the shared
+outer params; each worker's inner params are in its state
+(:func:`distro_jax.inner_params`), and the local rounds are
+:mod:`distro_jax.local_rounds`'.
 
-As with :func:`distro_jax.diloco`, the params that the train step holds are
-the shared outer params, bit-identical on every worker at every step; each
-worker's inner params live in its state, and :func:`distro_jax.inner_params`
-finds them.
-
-**The 2-bit quantizer.** This is the one Templar runs SparseLoCo with in
-production (``quantization_bins=4``, ``quantization_range=6`` in
-``hparams/hparams.json`` of github.com/one-covenant/templar, applied by
-``TopKCompressor._quantize_values`` in ``src/tplr/compress.py``). It acts on
-all the kept values ``v`` of one tensor at once, on each worker:
-
-* ``mu = mean(v)``, ``c = v - mu``, ``sigma = ||c|| / sqrt(n - 1)``;
-* bin width ``s = 6 * sigma / 4`` (1 if that is 0 or not finite);
-* code ``q = clip(round(c / s + 2), 0, 3)``, rounding half to even. The bins
-  are therefore ``c < -2.25 sigma``, ``[-2.25, -0.75) sigma``,
-  ``[-0.75, 0.75) sigma`` and ``>= 0.75 sigma``: asymmetric, as in Templar;
-* the receiver reconstructs ``mu + (mean of the c that fell in bin q)``. This
-  codebook of 4 float32 values (``mu`` folded in) is the side information, 16
-  bytes per tensor; an empty bin's entry is ``mu``.
-
-With ``value_bits=1`` the same codebook scheme splits at the mean instead
-(``q = c >= 0``, two entries): Templar's formula with two bins would put the
-only threshold at ``-1.5 sigma``. This 1-bit form is this library's choice.
-With ``value_bits=None`` the values travel in the parameter dtype.
-
-**Wire.** One ``uint8`` message per worker; per tensor, in tree order: the
-chunk-local indices packed at ``ceil(log2 chunk size)`` bits each (12 for a
-64x64 chunk), the codes packed at ``value_bits`` bits each, then the float32
-codebook (or, without quantization, the values in the parameter dtype).
-:func:`sparseloco_bytes` counts it; it is the operand of the one all-gather.
-
-**Aggregation.** ``mean = (1 / W) * sum_w decoded_w``, the paper's average over
-all W workers (Templar's own code instead averages each coefficient over the
-workers that chose it). The sum runs over the gathered messages in worker
-order, so every worker computes it bit for bit alike. With median clipping,
-each worker's decoded values of a tensor are scaled by ``min(1, med / (norm +
-1e-8))``, where ``norm`` is their L2 norm and ``med`` the lower median of the W
-norms of that tensor (``torch.median``'s convention, as Templar uses); every
-worker computes it from the gathered messages, so no other collective runs.
-
-**A worker whose values are not finite** (a NaN or inf anywhere in its
-pseudo-gradient) sends its message with every codebook entry (or value) NaN,
-which no finite message has, and keeps its error feedback as it was before the
-round. Receivers leave such messages out: the mean and the median are over the
-valid workers only, and a round with none moves nothing. That worker restarts
-from the shared params with a fresh inner optimizer state, since its own may
-hold the NaN. So one worker's NaN reaches no replica, at no cost in bytes.
-
-**Drawn positions** (``random_positions=True``). The message is DeMo's drawn
-one instead of the top-k (:func:`distro_jax.scale_by_demo`): the buffer, kept
-in the chunked DCT basis with ``use_dct``, sends its values at
-``compression_topk`` positions per chunk drawn from the step count and the
-sender's index, so no indices travel, as 1-bit signs with ``value_bits=1``;
-the drawn values leave the buffer at full precision, and each coefficient's
-mean is over the workers that drew it. Every worker's 1-bit message has the
-same norm, so the median clip, which would scale each by one, is not
-applied. With ``normalize="orth"`` the mean of each matrix is orthogonalized
-before the outer step, so the error feedback sits before the
-orthogonalization (as in Dion, Ahn and Xu, arXiv:2504.05295, and EF21-Muon):
-what the signs did not carry stays in the buffer, and the step's size is the
-outer rate's. One 1-bit coefficient of each 8x8 DCT chunk, no indices, each
-matrix's mean orthogonalized:
+One 1-bit coefficient of each 8x8 DCT chunk, no indices, each matrix's mean
+orthogonalized:
 
 >>> import jax.numpy as jnp, optax, distro_jax as dj
 >>> tx = dj.sparseloco(optax.adamw(1e-2), sync_every=2, compression_topk=1,
@@ -82,9 +22,6 @@ matrix's mean orthogonalized:
 ...   updates, state = tx.update(g, state, params)
 >>> round(float(jnp.sqrt(jnp.mean(updates["w"] ** 2))), 4)  # unit RMS times the rate
 0.02
-
-DiLoCo's and SparseLoCo's local rounds (the inner steps, when a round
-synchronizes, the restart of a failed worker) are :mod:`distro_jax.local_rounds`.
 """
 
 import functools
@@ -145,17 +82,12 @@ class SparseLocoState(NamedTuple):
       after each synchronization. :func:`distro_jax.inner_params` returns them.
     inner_state: this worker's inner optimizer state; it carries on across
       synchronizations.
-    error_feedback: per parameter, the decayed error-feedback buffer ``e``,
-      float32, in the param's own shape (``(1,)`` for a scalar): each chunk's
-      entries (its DCT coefficients with ``use_dct``) in that chunk's own
-      place, as DeMo keeps its momentum, so any sharding of the param that
-      does not cut a chunk places it too (``optax.tree_map_params`` gives it
-      the param's spec).
+    error_feedback: per parameter, the error-feedback buffer ``e``, float32,
+      in the param's shape (``(1,)`` for a scalar), each chunk in place as
+      DeMo keeps its momentum.
     contributors: how many workers' messages went into this step's outer
-      step; those that were not finite are left out (so ``W - contributors``
-      were excluded). On a step that does not synchronize no worker is left
-      out, and it is ``W``. int32 scalar, the same on every worker; 0 before
-      the first step.
+      step (``W`` on a step that does not synchronize, 0 before the first);
+      int32, the same on every worker.
   """
 
   count: jax.Array
@@ -251,9 +183,7 @@ def sparseloco_layout(
 def quantize(values: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
   """Quantizes one tensor's kept values to ``bits``-bit codes and a float32 codebook.
 
-  See the module docstring for the definition (``bits=2`` is Templar's
-  production quantizer). Deterministic: the same values give the same codes
-  and codebook on every backend run of the same program.
+  The quantizer is docs/design.md's, section 6 (``bits=2`` is Templar's).
 
   Args:
     values: float array of the values kept from one tensor, any shape.
@@ -781,51 +711,39 @@ def sparseloco(
 ) -> optax.GradientTransformation:
   """SparseLoCo: H local steps of ``inner``, then a compressed, error-fed outer step.
 
-  On every step, the worker's gradient (taken at
-  :func:`distro_jax.inner_params`) moves its own inner params by ``inner``.
-  Every ``sync_every``-th step each worker computes ``d = outer - inner``,
-  updates ``e <- error_decay * e + chunks(d)``, keeps the ``compression_topk``
-  largest-magnitude entries of each chunk of ``e``, quantizes them to
-  ``value_bits`` bits, subtracts the quantized values from ``e``, and
-  all-gathers the message (see the module docstring for the quantizer, the
-  wire and the drawn message of ``random_positions``). Every worker then
-  decodes all W messages, optionally clips each to the median norm, averages
-  them over W, and sets ``outer <- outer - outer_lr * mean``; it restarts its
-  inner params there. Between synchronizations the update of the outer
-  params is zero, so replicas stay identical.
+  Every step moves the worker's inner params by ``inner`` (take the gradient
+  at :func:`distro_jax.inner_params`). Every ``sync_every``-th step each
+  worker folds ``d = outer - inner`` into its error feedback, sends the
+  quantized top-k of each chunk, and every worker steps the outer params by
+  ``outer_lr`` times the mean and restarts there (docs/design.md, section 6).
+  Between synchronizations the update is zero.
 
   Args:
     inner: the inner optimizer, e.g. ``optax.adamw(lr)``; its state is per
       worker and carries on across synchronizations.
     sync_every: inner steps between synchronizations (H). Static.
     outer_learning_rate: the outer step size (1.0 in the paper), or a
-      schedule, read at the step count of the synchronizing update (the
-      step the inner optimizer's schedule read too). With
-      ``normalize`` the step has unit RMS, so this is its size per entry.
+      schedule read at the synchronizing step; with ``normalize``, the size
+      per entry.
     error_decay: the error-feedback decay in ``[0, 1]`` (0.95 in the paper).
     compression_topk: entries kept per chunk, clamped to the chunk size. Static.
-    compression_chunk: chunk length target per axis; 64 gives 64x64 chunks of
-      4,096 entries for large matrices. Static.
+    compression_chunk: chunk length target per axis. Static.
     value_bits: 2 (the paper's), 1, or ``None`` to send the values in the
       parameter dtype. Static.
-    use_dct: select entries in the chunked DCT domain (as DeMo does) instead of
-      the raw chunks (the paper's production form). Static.
+    use_dct: select in the chunked DCT domain, as DeMo does, instead of the
+      raw chunks (the paper's form). Static.
     clip_to_median_norm: scale each worker's contribution, per tensor, to at
-      most the median norm across workers, as Templar's production does. Static.
-    axis_name: the data-parallel axis bound by an enclosing ``jax.shard_map``;
-      ``None`` for one worker and no collective.
+      most the workers' median norm, as Templar does. Static.
+    axis_name: the data-parallel axis; ``None`` for one worker, no collective.
     random_positions: send DeMo's drawn message instead of the top-k and its
       indices; needs ``value_bits`` 1 or ``None``. Static.
     frequency_bias: with ``random_positions``, the draw's preference for a
       chunk's low frequencies (:func:`distro_jax.codec.draw_positions`);
       ``None`` draws uniformly. Static.
     normalize: how the mean becomes the outer step: ``None`` (the mean
-      itself, SparseLoCo's), or as :func:`distro_jax.demo` takes it:
-      ``"sign"``, ``"rms"``, ``"orth"``, a tree of these like the params, or
-      a function of the params that returns one. Static.
-    total_steps: the run's length; step ``total_steps`` synchronizes even when
-      it is not a multiple of ``sync_every``, so a last, shorter round reaches
-      the outer params. ``None``: only the multiples do. Static.
+      itself), or as :func:`distro_jax.demo` takes it. Static.
+    total_steps: the run's length, which synchronizes too, so a last shorter
+      round is not lost; ``None``: only multiples of ``sync_every`` do. Static.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a :class:`SparseLocoState`.
@@ -917,8 +835,7 @@ def sparseloco_bytes(
     compression_chunk: chunk target length per axis.
     value_bits: 1, 2, or ``None`` for the parameter dtype.
     num_workers: W, for the ring all-reduce baseline.
-    random_positions: the message is DeMo's drawn one (no indices; see
-      :func:`sparseloco`), whose bytes :func:`distro_jax.wire_bytes` counts.
+    random_positions: the message is DeMo's drawn one (no indices).
 
   Returns:
     A :class:`SparseLocoBytes`.

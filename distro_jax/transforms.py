@@ -28,7 +28,6 @@ import numpy as np
 import optax
 
 from distro_jax import (
-  codec,
   compress,
   dct,
   decode,
@@ -40,13 +39,11 @@ from distro_jax import (
   wire,
 )
 from distro_jax.aggregate_momentum import scale_by_muon_momentum
+from distro_jax.compression import Compression, takes_compression
 from distro_jax.hyperparams import (
   StaticFloat,
-  StaticInt,
   check_decay,
   check_learning_rate,
-  static_nonnegative_float,
-  static_positive_int,
   unwrap_static,
 )
 from distro_jax.shared_estimate import EstimateState, track_shared_estimate
@@ -65,31 +62,18 @@ class DemoState(NamedTuple):
 
   Attributes:
     count: number of updates applied, int32 scalar.
-    momentum: per parameter, the decoupled momentum in the chunked DCT domain,
-      float32, with the parameter's shape (``(1,)`` for a scalar): each chunk's
-      coefficients sit in that chunk's own place (the in-place layout of
-      :mod:`distro_jax.dct`; ``dj.dct.to_chunks(m, plan)`` gives one row per
-      chunk). So ``optax.tree_map_params`` and a param's ``PartitionSpec``
-      place it, and a sharding that keeps chunks whole keeps it local. The DCT
-      is orthonormal, so this is the reference's buffer ``m`` in another basis,
-      and error feedback is exactly "zero the coefficients that were sent".
-      With ``delayed_apply`` it is kept *before* the error feedback of the
-      pending message (the next update removes the coefficients that message
-      sends), so it is the buffer Psyche's lookahead reads
-      (:func:`distro_jax.gradient_point`).
-      A worker whose values were not finite restarts from zero; without
-      ``delayed_apply``, a step in which every worker's message was left out
-      for non-finite values leaves every momentum as it was (one held back
-      with ``contribute=False`` still takes in its gradient).
-    contributors: how many workers' messages went into the last aggregate;
-      those whose values were not finite are left out (so ``W - contributors``
-      were excluded). int32 scalar, the same on every worker. With
-      ``delayed_apply`` it counts the previous step's messages, and step 1,
-      which has none, counts 0.
+    momentum: per parameter, the decoupled momentum in the chunked DCT basis,
+      float32, in the parameter's shape (``(1,)`` for a scalar) with each
+      chunk's coefficients in place (docs/design.md, section 1), so a param's
+      ``PartitionSpec`` places it. With ``delayed_apply`` it is kept before
+      the pending message's error feedback (what the lookahead reads). A
+      worker whose values were not finite restarts from zero.
+    contributors: how many workers' messages went into the last aggregate,
+      the same on every worker (with ``delayed_apply``, the previous step's;
+      0 at step 1).
     pending: with ``delayed_apply``, this worker's message of the previous
-      step, ``uint8[message bytes]``, to be all-gathered at the next step;
-      ``None`` otherwise. Before the first step it is all zeros, which marks it
-      invalid, so the first step applies nothing.
+      step, ``uint8[message bytes]``, all zeros (invalid) before the first
+      step; ``None`` otherwise.
   """
 
   count: jax.Array
@@ -147,69 +131,22 @@ def _check_momentum(updates: Any, momenta: list[Any], plans: list[dct.ChunkPlan]
 class _Options(NamedTuple):
   """:func:`scale_by_demo`'s options, checked. Static."""
 
-  topk: int
-  chunk: int
-  decay: float
-  quantize_1bit: bool
-  basis: dct.Basis
+  compression: Compression
   axis_name: Hashable | None
   delayed_apply: bool
-  random_positions: bool
-  frequency_bias: float
-
-  def layout(self, params: Any) -> codec.WireLayout:
-    """The message's bytes for ``params`` (arrays or ``jax.ShapeDtypeStruct``)."""
-    return wire.wire_layout(
-      params,
-      compression_topk=self.topk,
-      compression_chunk=self.chunk,
-      quantize_1bit=self.quantize_1bit,
-      random_positions=self.random_positions,
-    )
+  collective: str
 
 
 def _options(
   learning_rate: Any,
-  compression_decay: Any,
-  compression_topk: Any,
-  compression_chunk: Any,
-  quantize_1bit: bool,
-  use_dct: bool,
+  compression: Compression,
   axis_name: Hashable | None,
   delayed_apply: bool,
-  random_positions: bool,
-  frequency_bias: float | None,
+  collective: str,
 ) -> _Options:
-  """:func:`scale_by_demo`'s arguments checked, each refused with the fix when wrong."""
   check_learning_rate("learning_rate", learning_rate)
-  decay = unwrap_static(compression_decay)
-  topk = static_positive_int("compression_topk", compression_topk, example=32)
-  chunk = static_positive_int("compression_chunk", compression_chunk, example=64)
-  check_decay(
-    "compression_decay",
-    decay,
-    one_allowed=False,
-    hint="Use 0 for the stateless mode, or e.g. 0.999 (the reference default).",
-  )
-  bias = 0.0
-  if frequency_bias is not None:
-    bias = static_nonnegative_float("frequency_bias", frequency_bias, example=1.0)
-    if not random_positions:
-      raise ValueError(
-        f"frequency_bias={frequency_bias} shapes the draw of random_positions=True; pass "
-        "random_positions=True, or leave frequency_bias=None."
-      )
-  return _Options(
-    topk=topk,
-    chunk=chunk,
-    decay=decay,
-    quantize_1bit=bool(quantize_1bit),
-    basis=dct.basis(use_dct),
-    axis_name=axis_name,
-    delayed_apply=bool(delayed_apply),
-    random_positions=bool(random_positions),
-    frequency_bias=bias,
-  )
+  collective = exchange.check_collective(collective)
+  return _Options(compression.checked(), axis_name, bool(delayed_apply), collective)
 
 
 def _init(params: Any, opts: _Options) -> DemoState:
@@ -219,7 +156,7 @@ def _init(params: Any, opts: _Options) -> DemoState:
   pending = None
   if opts.delayed_apply:
     # All zeros marks the message invalid, so the first step applies nothing.
-    pending = jnp.zeros((opts.layout(params).num_bytes,), jnp.uint8)
+    pending = jnp.zeros((opts.compression.layout(params).num_bytes,), jnp.uint8)
   momentum = jax.tree.map(dct.in_place_zeros, params)
   return DemoState(count=zero, momentum=momentum, contributors=zero, pending=pending)
 
@@ -275,7 +212,7 @@ def _tensors(updates, state, params, learning_rate, opts: _Options) -> _Tensors:
   grads, treedef = jax.tree.flatten(updates)
   dtypes_from = jax.tree.leaves(params) if params is not None else grads
   shapes = [jax.ShapeDtypeStruct(np.shape(g), x.dtype) for g, x in zip(grads, dtypes_from)]
-  plans = wire.plan_tree(shapes, opts.chunk)
+  plans = wire.plan_tree(shapes, opts.compression.compression_chunk)
   momenta = treedef.flatten_up_to(state.momentum)
   _check_momentum(updates, momenta, plans)
   varying = frozenset().union(*(exchange.varying_axes(g) for g in grads))
@@ -291,16 +228,17 @@ def _tensors(updates, state, params, learning_rate, opts: _Options) -> _Tensors:
 
 def _message_format(count, grads, tensors: _Tensors, opts: _Options) -> message.MessageFormat:
   """This step's message format: its bytes, its positions (top-k or drawn) and its basis."""
-  layout = opts.layout(tensors.shapes)
+  c = opts.compression
+  layout = c.layout(tensors.shapes)
   ks = tuple(t.k for t in layout.tensors)
-  if opts.random_positions:
+  if c.random_positions:
     block_shapes = [plan.block_shape for plan in tensors.plans]
     positions = message.drawn(
-      count, opts.axis_name, grads, tensors.site_axes, block_shapes, ks, opts.frequency_bias
+      count, opts.axis_name, grads, tensors.site_axes, block_shapes, ks, c.frequency_bias
     )
   else:
     positions = message.TopK(ks)
-  return message.MessageFormat(layout, positions, opts.basis)
+  return message.MessageFormat(layout, positions, c.basis)
 
 
 def _verdict(
@@ -323,76 +261,50 @@ def _verdict(
   return finite, send
 
 
+@takes_compression
 def scale_by_demo(
   learning_rate: optax.ScalarOrSchedule,
   *,
-  compression_decay: float = StaticFloat(0.999),
-  compression_topk: int = StaticInt(32),
-  compression_chunk: int = StaticInt(64),
-  quantize_1bit: bool = False,
-  use_dct: bool = True,
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
-  random_positions: bool = False,
-  frequency_bias: float | None = None,
+  collective: str = "all_gather",
+  **compression: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Decoupled momentum, compressed and exchanged; yields the aggregate ``Q``.
 
   Per tensor, on every worker: ``m <- decay * m + lr * g``; take the chunked
-  DCT of ``m``; keep the top-k coefficients of every chunk; remove them from
-  ``m`` (error feedback); all-gather the compressed messages of all workers;
-  average each coefficient over the workers that chose it; and return
-  ``Q = IDCT(aggregate)``, identical on every worker. Only the message crosses
-  ``axis_name``. A param with no entries (a zero-size tensor) has no part in
-  the message and gets an empty update.
+  DCT of ``m``; keep the top-k coefficients of every chunk (or the drawn
+  positions); remove them from ``m`` (error feedback); all-gather every
+  worker's message; average each coefficient over the workers that chose it;
+  and return ``Q = IDCT(aggregate)``, identical on every worker. Only the
+  message crosses ``axis_name``; a zero-size param gets an empty update.
 
   Args:
-    learning_rate: a float or an optax schedule. It is folded into the
-      momentum, as in the reference, so a schedule weights old and new
-      gradients the same way.
-    compression_decay: momentum decay in ``[0, 1)``; 0 is the stateless mode.
-    compression_topk: coefficients kept per chunk; clamped to the chunk size.
-      Static.
-    compression_chunk: chunk length target per axis. Static.
-    quantize_1bit: send only the signs of the values (1 bit each). The error
-      feedback still removes the unquantized values. Static.
-    use_dct: ``False`` is an ablation: the same chunks, top-k and error
-      feedback, on the raw momentum entries instead of DCT coefficients. It
-      shows what the transform buys. Static.
-    axis_name: the mapped axis of the data-parallel workers, bound by an
-      enclosing ``jax.shard_map``; ``None`` for a single worker with no
-      collective.
-    delayed_apply: overlapped exchange. Step t all-gathers the message that
-      step t-1 compressed (kept in :attr:`DemoState.pending`) and returns its
-      aggregate, while step t's own message waits in the state for step t+1.
-      The all-gather then depends on nothing computed from step t's gradient,
-      so XLA may run it alongside the forward and backward pass. The first
-      step returns zeros. Static.
-    random_positions: instead of the ``compression_topk`` largest
-      coefficients of a chunk, send the values at ``compression_topk``
-      positions drawn from the step count and the worker's index on
-      ``axis_name`` (and, under FSDP, the device's index in its site), so
-      every receiver draws each sender's positions itself and the message
-      carries only the values. Static.
-    frequency_bias: with ``random_positions``, how much the draw prefers a
-      chunk's low frequencies: DCT coefficient ``(i, j)`` is drawn with
-      probability proportional to ``((1 + i) (1 + j)) ** -frequency_bias``
-      (see :func:`distro_jax.codec.draw_positions`). ``None`` (or 0) draws
-      uniformly. Static.
+    learning_rate: a float or an optax schedule, folded into the momentum as
+      the reference does.
+    axis_name: the workers' axis, bound by an enclosing ``jax.shard_map``;
+      ``None`` for one worker and no collective.
+    delayed_apply: the overlapped exchange: step t all-gathers the message
+      that step t-1 compressed (:attr:`DemoState.pending`) and returns its
+      aggregate, so the all-gather depends on nothing computed from step t's
+      gradient. The first step returns zeros. Static.
+    collective: how the messages travel: ``"all_gather"``, or ``"all_to_all"``,
+      each message straight to every peer in one hop, for far links (inside a
+      ``jax.shard_map`` built with ``check_vma=False``;
+      :func:`distro_jax.exchange.all_gather_messages`). Static.
+    **compression: the fields of :class:`~distro_jax.Compression` by name
+      (``compression_decay=0.999``, ``compression_topk=32``,
+      ``compression_chunk=64``, ``quantize_1bit``, ``use_dct``,
+      ``random_positions``, ``frequency_bias``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`DemoState`. Its ``update`` takes one extra keyword,
-    ``contribute``: a bool scalar (per worker, inside ``jax.shard_map``) that,
-    when false, sends this worker's message marked invalid, so the others
-    leave it out, while its momentum keeps what the message would have sent
-    (the cold start of a worker that joins an elastic run). With
-    ``delayed_apply`` it takes a second, ``gathered``: the messages in flight
-    as :func:`distro_jax.gather_pending` all-gathered them in a program of
-    their own, so that the update decodes those instead of all-gathering
-    itself (see :mod:`distro_jax.overlap`). ``optax.chain`` passes both
-    through; a transformation without ``delayed_apply`` ignores
-    ``gathered``, as its message is made in this update.
+    :class:`DemoState`. Its ``update`` takes two extra keywords:
+    ``contribute``, a per-worker bool that, when false, sends this worker's
+    message marked invalid while its momentum keeps what it would have sent
+    (an elastic cold start); and, with ``delayed_apply``, ``gathered``: the
+    messages in flight as :func:`distro_jax.gather_pending` all-gathered them
+    in a program of their own (:mod:`distro_jax.overlap`).
 
   References:
     Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization",
@@ -407,18 +319,8 @@ def scale_by_demo(
     >>> q["w"].shape
     (4, 8)
   """
-  opts = _options(
-    learning_rate,
-    compression_decay,
-    compression_topk,
-    compression_chunk,
-    quantize_1bit,
-    use_dct,
-    axis_name,
-    delayed_apply,
-    random_positions,
-    frequency_bias,
-  )
+  c = Compression.of(compression)
+  opts = _options(learning_rate, c, axis_name, delayed_apply, collective)
   return _demo_stage(learning_rate, opts)
 
 
@@ -427,7 +329,7 @@ def _demo_stage(
 ) -> optax.GradientTransformationExtraArgs:
   """:func:`scale_by_demo` with its options checked."""
   axis_name = opts.axis_name
-  decay = opts.decay
+  decay = opts.compression.compression_decay
 
   def init_fn(params):
     return _init(params, opts)
@@ -443,7 +345,7 @@ def _demo_stage(
       return updates, state._replace(count=optax.safe_increment(state.count), contributors=everyone)
     tensors = _tensors(updates, state, params, learning_rate, opts)
     fmt = _message_format(state.count, grads, tensors, opts)
-    schedule = delivery.schedule(axis_name, num_workers, opts.delayed_apply)
+    schedule = delivery.schedule(axis_name, num_workers, opts.delayed_apply, opts.collective)
     # The pipeline: compress, exchange, decode; the chain's next
     # transformation (sign, unit RMS, Adam, ...) normalizes what it returns.
     momentum_blocks = schedule.feed_back(tensors.momentum_blocks, state, fmt)
@@ -538,66 +440,50 @@ def _on_aggregate(aggregate_momentum: float) -> list[optax.GradientTransformatio
   return []
 
 
+@takes_compression
 def demo(
   learning_rate: optax.ScalarOrSchedule,
   *,
-  compression_decay: float = StaticFloat(0.999),
-  compression_topk: int = StaticInt(32),
-  compression_chunk: int = StaticInt(64),
   weight_decay: float = 0.0,
-  quantize_1bit: bool = False,
-  use_dct: bool = True,
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
   synchronous: Any = None,
-  random_positions: bool = False,
-  frequency_bias: float | None = None,
+  collective: str = "all_gather",
   normalize: Any = "sign",
   aggregate_momentum: float = StaticFloat(0.0),
   estimate_step: float = StaticFloat(0.0),
+  **compression: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """DeMo: ``p <- p * (1 - lr * wd) - lr * sign(Q)``, with ``Q`` from :func:`scale_by_demo`.
 
   :func:`distro` of ``optax.chain(normalize, optax.add_decayed_weights,
   optax.scale_by_learning_rate)``. Call its ``update`` inside
   ``jax.shard_map`` over a mesh that binds ``axis_name``, with each worker's
-  local gradients; each worker's state is its own (see
-  :func:`distro_jax.init_worker_state`).
+  local gradients; each worker's state is its own
+  (:func:`distro_jax.init_worker_state`).
 
   Args:
     learning_rate: a float or an optax schedule.
-    compression_decay: momentum decay in ``[0, 1)``; 0 is the stateless mode.
-    compression_topk: coefficients kept per chunk. Static.
-    compression_chunk: chunk length target per axis. Static.
     weight_decay: decoupled weight decay, scaled by the learning rate.
-    quantize_1bit: send 1-bit signs instead of values. Static.
-    use_dct: ``False`` selects raw entries instead of DCT coefficients (an
-      ablation). Static.
     axis_name: the data-parallel axis; ``None`` for one worker, no collective.
-    delayed_apply: apply the aggregate of step t-1 at step t, so that the
-      all-gather can overlap the next forward and backward pass (see
-      :func:`scale_by_demo`). Static.
+    delayed_apply: apply step t-1's aggregate at step t, so that the
+      all-gather can overlap the next forward and backward pass. Static.
     synchronous: with ``delayed_apply``, the params exchanged without the
-      delay (a partial overlap); see :func:`distro`. Static.
-    random_positions: send the values at positions every worker can draw,
-      instead of the largest and their indices (see :func:`scale_by_demo`).
-      Static.
-    frequency_bias: with ``random_positions``, the draw's preference for low
-      frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
-    normalize: how ``Q`` becomes a step: ``"sign"`` (DeMo's), ``"rms"``
-      (each tensor at a root mean square of one) or ``"orth"`` (each matrix
-      orthogonalized as Muon does, :func:`distro_jax.orthogonalize`, then at
-      unit RMS; other tensors at unit RMS); or a tree of these like the
-      params (or a prefix of it), or a function of the params giving one.
-      Static.
-    aggregate_momentum: the decay of Muon's Nesterov momentum
-      (:func:`distro_jax.scale_by_muon_momentum`) on the decoded aggregate
-      before ``normalize``; its state is the same on every worker. 0 (the
-      default) keeps none.
+      delay (a partial overlap, :func:`distro`). Static.
+    collective: how the messages travel (:func:`scale_by_demo`). Static.
+    normalize: how ``Q`` becomes a step: ``"sign"`` (DeMo's), ``"rms"`` (each
+      tensor at unit root mean square) or ``"orth"`` (each matrix
+      orthogonalized as Muon does, :func:`distro_jax.orthogonalize`; other
+      tensors at unit RMS); or a tree of these like the params (or a prefix),
+      or a function of the params giving one. Static.
+    aggregate_momentum: the decay of a Nesterov momentum on the decoded
+      aggregate before ``normalize`` (:func:`distro_jax.scale_by_muon_momentum`),
+      the same on every worker; 0 keeps none.
     estimate_step: above 0, the message corrects an estimate of the workers'
-      mean momentum that every worker keeps alike, and the step follows the
-      estimate (:func:`distro_jax.track_shared_estimate`). 0 (the default) is
-      DeMo's exchange. Not with ``delayed_apply``. Static.
+      mean momentum that every worker keeps alike, and the step follows it
+      (:func:`distro_jax.track_shared_estimate`). Not with ``delayed_apply``.
+      Static.
+    **compression: the fields of :class:`~distro_jax.Compression` by name.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -623,82 +509,57 @@ def demo(
   return distro(
     inner,
     learning_rate,
-    compression_decay=compression_decay,
-    compression_topk=compression_topk,
-    compression_chunk=compression_chunk,
-    quantize_1bit=quantize_1bit,
-    use_dct=use_dct,
     axis_name=axis_name,
     delayed_apply=delayed_apply,
     synchronous=synchronous,
-    random_positions=random_positions,
-    frequency_bias=frequency_bias,
+    collective=collective,
     estimate_step=estimate_step,
+    **compression,
   )
 
 
+@takes_compression
 def distro(
   inner: optax.GradientTransformation,
   learning_rate: optax.ScalarOrSchedule,
   *,
-  compression_decay: float = StaticFloat(0.999),
-  compression_topk: int = StaticInt(32),
-  compression_chunk: int = StaticInt(64),
-  quantize_1bit: bool = False,
-  use_dct: bool = True,
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
   synchronous: Any = None,
-  random_positions: bool = False,
-  frequency_bias: float | None = None,
+  collective: str = "all_gather",
   estimate_step: float = StaticFloat(0.0),
+  **compression: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO: the compressed exchange of :func:`scale_by_demo`, then ``inner``.
 
-  ``inner`` sees the same aggregate ``Q`` on every worker, so its state and its
-  updates stay identical across replicas. ``dj.demo`` is
+  ``inner`` sees the same aggregate ``Q`` on every worker, so its state and
+  its updates stay identical across replicas. ``dj.demo`` is
   ``distro(chain(scale_by_sign(), add_decayed_weights(wd), scale_by_learning_rate(lr)), lr)``.
 
   With ``delayed_apply`` and ``synchronous``, a partial overlap: the params
-  that ``synchronous`` selects are exchanged as without the delay (their
-  all-gather waits for this step's gradient), the others one step late. It
-  is ``optax.multi_transform`` over two exchanges, each with its own message,
-  all-gather and copy of ``inner`` (so ``inner`` must act on each param on its
-  own, as ``sign`` and AdamW do); the bytes are the two messages'. The
-  lookahead of :func:`distro_jax.gradient_point` then moves only the
-  overlapped params. What it buys: a gradient taken at the exact params for
-  the synchronous group, which at top-k 32 closes most of the overlapped
-  exchange's gap (docs/overlapped.md).
+  that ``synchronous`` selects are exchanged without the delay, the others
+  one step late. It is ``optax.multi_transform`` over two exchanges, each
+  with its own message, all-gather and copy of ``inner`` (so ``inner`` must
+  act on each param on its own, as ``sign`` and AdamW do); the lookahead of
+  :func:`distro_jax.gradient_point` then moves only the overlapped params.
 
   Args:
     inner: any optax transformation that turns ``Q`` into updates, for example
       ``optax.adamw(lr)``.
     learning_rate: the rate folded into the momentum (a float or schedule),
       normally the one ``inner`` uses.
-    compression_decay: momentum decay in ``[0, 1)``.
-    compression_topk: coefficients kept per chunk. Static.
-    compression_chunk: chunk length target per axis. Static.
-    quantize_1bit: send 1-bit signs instead of values. Static.
-    use_dct: ``False`` selects raw entries instead of DCT coefficients (an
-      ablation). Static.
     axis_name: the data-parallel axis; ``None`` for one worker, no collective.
-    delayed_apply: apply the aggregate of step t-1 at step t, so that the
-      all-gather can overlap the next forward and backward pass (see
-      :func:`scale_by_demo`). Static.
-    synchronous: with ``delayed_apply``, the params whose messages are still
-      exchanged in the step that computes them, as without the delay (a
-      partial overlap): a tree of bools like the params (or a prefix of it,
-      one bool for a subtree), or a function of the params that returns one. ``None``
-      (the default) overlaps every param. The partial overlap is described
-      above. Static.
-    random_positions: send the values at positions drawn from a seed every
-      worker knows, instead of the largest and their indices (see
-      :func:`scale_by_demo`). Static.
-    frequency_bias: with ``random_positions``, the draw's preference for low
-      frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
+    delayed_apply: apply step t-1's aggregate at step t (:func:`scale_by_demo`).
+      Static.
+    synchronous: with ``delayed_apply``, the params exchanged in the step that
+      computes them: a tree of bools like the params (or a prefix of it), or a
+      function of the params that returns one; ``None`` overlaps every param.
+      Static.
+    collective: how the messages travel (:func:`scale_by_demo`). Static.
     estimate_step: above 0, the exchange corrects a shared estimate of the
       workers' mean momentum and ``inner`` sees that estimate
-      (:func:`distro_jax.track_shared_estimate`; see :func:`demo`). Static.
+      (:func:`distro_jax.track_shared_estimate`). Static.
+    **compression: the fields of :class:`~distro_jax.Compression` by name.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -717,22 +578,12 @@ def distro(
     >>> float(jnp.abs(updates["w"]).max()) > 0, float(jnp.abs(updates["b"]).max()) > 0
     (True, False)
   """
-  options = dict(
-    compression_decay=compression_decay,
-    compression_topk=compression_topk,
-    compression_chunk=compression_chunk,
-    quantize_1bit=quantize_1bit,
-    use_dct=use_dct,
-    axis_name=axis_name,
-    random_positions=random_positions,
-    frequency_bias=frequency_bias,
-  )
-  return _distro(
-    inner, learning_rate, delayed_apply, synchronous, options, _estimate(estimate_step, options)
-  )
+  c = Compression.of(compression)
+  exchange_opts = (axis_name, collective)
+  return _distro(inner, learning_rate, delayed_apply, synchronous, c, exchange_opts, estimate_step)
 
 
-def _estimate(estimate_step: Any, options: dict[str, Any]) -> tuple[float, float] | None:
+def _estimate(estimate_step: Any, compression: Compression) -> tuple[float, float] | None:
   """``estimate_step`` checked: ``(momentum decay, step)`` for the estimate, or ``None``."""
   step = unwrap_static(estimate_step)
   if not isinstance(step, int | float) or step < 0:
@@ -742,7 +593,7 @@ def _estimate(estimate_step: Any, options: dict[str, Any]) -> tuple[float, float
     )
   if step == 0:
     return None
-  decay = unwrap_static(options["compression_decay"])
+  decay = unwrap_static(compression.compression_decay)
   check_decay(
     "compression_decay",
     decay,
@@ -757,14 +608,13 @@ def _distro(
   learning_rate: optax.ScalarOrSchedule,
   delayed_apply: bool,
   synchronous: Any,
-  options: dict[str, Any],
-  estimate: tuple[float, float] | None = None,
+  compression: Compression,
+  exchange_opts: tuple[Hashable | None, str],
+  estimate_step: Any = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
-  """:func:`distro` with its options gathered.
-
-  ``estimate``: ``(decay, step)`` of :func:`track_shared_estimate` around a
-  stateless exchange at rate 1, or ``None`` for DeMo's exchange.
-  """
+  """:func:`distro` with its options gathered; ``exchange_opts`` is ``(axis_name, collective)``."""
+  axis_name, collective = exchange_opts
+  estimate = _estimate(estimate_step, compression)
   if estimate is not None and delayed_apply:
     raise ValueError(
       "estimate_step > 0 corrects the estimate with this step's messages; with "
@@ -772,35 +622,29 @@ def _distro(
     )
   if synchronous is None:
     if estimate is None:
-      opts = _options(learning_rate, delayed_apply=delayed_apply, **options)
-      stage = _demo_stage(learning_rate, opts)
-    else:
-      decay, step = estimate
-      stateless = {**options, "compression_decay": 0.0}
-      opts = _options(1.0, delayed_apply=delayed_apply, **stateless)
-      stage = track_shared_estimate(
-        _demo_stage(1.0, opts),
-        decay=decay,
-        step=step,
-        axis_name=opts.axis_name,
+      stage = _demo_stage(
+        learning_rate, _options(learning_rate, compression, axis_name, delayed_apply, collective)
       )
-    return _skip_when_nothing_received(
-      optax.chain(stage, inner),
-      delayed_apply=delayed_apply,
-    )
+    else:
+      # A stateless exchange at rate 1 corrects the estimate, which keeps the momentum.
+      decay, step = estimate
+      stateless = compression._replace(compression_decay=0.0)
+      opts = _options(1.0, stateless, axis_name, delayed_apply, collective)
+      stage = track_shared_estimate(
+        _demo_stage(1.0, opts), decay=decay, step=step, axis_name=axis_name
+      )
+    return _skip_when_nothing_received(optax.chain(stage, inner), delayed_apply=delayed_apply)
   if not delayed_apply:
     raise ValueError(
       "synchronous= picks the params that a delayed_apply=True exchange still sends in "
       "the step that computes them; without delayed_apply every param is synchronous "
       "already. Pass delayed_apply=True, or leave synchronous=None."
     )
-  # Two exchanges, one per group, each a whole DisTrO of its own: the
-  # synchronous one all-gathers this step's message, the overlapped one the
-  # message of the step before. Every tensor's compression and aggregate are
-  # its own, so a tensor trains as it would in a run with its group's mode.
+  # Two exchanges, one per group, each a whole DisTrO of its own, so a tensor
+  # trains as it would in a run with its group's mode.
   groups = {
-    _SYNCHRONOUS: _distro(inner, learning_rate, False, None, options),
-    _OVERLAPPED: _distro(inner, learning_rate, True, None, options),
+    _SYNCHRONOUS: _distro(inner, learning_rate, False, None, compression, exchange_opts),
+    _OVERLAPPED: _distro(inner, learning_rate, True, None, compression, exchange_opts),
   }
   return optax.multi_transform(groups, functools.partial(_overlap_labels, synchronous))
 
@@ -820,6 +664,7 @@ def _overlap_labels(synchronous: Any, params: Any) -> Any:
     ) from None
 
 
+@takes_compression
 def distro_adamw(
   learning_rate: optax.ScalarOrSchedule,
   *,
@@ -827,16 +672,11 @@ def distro_adamw(
   b2: float = StaticFloat(0.999),
   eps: float = 1e-8,
   weight_decay: float = 0.0,
-  compression_decay: float = StaticFloat(0.999),
-  compression_topk: int = StaticInt(32),
-  compression_chunk: int = StaticInt(64),
-  quantize_1bit: bool = False,
-  use_dct: bool = True,
   axis_name: Hashable | None = "data",
   delayed_apply: bool = False,
   synchronous: Any = None,
-  random_positions: bool = False,
-  frequency_bias: float | None = None,
+  collective: str = "all_gather",
+  **compression: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """DisTrO-AdamW: the compressed exchange followed by ``optax.adamw``.
 
@@ -846,23 +686,13 @@ def distro_adamw(
     b2: Adam's second-moment decay.
     eps: Adam's epsilon.
     weight_decay: AdamW's decoupled weight decay.
-    compression_decay: momentum decay in ``[0, 1)``.
-    compression_topk: coefficients kept per chunk. Static.
-    compression_chunk: chunk length target per axis. Static.
-    quantize_1bit: send 1-bit signs instead of values. Static.
-    use_dct: ``False`` selects raw entries instead of DCT coefficients (an
-      ablation). Static.
     axis_name: the data-parallel axis; ``None`` for one worker, no collective.
-    delayed_apply: apply the aggregate of step t-1 at step t, so that the
-      all-gather can overlap the next forward and backward pass (see
-      :func:`scale_by_demo`). Static.
-    synchronous: with ``delayed_apply``, the params exchanged without the
-      delay (a partial overlap); see :func:`distro`. Static.
-    random_positions: send the values at positions every worker can draw,
-      instead of the largest and their indices (see :func:`scale_by_demo`).
+    delayed_apply: apply step t-1's aggregate at step t (:func:`scale_by_demo`).
       Static.
-    frequency_bias: with ``random_positions``, the draw's preference for low
-      frequencies (see :func:`scale_by_demo`); ``None`` draws uniformly. Static.
+    synchronous: with ``delayed_apply``, the params exchanged without the
+      delay (:func:`distro`). Static.
+    collective: how the messages travel (:func:`scale_by_demo`). Static.
+    **compression: the fields of :class:`~distro_jax.Compression` by name.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -873,14 +703,9 @@ def distro_adamw(
   return distro(
     optax.adamw(learning_rate, b1=b1, b2=unwrap_static(b2), eps=eps, weight_decay=weight_decay),
     learning_rate,
-    compression_decay=compression_decay,
-    compression_topk=compression_topk,
-    compression_chunk=compression_chunk,
-    quantize_1bit=quantize_1bit,
-    use_dct=use_dct,
     axis_name=axis_name,
     delayed_apply=delayed_apply,
     synchronous=synchronous,
-    random_positions=random_positions,
-    frequency_bias=frequency_bias,
+    collective=collective,
+    **compression,
   )

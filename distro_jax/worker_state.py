@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distro_jax import dense_step
+from distro_jax import dense_step, exchange
 from distro_jax.exchange import as_varying, varies_over
 
 __all__ = ["abstract_worker_state", "init_worker_state", "worker_state_specs"]
@@ -109,7 +109,7 @@ def _update_tracer(
       return jnp.zeros(())
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P()), out_specs=P())
-    with dense_step.quiet():
+    with dense_step.quiet(), exchange.types_only():
       jax.eval_shape(fn, abstract_params, leaves)
     return seen
 

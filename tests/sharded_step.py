@@ -14,7 +14,7 @@ def mesh_of(workers):
   return jax.make_mesh((workers,), ("data",), devices=jax.devices()[:workers])
 
 
-def build(tx, params, mesh):
+def build(tx, params, mesh, check_vma=True):
   """Returns (step, params, opt_state); step(params, state, grads_W) -> (params, state).
 
   ``grads_W`` has a leading worker axis; worker w applies ``grads_W[w]``.
@@ -32,7 +32,13 @@ def build(tx, params, mesh):
     return optax.apply_updates(p, u), s
 
   step = jax.jit(
-    jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+    jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(P(), specs, P("data")),
+      out_specs=(P(), specs),
+      check_vma=check_vma,
+    )
   )
   return _CheckedStep(step, mesh.devices.size), params, state
 

@@ -9,6 +9,7 @@ import pytest
 MODULES = [
   "distro_jax.bitpack",
   "distro_jax.compress",
+  "distro_jax.compression",
   "distro_jax.cpu_kernels",
   "distro_jax.dct",
   "distro_jax.decode",

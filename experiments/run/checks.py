@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distro_jax.elastic import LEAVING
+from distro_jax.exchange import COLLECTIVES
 from distro_jax.unit_rms import NORMALIZE
 from experiments.run import methods, model
 from experiments.run.config import (
@@ -205,6 +206,23 @@ def _check_overlap_exchange(cfg: TrainConfig) -> None:
     )
 
 
+def _check_collective(cfg: TrainConfig, method: Any) -> None:
+  if cfg.collective not in COLLECTIVES:
+    raise ConfigError(f"--collective={cfg.collective!r}; use all_gather or all_to_all.")
+  if cfg.collective == "all_gather":
+    return
+  if not method.supports_delayed_apply:
+    raise ConfigError(
+      "--collective=all_to_all sends DeMo's message to every peer directly; it needs "
+      f"--optimizer={_supporting('supports_delayed_apply')}, not {method.name}."
+    )
+  if cfg.fsdp > 1:
+    raise ConfigError(
+      f"--collective=all_to_all runs the step without shard_map's types, which say how a "
+      f"worker is split over its site's devices; with --fsdp={cfg.fsdp} use all_gather."
+    )
+
+
 def _check_method(cfg: TrainConfig, method: Any) -> None:
   """What the chosen method cannot do with these settings, then its own check."""
   if cfg.delayed_apply and not method.supports_delayed_apply:
@@ -220,6 +238,7 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       "(or use --fsdp=1)."
     )
   _check_overlap_exchange(cfg)
+  _check_collective(cfg, method)
   if cfg.normalize not in NORMALIZE:
     raise ConfigError(
       f"--normalize={cfg.normalize!r}; use --normalize=sign, --normalize=rms or --normalize=orth."

@@ -200,6 +200,12 @@ class TrainConfig:
     "update in flight lands, as the worker guesses it (Psyche's lookahead); "
     "--nolookahead is the bare delayed exchange.",
   )
+  collective: str = _field(
+    "all_gather",
+    "DeMo: how the messages travel: 'all_gather' (gloo's ring on CPU, W-1 dependent hops) "
+    "or 'all_to_all' (each message straight to every peer, one hop, for far links; the "
+    "step's shard_map then runs with check_vma=False; not with --fsdp>1) (docs/netlab.md).",
+  )
   lookahead_normalize: str = _field(
     "",
     "With --lookahead, how the guess of the update in flight is normalized: empty, as the "

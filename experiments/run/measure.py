@@ -70,8 +70,12 @@ def hlo_bytes(
     for k, v in dj.collective_bytes_by_axes(text, mesh).items():
       by_axes["+".join(k) or "none"] += v.total
   crossing = sum(v for k, v in by_axes.items() if REPLICA in k.split("+"))
+  # An all-to-all exchange's operand holds the message once per worker; each
+  # worker's message is one of those copies, as an all-gather's operand is.
+  copies = by_kind.get("all-to-all", 0)
+  message = crossing - copies + copies / mesh.shape[REPLICA]
   # The step's loss leaves it unreduced, so all that crosses is the optimizer's.
-  exchange = crossing / exchange_every
+  exchange = message / exchange_every
   return HloBytes(total, dict(by_kind), dict(by_axes), crossing, exchange)
 
 

@@ -432,18 +432,19 @@ def _group_labels(groups: tuple[CompressionGroup, ...], params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(label, params)
 
 
-def _compression(cfg: TrainConfig, axes: Axes) -> dict[str, Any]:
+def compression(cfg: TrainConfig) -> dj.Compression:
+  """The run's DeMo message options, from the flags of the same names."""
+  options = {name: getattr(cfg, name) for name in dj.Compression._fields}
+  return dj.Compression.of(options)._replace(frequency_bias=cfg.frequency_bias or None)
+
+
+def _exchange(cfg: TrainConfig, axes: Axes) -> dict[str, Any]:
+  """The exchange's options besides the message's: the axis and the overlap."""
   return {
-    "compression_decay": cfg.compression_decay,
-    "compression_topk": cfg.compression_topk,
-    "compression_chunk": cfg.compression_chunk,
-    "quantize_1bit": cfg.quantize_1bit,
-    "use_dct": cfg.use_dct,
-    "random_positions": cfg.random_positions,
-    "frequency_bias": cfg.frequency_bias or None,
     "axis_name": axes.replica,
     "delayed_apply": cfg.delayed_apply,
     "synchronous": synchronous_mask(cfg.synchronous_params),
+    "collective": cfg.collective,
   }
 
 
@@ -459,15 +460,7 @@ def _demo_messages(cfg: TrainConfig, params: Any) -> tuple[int, int]:
     sync = jax.tree.leaves(mask(params))
 
   def payload(group: list[Any]) -> int:
-    if not group:
-      return 0
-    return dj.wire_bytes(
-      group,
-      compression_topk=cfg.compression_topk,
-      compression_chunk=cfg.compression_chunk,
-      quantize_1bit=cfg.quantize_1bit,
-      random_positions=cfg.random_positions,
-    ).payload
+    return compression(cfg).layout(group).num_bytes if group else 0
 
   return (
     payload([x for x, s in zip(leaves, sync) if s]),
@@ -481,20 +474,24 @@ def _demo_message(cfg: TrainConfig, params: Any) -> int:
   if not groups:
     return sum(_demo_messages(cfg, params))
   labels = jax.tree.leaves(_group_labels(groups, params))
-  sizes = {f"group{i}": (g.chunk, g.topk) for i, g in enumerate(groups)}
-  sizes["rest"] = (cfg.compression_chunk, cfg.compression_topk)
   total = 0
-  for label, (chunk, topk) in sizes.items():
+  for label, options in _group_compressions(cfg, groups).items():
     members = [x for x, lab in zip(jax.tree.leaves(params), labels) if lab == label]
     if members:
-      total += dj.wire_bytes(
-        members,
-        compression_topk=topk,
-        compression_chunk=chunk,
-        quantize_1bit=cfg.quantize_1bit,
-        random_positions=cfg.random_positions,
-      ).payload
+      total += options.layout(members).num_bytes
   return total
+
+
+def _group_compressions(
+  cfg: TrainConfig, groups: tuple[CompressionGroup, ...]
+) -> dict[str, dj.Compression]:
+  """Each group's message options by label: its own sizes, the rest the run's."""
+  rest = compression(cfg)
+  sizes = {
+    f"group{i}": rest._replace(compression_chunk=g.chunk, compression_topk=g.topk)
+    for i, g in enumerate(groups)
+  }
+  return {**sizes, "rest": rest}
 
 
 def _demo_overlapped_share(cfg: TrainConfig, params: Any) -> float:
@@ -561,25 +558,23 @@ def fsdp_split(cfg: TrainConfig) -> dict[str, int]:
 
 # DisTrO clips each worker's own gradient before it enters the momentum.
 def _build_demo(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
-  def demo(**sizes: int) -> optax.GradientTransformation:
-    compression = {**_compression(cfg, axes), **sizes}
+  def demo(options: dj.Compression) -> optax.GradientTransformation:
     return dj.demo(
       lr_schedule(cfg),
       weight_decay=cfg.weight_decay,
       normalize=demo_normalize(cfg.normalize, cfg.scan_layers, fsdp_split(cfg)),
       aggregate_momentum=cfg.aggregate_momentum,
       estimate_step=cfg.estimate_step,
-      **compression,
+      **_exchange(cfg, axes),
+      **options._asdict(),
     )
 
   groups = compression_groups(cfg.compression_groups)
   if not groups:
-    return optax.chain(_clip(cfg, axes), demo())
+    return optax.chain(_clip(cfg, axes), demo(compression(cfg)))
   # One DeMo, one message and one all-gather per group; a group whose
   # pattern takes no param sends nothing.
-  transforms = {"rest": demo()}
-  for i, g in enumerate(groups):
-    transforms[f"group{i}"] = demo(compression_chunk=g.chunk, compression_topk=g.topk)
+  transforms = {label: demo(o) for label, o in _group_compressions(cfg, groups).items()}
   labels = functools.partial(_group_labels, groups)
   return optax.chain(_clip(cfg, axes), optax.multi_transform(transforms, labels))
 
@@ -592,20 +587,17 @@ def _demo_gradient_point(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
   return functools.partial(
     dj.gradient_point,
     learning_rate=lr_schedule(cfg),
-    compression_topk=cfg.compression_topk,
-    compression_chunk=cfg.compression_chunk,
-    quantize_1bit=cfg.quantize_1bit,
-    use_dct=cfg.use_dct,
     weight_decay=cfg.weight_decay,
-    random_positions=cfg.random_positions,
     normalize=cfg.lookahead_normalize
     or demo_normalize(cfg.normalize, cfg.scan_layers, fsdp_split(cfg)),
     axis_name=REPLICA,
+    **compression(cfg)._asdict(),
   )
 
 
 def _build_distro_adamw(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
-  tx = dj.distro_adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay, **_compression(cfg, axes))
+  options = {**_exchange(cfg, axes), **compression(cfg)._asdict()}
+  tx = dj.distro_adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay, **options)
   return optax.chain(_clip(cfg, axes), tx)
 
 
@@ -925,6 +917,8 @@ _COMPRESSION_OPTIONS = (
   Option(r"stateless", "compression_decay", lambda m: 0.0, "stateless"),
   Option(r"delayed", "delayed_apply", lambda m: True, "delayed"),
   Option(r"partial", "synchronous_params", lambda m: PARTIAL_OVERLAP, "partial"),
+  # Each message straight to every peer: one hop where gloo's ring takes W - 1.
+  Option(r"a2a", "collective", lambda m: "all_to_all", "a2a"),
 )
 _DEMO_OPTIONS = (
   *_COMPRESSION_OPTIONS,

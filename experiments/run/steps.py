@@ -183,13 +183,13 @@ def with_compressed_part(opt_state: Any, part: list[tuple[Any, jax.Array]]) -> A
   return jax.tree.map(take, opt_state, is_leaf=is_delayed_state)
 
 
-def exchange_step(opt_state: Any) -> jax.Array:
+def exchange_step(opt_state: Any, *, collective: str = "all_gather") -> jax.Array:
   """An overlapped step's first program: the all-gather of the message in flight.
 
   It reads only the optimizer state, so it runs (on a thread of its own, see
   :mod:`experiments.run.threaded_step`) while :func:`gradient_and_message` computes.
   """
-  return dj.gather_pending(opt_state, REPLICA)
+  return dj.gather_pending(opt_state, REPLICA, collective)
 
 
 def gradient_and_message(
@@ -335,6 +335,7 @@ def shard_step(
   out_specs: Any,
   *,
   donate: tuple[int, ...] = (),
+  check_vma: bool = True,
   **static: Any,
 ) -> Callable[..., Any]:
   """``jax.jit(jax.shard_map(partial(fn, **static)))`` over ``mesh``, built once.
@@ -345,12 +346,18 @@ def shard_step(
     in_specs: ``PartitionSpec`` (trees) of the positional arguments.
     out_specs: ``PartitionSpec`` (trees) of the results.
     donate: positional arguments whose buffers the step may reuse.
+    check_vma: ``shard_map``'s check of what is typed as the same on every
+      device; off for an all-to-all exchange, whose result JAX types by worker.
     **static: keyword arguments bound into ``fn`` (the model, the optimizer).
 
   Returns:
     The jitted step over global arrays.
   """
   mapped = jax.shard_map(
-    functools.partial(fn, **static), mesh=mesh, in_specs=in_specs, out_specs=out_specs
+    functools.partial(fn, **static),
+    mesh=mesh,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    check_vma=check_vma,
   )
   return jax.jit(mapped, donate_argnums=donate)

@@ -222,11 +222,20 @@ def _build(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Program:
   # Each device's loss, unreduced (the host averages it, records.logged_loss).
   metric_specs = {"loss": rows, "excluded": P()}
   threaded = None
+  # An all-to-all exchange's result is typed by worker (exchange.all_gather_messages).
+  typed = cfg.collective == "all_gather"
   if _overlap_on_thread(cfg):
     worker_rows = jax.tree.map(lambda _: rows, specs, is_leaf=_is_spec)
     compressed_specs = steps.compressed_part(state_specs)
     threaded = ThreadedStep(
-      exchange=steps.shard_step(steps.exchange_step, mesh, (state_specs,), P()),
+      exchange=steps.shard_step(
+        steps.exchange_step,
+        mesh,
+        (state_specs,),
+        P(),
+        check_vma=typed,
+        collective=cfg.collective,
+      ),
       gradient=steps.shard_step(
         steps.gradient_and_message,
         mesh,
@@ -264,6 +273,7 @@ def _build(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Program:
       (specs, state_specs, P(), rows, rows),
       (specs, state_specs, metric_specs),
       donate=(0, 1),
+      check_vma=typed,
       tx=tx,
       point=point,
       fault=fault,

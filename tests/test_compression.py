@@ -1,0 +1,49 @@
+"""The compression options are one value: every DeMo factory takes the same fields by name."""
+
+import inspect
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+import distro_jax as dj
+
+_FACTORIES = [dj.demo, dj.distro, dj.distro_adamw, dj.scale_by_demo, dj.lookahead_update]
+
+
+@pytest.mark.parametrize("factory", _FACTORIES, ids=lambda f: f.__name__)
+def test_every_factory_lists_each_option_with_its_default(factory):
+  params = inspect.signature(factory).parameters
+  for name, default in dj.Compression._field_defaults.items():
+    assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params[name].default == default
+
+
+def test_a_misspelt_option_is_refused_with_the_fields_named():
+  with pytest.raises(TypeError, match="compresion_topk.*compression_topk"):
+    dj.demo(1e-3, axis_name=None, compresion_topk=8)
+
+
+def test_one_dict_of_options_drives_demo_and_the_lookahead():
+  opts = dj.Compression(compression_topk=4, compression_chunk=8, quantize_1bit=True)._asdict()
+  tx = dj.demo(1e-2, axis_name=None, delayed_apply=True, **opts)
+  params = {"w": jnp.ones((16, 16))}
+  state = tx.init(params)
+  _, state = tx.update(params, state, params)
+  moved = dj.gradient_point(state, params, 1e-2, **opts)
+  assert float(jnp.abs(moved["w"] - params["w"]).max()) == pytest.approx(1e-2)
+  # Other sizes give another message, which the lookahead refuses to read.
+  with pytest.raises(ValueError, match="compression options"):
+    dj.gradient_point(state, params, 1e-2, **{**opts, "compression_topk": 2})
+
+
+def test_the_options_are_checked_with_the_fix():
+  with pytest.raises(ValueError, match="random_positions=True"):
+    dj.Compression(frequency_bias=1.0).checked()
+  with pytest.raises(ValueError, match="compression_decay"):
+    dj.Compression(compression_decay=1.0).checked()
+
+
+def test_inject_hyperparams_still_leaves_the_sizes_static():
+  tx = optax.inject_hyperparams(dj.demo)(learning_rate=1e-3, axis_name=None)
+  assert set(tx.init({"w": jnp.ones((8, 8))}).hyperparams) == {"learning_rate", "weight_decay"}
