@@ -14,7 +14,7 @@ model's step beside it (:mod:`experiments.study.time_model`, priced as
 :mod:`experiments.study.time_to_loss` prices a method, with the step's hops
 counted by :func:`experiments.netlab.round_trips.count`).
 
-A method's forms are the method and its ``-delayed`` variant when both are
+A method's forms are the method and its ``-delayed`` variants when both are
 listed (the message's plain and overlapped exchange); its best clean step is
 the fastest clean step among its forms. Each cell's ratio is its median step
 over that, and the method's floor is the lowest rate at which the ratio is
@@ -313,19 +313,28 @@ def read_cells(
   return out
 
 
+# Options that make a method's overlapped form, or shape only that form's lookahead.
+_OVERLAP_TOKENS = ("delayed", "larms")
+
+
+def _plain_form(method: str) -> str:
+  return "-".join(t for t in method.split("-") if t not in _OVERLAP_TOKENS)
+
+
 def forms_of(methods: Sequence[str]) -> dict[str, tuple[str, ...]]:
-  """Each method's forms: itself and its ``-delayed`` variant when both are listed.
+  """Each method's forms: its plain form and its overlapped ones (``-delayed``, ``-larms``) listed.
 
   Example:
     >>> forms_of(["adamw", "demo", "demo-delayed"])["demo-delayed"]
     ('demo', 'demo-delayed')
+    >>> forms_of(["demo-a2a", "demo-delayed-larms-a2a"])["demo-a2a"]
+    ('demo-a2a', 'demo-delayed-larms-a2a')
   """
-  listed = set(methods)
   out = {}
   for m in methods:
-    base = m.removesuffix("-delayed")
-    pair = (base, f"{base}-delayed")
-    out[m] = pair if all(p in listed for p in pair) else (m,)
+    base = _plain_form(m)
+    forms = (base, *(f for f in methods if f != base and _plain_form(f) == base))
+    out[m] = forms if base in methods and len(forms) > 1 else (m,)
   return out
 
 
@@ -677,7 +686,8 @@ def markdown(rep: FloorReport) -> str:
   lines += [
     "",
     "Each rate's cell is the method's median step there over its best clean step (the fastest "
-    "clean median of its forms: the method and its `-delayed` variant when both ran); bold: "
+    "clean median of its forms: the method and its overlapped variants (`-delayed`, `-larms`) "
+    "when both ran); bold: "
     f"within {rep.tolerance:.2f}x. dnf: stopped at the time limit (the time model's ratio "
     f"beside it). floor: the lowest rate within {rep.tolerance:.2f}x there and at every "
     "higher rate.",

@@ -254,7 +254,8 @@ def hops_of(collective: Collective, workers: int) -> list[Hop]:
   In an all-gather hop every process forwards one message; in an all-reduce
   hop each process with data sends a chunk of 1/W of the operand (gloo's ring
   splits it into 2W segments, so a scalar is one segment carried by one
-  process at a time).
+  process at a time); in an all-to-all's one hop every process sends 1/W of
+  its operand to each peer, W (W - 1) connections at once.
   """
   per_operand = ring_hops(collective.kind, workers)
   if collective.kind == "all-reduce":
@@ -262,6 +263,9 @@ def hops_of(collective: Collective, workers: int) -> list[Hop]:
     segment = math.ceil(elements / (2 * workers))
     senders = min(workers, math.ceil(math.ceil(elements / segment) / 2))
     chunk = 2 * segment * _ELEMENT_BYTES
+  elif collective.kind == "all-to-all":
+    # Its operand holds one chunk per peer; every pair's connection carries one at once.
+    senders, chunk = workers * (workers - 1), collective.operand_bytes // max(workers, 1)
   else:
     senders, chunk = workers, collective.operand_bytes
   one = Hop(
@@ -432,7 +436,12 @@ class StepCount:
 
 
 def demo_step(
-  message_bytes: int, workers: int = 4, *, overlapped: bool = False, as_recorded: bool = False
+  message_bytes: int,
+  workers: int = 4,
+  *,
+  overlapped: bool = False,
+  as_recorded: bool = False,
+  kind: str = "all-gather",
 ) -> StepCount:
   """The count of a DeMo step as :func:`count` finds it (checked in ``tests/test_round_trips.py``).
 
@@ -441,7 +450,8 @@ def demo_step(
   it, before issue 69: the loss's two f32 ``psum``\\ s as well (one tuple
   all-reduce: two chains, in the apply program when overlapped) and the step
   number's check (:data:`STEP_CHECK`). For the recorded cells, whose models
-  are larger than what a unit test compiles.
+  are larger than what a unit test compiles. ``kind="all-to-all"`` is the
+  ``-a2a`` exchange, whose operand holds the message once per worker.
 
   Example:
     >>> demo_step(1800).round_trips  # 3 hops, half a round trip each
@@ -449,17 +459,15 @@ def demo_step(
     >>> demo_step(1800, as_recorded=True).round_trips  # + 2 x 6 hops + 3 hops
     9.0
   """
-  collectives = [
-    Collective(
-      "all-gather", 1, message_bytes, "exchange" if overlapped else "train_step", overlapped
-    )
-  ]
+  operand = message_bytes * (workers if kind == "all-to-all" else 1)
+  program = "exchange" if overlapped else "train_step"
+  collectives = [Collective(kind, 1, operand, program, overlapped)]
   if as_recorded:
     collectives += [
       Collective("all-reduce", 2, 4, "apply" if overlapped else "train_step"),
       Collective("all-gather", 1, 4, "host", where=STEP_CHECK.where),
     ]
-  suffix = ", overlapped" if overlapped else ""
+  suffix = (", overlapped" if overlapped else "") + (", all-to-all" if kind == "all-to-all" else "")
   if as_recorded:
     suffix += ", as recorded"
   return StepCount(f"demo ({message_bytes} B message{suffix})", workers, tuple(collectives))
@@ -558,15 +566,24 @@ def _netlab_link(rate_mbit: float, rtt_s: float = 0.0, loss: float = 0.0) -> Lin
 
 
 def _demo_cell(
-  label, link, workers, message, compute, measured, source, overlapped=False, as_recorded=True
+  label,
+  link,
+  workers,
+  message,
+  compute,
+  measured,
+  source,
+  overlapped=False,
+  as_recorded=True,
+  kind="all-gather",
 ):
-  step = demo_step(message, workers, overlapped=overlapped, as_recorded=as_recorded)
+  step = demo_step(message, workers, overlapped=overlapped, as_recorded=as_recorded, kind=kind)
   return MeasuredCell(
     label,
     link,
     workers,
-    "all-gather",
-    message,
+    kind,
+    message * (workers if kind == "all-to-all" else 1),
     compute,
     measured,
     overlapped_share=1.0 if overlapped else 0.0,
@@ -597,6 +614,8 @@ def recorded_cells() -> list[MeasuredCell]:
   cut = "netlab.md, Far links after the cut (40 steps)"
   larms = "netlab.md, The overlapped step's clean cost, taken apart (40 steps)"
   floor = "netlab.md, The bandwidth floor (20 steps a cell)"
+  direct = "netlab.md, Fewer dependent hops: a direct all-to-all (40 steps, one call)"
+  floor_a2a = "netlab.md, The bandwidth floor, by all-to-all (20 steps a cell)"
   return [
     _demo_cell("mini, Psyche's message, far", far, 4, 22_567, 0.915, 2.407, faults),
     _demo_cell("mini, 1.8 KB message, plain, far", far, 4, 1_811, 2.547, 3.631, issue),
@@ -670,6 +689,53 @@ def recorded_cells() -> list[MeasuredCell]:
         False,
       )
       for rate, measured in ((10, 1.879), (1, 1.937), (0.5, 1.911), (0.1, 3.901))
+    ),
+    # The -a2a call: the ring again beside the all-to-all, plain and overlapped (-larms).
+    _demo_cell(
+      "mini, 1,020x, ring, far, a2a call", far, 4, 14_263, 0.976, 1.321, direct, False, False
+    ),
+    _demo_cell(
+      "mini, 1,020x, all-to-all, far",
+      far,
+      4,
+      14_263,
+      0.946,
+      1.084,
+      direct,
+      False,
+      False,
+      "all-to-all",
+    ),
+    *(
+      _demo_cell(
+        f"mini, 1,020x, all-to-all, {form}, {rate:g} Mbit/s far, floor",
+        _netlab_link(rate, rtt_s=0.100, loss=0.01),
+        4,
+        14_263,
+        compute,
+        measured,
+        floor_a2a,
+        overlapped,
+        False,
+        "all-to-all",
+      )
+      for form, compute, overlapped, steps in (
+        ("plain", 1.000, False, ((10, 1.058), (1, 1.006), (0.5, 1.032), (0.1, 3.931))),
+        ("overlapped -larms", 1.242, True, ((10, 1.043), (1, 1.035), (0.5, 1.060), (0.1, 3.955))),
+      )
+      for rate, measured in steps
+    ),
+    _demo_cell(
+      "mini, 1,020x, all-to-all, overlapped -larms, far",
+      far,
+      4,
+      14_263,
+      0.992,
+      1.056,
+      direct,
+      True,
+      False,
+      "all-to-all",
     ),
   ]
 

@@ -172,16 +172,23 @@ def link_bytes(
   """Bytes up and down one worker's link for one collective.
 
   Args:
-    collective: ``"all-gather"`` or ``"all-reduce"``.
-    operand_bytes: what the worker puts in (the message, or the gradient).
+    collective: ``"all-gather"``, ``"all-reduce"`` or ``"all-to-all"`` (the
+      ``-a2a`` exchange: every pair at once, whatever the topology).
+    operand_bytes: what the worker puts in (the message, the gradient, or
+      the all-to-all's W copies of the message).
     workers: W.
     topology: ``"ring"`` or ``"relay"`` (see the module docstring).
 
   Returns:
     ``(up_bytes, down_bytes)``.
   """
-  if collective not in ("all-gather", "all-reduce"):
-    raise ValueError(f"unknown collective {collective!r}; use 'all-gather' or 'all-reduce'.")
+  if collective not in ("all-gather", "all-reduce", "all-to-all"):
+    raise ValueError(
+      f"unknown collective {collective!r}; use 'all-gather', 'all-reduce' or 'all-to-all'."
+    )
+  if collective == "all-to-all":
+    # Its operand holds one chunk per worker; all but this worker's own cross the link.
+    return (workers - 1) / workers * operand_bytes, (workers - 1) / workers * operand_bytes
   if topology == "ring":
     factor = workers - 1 if collective == "all-gather" else dj.wire.ring_allreduce_factor(workers)
     return factor * operand_bytes, factor * operand_bytes
@@ -308,11 +315,12 @@ def step_seconds(
     raise ValueError(f"overlapped_share must be in [0, 1], got {overlapped_share}.")
   if link.burst_bytes:
     # The bucket refills only while the link is idle, during the compute: on a
-    # slow link a step's burst is what the compute's seconds refill.
-    up_bytes = max(0.0, up_bytes - min(link.burst_bytes, link.up_bits_per_s / 8 * compute_seconds))
-    down_bytes = max(
-      0.0, down_bytes - min(link.burst_bytes, link.down_bits_per_s / 8 * compute_seconds)
-    )
+    # slow link a step's burst is what the compute's seconds refill. An
+    # overlapped transfer keeps the link busy for its share of the compute.
+    raw = max(up_bytes * 8 / link.up_bits_per_s, down_bytes * 8 / link.down_bits_per_s)
+    idle = max(0.0, compute_seconds - overlapped_share * raw)
+    up_bytes = max(0.0, up_bytes - min(link.burst_bytes, link.up_bits_per_s / 8 * idle))
+    down_bytes = max(0.0, down_bytes - min(link.burst_bytes, link.down_bits_per_s / 8 * idle))
   transfer = max(up_bytes * 8 / link.up_bits_per_s, down_bytes * 8 / link.down_bits_per_s)
   hidden = overlapped_share * transfer
   exposed_latency = latency_seconds(hops, link)
