@@ -79,6 +79,7 @@ def compress(
   lr: Any,
   decay: float,
   kernels: bool = True,
+  feed_back: bool = True,
 ) -> Compressed:
   """Folds each gradient into its momentum, selects the message from it, and feeds back.
 
@@ -92,6 +93,7 @@ def compress(
     decay: the momentum's decay.
     kernels: whether a fused kernel may serve a tensor; ``False`` keeps every
       tensor on XLA's path, whose DCT rounds differently.
+    feed_back: zero what was selected in the momentum (error feedback).
 
   Returns:
     A :class:`Compressed`.
@@ -126,5 +128,7 @@ def compress(
   chosen = dict(zip(rest, fmt.select([momentum[i] for i in rest], rest)))
   picks = [chosen[i] if f is None else f[1:] for i, f in enumerate(fused)]
   selection = Selection([idx for idx, _ in picks], [val for _, val in picks])
+  if not feed_back:
+    return Compressed(momentum, selection, momentum)
   kept = [codec.zero_selected_blocks(m, idx) for m, idx in zip(momentum, selection.indices)]
   return Compressed(momentum, selection, kept)

@@ -43,6 +43,9 @@ class Compression(NamedTuple):
     frequency_bias: with ``random_positions``, draw coefficient ``(i, j)``
       with probability proportional to ``((1 + i) (1 + j)) ** -bias``;
       ``None`` draws uniformly. Static.
+    error_feedback: remove what was sent from the momentum (DeMo's); with
+      ``False`` the momentum keeps it, so it is Muon's momentum of the
+      worker's own gradient and the message samples it. Static.
 
   Example:
     >>> import distro_jax as dj
@@ -57,6 +60,7 @@ class Compression(NamedTuple):
   use_dct: bool = True
   random_positions: bool = False
   frequency_bias: float | None = None
+  error_feedback: bool = True
 
   @classmethod
   def of(cls, options: Mapping[str, Any]) -> "Compression":
@@ -100,6 +104,7 @@ class Compression(NamedTuple):
       use_dct=bool(self.use_dct),
       random_positions=bool(self.random_positions),
       frequency_bias=bias,
+      error_feedback=bool(self.error_feedback),
     )
 
   @property

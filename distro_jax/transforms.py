@@ -146,6 +146,11 @@ def _options(
 ) -> _Options:
   check_learning_rate("learning_rate", learning_rate)
   collective = exchange.check_collective(collective)
+  if delayed_apply and not compression.error_feedback:
+    raise ValueError(
+      "error_feedback=False is built for the plain exchange; with delayed_apply=True the "
+      "message in flight is fed back a step late. Use error_feedback=True there."
+    )
   return _Options(compression.checked(), axis_name, bool(delayed_apply), collective)
 
 
@@ -330,6 +335,7 @@ def _demo_stage(
   """:func:`scale_by_demo` with its options checked."""
   axis_name = opts.axis_name
   decay = opts.compression.compression_decay
+  feed_back = opts.compression.error_feedback
 
   def init_fn(params):
     return _init(params, opts)
@@ -349,7 +355,9 @@ def _demo_stage(
     # The pipeline: compress, exchange, decode; the chain's next
     # transformation (sign, unit RMS, Adam, ...) normalizes what it returns.
     momentum_blocks = schedule.feed_back(tensors.momentum_blocks, state, fmt)
-    compressed = compress.compress(grads, momentum_blocks, tensors.plans, fmt, tensors.lr, decay)
+    compressed = compress.compress(
+      grads, momentum_blocks, tensors.plans, fmt, tensors.lr, decay, feed_back=feed_back
+    )
     finite, send = _verdict(compressed.selection, tensors.site_axes, contribute)
     received, pending = schedule.exchange(fmt, compressed.selection, send, state, gathered)
     q_blocks = decode.aggregate(received, compressed.kept, tensors.plans, fmt.basis, axis_name)

@@ -3,6 +3,7 @@
 import inspect
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -47,3 +48,25 @@ def test_the_options_are_checked_with_the_fix():
 def test_inject_hyperparams_still_leaves_the_sizes_static():
   tx = optax.inject_hyperparams(dj.demo)(learning_rate=1e-3, axis_name=None)
   assert set(tx.init({"w": jnp.ones((8, 8))}).hyperparams) == {"learning_rate", "weight_decay"}
+
+
+def test_without_error_feedback_the_momentum_keeps_what_was_sent():
+  params = {"w": jnp.ones((16, 16))}
+  grads = {"w": jnp.arange(256.0).reshape(16, 16) / 256}
+  states = {}
+  for ef in (True, False):
+    tx = dj.scale_by_demo(1.0, axis_name=None, compression_chunk=8, error_feedback=ef)
+    _, states[ef] = tx.update(grads, tx.init(params), params)
+  fed, kept = states[True].momentum["w"], states[False].momentum["w"]
+  # 32 of each 8x8 chunk's 64 coefficients were sent: the fed-back momentum
+  # lost those, the other holds the whole DCT of the gradient (Muon's momentum).
+  assert int((fed != kept).sum()) == 4 * 32
+  dct_of_g = dj.dct.from_blocks(
+    dj.dct.DCT_BASIS.forward(
+      dj.dct.to_blocks(grads["w"], plan := dj.dct.plan_chunks((16, 16), 8)), plan
+    ),
+    plan,
+  )
+  np.testing.assert_allclose(np.asarray(kept), np.asarray(dct_of_g), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="error_feedback"):
+    dj.demo(1e-3, axis_name=None, delayed_apply=True, error_feedback=False)

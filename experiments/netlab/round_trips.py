@@ -721,7 +721,8 @@ def recorded_cells() -> list[MeasuredCell]:
       )
       for form, compute, overlapped, steps in (
         ("plain", 1.000, False, ((10, 1.058), (1, 1.006), (0.5, 1.032), (0.1, 3.931))),
-        ("overlapped -larms", 1.242, True, ((10, 1.043), (1, 1.035), (0.5, 1.060), (0.1, 3.955))),
+        # Its clean cell ran twice, 1.242 s and 1.036 s: the compute is their mean.
+        ("overlapped -larms", 1.139, True, ((10, 1.043), (1, 1.035), (0.5, 1.060), (0.1, 3.955))),
       )
       for rate, measured in steps
     ),

@@ -200,6 +200,11 @@ class TrainConfig:
     "update in flight lands, as the worker guesses it (Psyche's lookahead); "
     "--nolookahead is the bare delayed exchange.",
   )
+  error_feedback: bool = _field(
+    True,
+    "DeMo: remove what each message sent from the worker's momentum (error feedback); "
+    "--noerror_feedback keeps it, so the momentum is Muon's and the message samples it.",
+  )
   collective: str = _field(
     "all_gather",
     "DeMo: how the messages travel: 'all_gather' (gloo's ring on CPU, W-1 dependent hops) "
