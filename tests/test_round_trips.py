@@ -113,6 +113,19 @@ def test_the_overlapped_demo_step_has_nothing_left_on_the_path():
   assert counted.round_trips == 0 and counted.hidden_round_trips == 1.5
 
 
+def test_the_all_to_all_step_is_one_hop_of_every_pair():
+  counted = _count("demo-k1-c8-1bit-rand-fb1-orth-a2a")
+  (message,) = counted.collectives
+  assert (message.kind, message.program, message.hidden) == ("all-to-all", "train_step", False)
+  ring = _count("demo-k1-c8-1bit-rand-fb1-orth").collectives[0]
+  # However XLA splits the operand, it carries the ring's message once per worker.
+  assert message.operands * message.operand_bytes == 4 * ring.operand_bytes
+  (hop,) = counted.hops()
+  assert counted.round_trips == 0.5 and hop.senders == 4 * 3
+  modelled = round_trips.demo_step(ring.operand_bytes, 4, kind="all-to-all").hops()
+  assert modelled == [hop]
+
+
 def test_the_recorded_step_keeps_the_loss_and_the_step_check():
   # The recorded cells ran the step before issue 69: 9 and 7.5 round trips.
   plain = round_trips.demo_step(454, as_recorded=True)

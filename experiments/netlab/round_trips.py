@@ -257,15 +257,18 @@ def hops_of(collective: Collective, workers: int) -> list[Hop]:
   process at a time); in an all-to-all's one hop every process sends 1/W of
   its operand to each peer, W (W - 1) connections at once.
   """
-  per_operand = ring_hops(collective.kind, workers)
+  hops = ring_hops(collective.kind, workers) * collective.operands
   if collective.kind == "all-reduce":
     elements = max(1, collective.operand_bytes // _ELEMENT_BYTES)
     segment = math.ceil(elements / (2 * workers))
     senders = min(workers, math.ceil(math.ceil(elements / segment) / 2))
     chunk = 2 * segment * _ELEMENT_BYTES
   elif collective.kind == "all-to-all":
-    # Its operand holds one chunk per peer; every pair's connection carries one at once.
-    senders, chunk = workers * (workers - 1), collective.operand_bytes // max(workers, 1)
+    # One chunk per peer (one operand each, or one operand cut W ways), every
+    # pair's connection carrying one at once: one hop however many operands.
+    hops = min(hops, 1)
+    senders = workers * (workers - 1)
+    chunk = collective.operands * collective.operand_bytes // max(workers, 1)
   else:
     senders, chunk = workers, collective.operand_bytes
   one = Hop(
@@ -273,7 +276,7 @@ def hops_of(collective: Collective, workers: int) -> list[Hop]:
     flights=time_model.slow_start_flights(_segments(chunk)),
     senders=senders,
   )
-  return [one] * (per_operand * collective.operands)
+  return [one] * hops
 
 
 def _structure(hlo_text: str) -> tuple[dict[str, tuple[str, int]], set[str], str]:
