@@ -281,3 +281,30 @@ def test_the_runs_flag_and_the_links():
   assert all(link.loss == 0.0 for link in ttl.links_with_loss(0.0))
   assert set(ttl.DEFAULT_METHODS) <= set(methods.DEFAULT_COMPARISON)
   assert math.isclose(ttl.SMALL_COMPUTE_S, 0.59)
+
+
+def test_an_all_to_all_message_is_priced_as_one_hop_with_the_rings_bytes():
+  message = 14_263
+  ring = round_trips.demo_step(message, 4)
+  direct = round_trips.demo_step(message, 4, kind="all-to-all")
+  link = time_model.Link("far", 10e6, 10e6, rtt_s=0.1, loss=0.01)
+  priced = {
+    kind: ttl.pricing_of(
+      count,
+      compute_s=1.0,
+      compute_source="test",
+      collective=ttl._collective("demo", count),
+      message_bytes=message,
+    )
+    for kind, count in (("ring", ring), ("direct", direct))
+  }
+  assert priced["direct"].collective == "all-to-all" and priced["ring"].collective == "all-gather"
+  assert (priced["ring"].round_trips, priced["direct"].round_trips) == (1.5, 0.5)
+  no_latency = dataclasses.replace(link, rtt_s=0.0, loss=0.0)
+  # The same bytes up each link, so without latency the two steps are one.
+  assert priced["direct"].step_seconds(no_latency) == priced["ring"].step_seconds(no_latency)
+  assert priced["direct"].step_seconds(link)[0] < priced["ring"].step_seconds(link)[0]
+  # Resized for 32 workers, the all-to-all still carries the message once per worker, in one hop.
+  (big,) = ttl._resized(direct, 2 * message, 32).collectives
+  assert (big.kind, big.operands, big.operand_bytes) == ("all-to-all", 1, 32 * 2 * message)
+  assert len(round_trips.hops_of(big, 32)) == 1

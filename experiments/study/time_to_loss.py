@@ -192,8 +192,9 @@ class Pricing:
   Attributes:
     compute_s: a step's compute.
     compute_source: where ``compute_s`` comes from.
-    collective: ``"all-gather"`` or ``"all-reduce"`` (the registry's).
-    message_bytes: what a worker puts into the collective at an exchange.
+    collective: ``"all-gather"`` or ``"all-reduce"`` (the registry's), or
+      ``"all-to-all"`` for an ``-a2a`` message.
+    message_bytes: one worker's message (or gradient) at an exchange.
     workers: W.
     every: steps per exchange (1 but for the local-step methods).
     overlapped_share: the share of the message sent under the next compute.
@@ -227,7 +228,9 @@ class Pricing:
 
   def step_seconds(self, link: Link) -> tuple[float, float]:
     """``(a step that does not exchange, a step that does)`` on ``link``, in seconds."""
-    up, down = time_model.link_bytes(self.collective, self.message_bytes, self.workers)
+    # An all-to-all's operand carries the message once per worker.
+    copies = self.workers if self.collective == "all-to-all" else 1
+    up, down = time_model.link_bytes(self.collective, self.message_bytes * copies, self.workers)
     exchanging = time_model.step_seconds(
       self.compute_s,
       up,
@@ -311,17 +314,33 @@ def pricing_of(
   )
 
 
+def _carried(c: round_trips.Collective, workers: int) -> float:
+  """The message bytes a collective carries: an all-to-all's operand holds W copies."""
+  return c.operands * c.operand_bytes / (workers if c.kind == "all-to-all" else 1)
+
+
 def _resized(count: StepCount, message_bytes: float, workers: int) -> StepCount:
   """The same step's collectives scaled so that the exchange moves ``message_bytes``, at W."""
-  total = sum(c.operands * c.operand_bytes for c in _exchange_collectives(count))
+  total = sum(_carried(c, count.workers) for c in _exchange_collectives(count))
   scale = message_bytes / total if total else 1.0
-  scaled = tuple(
-    c
-    if c.program == "host"
-    else dataclasses.replace(c, operand_bytes=round(c.operand_bytes * scale))
-    for c in count.collectives
-  )
+
+  def resized(c: round_trips.Collective) -> round_trips.Collective:
+    if c.program == "host":
+      return c
+    if c.kind == "all-to-all":
+      whole = round(_carried(c, count.workers) * scale * workers)
+      return dataclasses.replace(c, operands=1, operand_bytes=whole)
+    return dataclasses.replace(c, operand_bytes=round(c.operand_bytes * scale))
+
+  scaled = tuple(resized(c) for c in count.collectives)
   return dataclasses.replace(count, workers=workers, collectives=scaled)
+
+
+def _collective(name: str, count: StepCount) -> str:
+  """The registry's collective for ``name``, or ``"all-to-all"`` where its step sends one."""
+  if any(c.kind == "all-to-all" for c in _exchange_collectives(count)):
+    return "all-to-all"
+  return time_model.collective_of(name.split("-", 1)[0])
 
 
 def report_pricing(spec: str, count: StepCount, setting: ReportSetting = REPORT) -> Pricing:
@@ -350,7 +369,7 @@ def report_pricing(spec: str, count: StepCount, setting: ReportSetting = REPORT)
     _resized(count, payload.message, setting.workers),
     compute_s=setting.compute_seconds,
     compute_source=f"the report's AdamW step ({setting.adamw_hours:g} h / {setting.steps:,} steps)",
-    collective=method.collective,
+    collective=_collective(spec, count),
     message_bytes=payload.message,
     every=method.exchange_every(cfg),
     overlapped_share=method.overlapped_share(cfg, bf16),
@@ -615,7 +634,7 @@ def analyse(
       counts[name],
       compute_s=compute,
       compute_source=source,
-      collective=time_model.collective_of(run.summary.optimizer),
+      collective=_collective(name, counts[name]),
       message_bytes=run.summary.payload_bytes_per_step * every,
       every=every,
       overlapped_share=_overlapped_share(run),
