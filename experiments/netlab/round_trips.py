@@ -729,6 +729,21 @@ def recorded_cells() -> list[MeasuredCell]:
       )
       for rate, measured in steps
     ),
+    *(
+      _demo_cell(
+        f"mini, 4,012x (3.6 KB), all-to-all, plain, {rate:g} Mbit/s far, floor",
+        _netlab_link(rate, rtt_s=0.100, loss=0.01),
+        4,
+        3_580,
+        1.001,
+        measured,
+        floor_a2a,
+        False,
+        False,
+        "all-to-all",
+      )
+      for rate, measured in ((0.5, 1.012), (0.1, 1.001))
+    ),
     _demo_cell(
       "mini, 1,020x, all-to-all, overlapped -larms, far",
       far,
