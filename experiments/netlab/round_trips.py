@@ -729,6 +729,30 @@ def recorded_cells() -> list[MeasuredCell]:
       )
       for rate, measured in steps
     ),
+    _demo_cell(
+      "mini, 1,020x, all-to-all, far, again",
+      far,
+      4,
+      14_263,
+      0.918,
+      1.130,
+      direct,
+      False,
+      False,
+      "all-to-all",
+    ),
+    _demo_cell(
+      "mini, 1,020x, all-to-all, overlapped -larms, far, again",
+      far,
+      4,
+      14_263,
+      0.952,
+      1.070,
+      direct,
+      True,
+      False,
+      "all-to-all",
+    ),
     *(
       _demo_cell(
         f"mini, 4,012x (3.6 KB), all-to-all, plain, {rate:g} Mbit/s far, floor",
