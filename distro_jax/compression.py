@@ -72,8 +72,8 @@ class Compression(NamedTuple):
     unknown = sorted(set(options) - set(cls._fields))
     if unknown:
       raise TypeError(
-        f"unexpected keyword {', '.join(unknown)}; the compression options are "
-        f"{', '.join(cls._fields)}."
+        f"unexpected keyword {', '.join(unknown)}: neither an argument of this function nor a "
+        f"compression option ({', '.join(cls._fields)})."
       )
     return cls(**options)
 
