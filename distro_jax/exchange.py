@@ -51,6 +51,7 @@ def all_gather_messages(
   each link; its result is typed as differing by worker, so it needs a
   ``jax.shard_map`` built with ``check_vma=False``.
   """
+  check_collective(collective)
   if axis_name is None:
     return message[None]
   if collective == "all_gather" or _TYPES_ONLY.get():

@@ -55,5 +55,4 @@ def gather_pending(
       "dj.demo(lr, delayed_apply=True)); with several overlapped exchanges, let each update "
       "all-gather its own message (leave gathered out)."
     )
-  collective = exchange.check_collective(collective)
   return exchange.all_gather_messages(states[0].pending, axis_name, collective)

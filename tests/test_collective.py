@@ -49,6 +49,9 @@ def test_under_checked_types_the_all_to_all_is_refused_with_the_fix():
 def test_an_unknown_collective_is_refused():
   with pytest.raises(ValueError, match="all_to_all"):
     dj.demo(1e-2, collective="ring")
+  # The exchange itself refuses it too, for callers of the stages.
+  with pytest.raises(ValueError, match="all_to_all"):
+    dj.exchange.all_gather_messages(np.zeros(4, np.uint8), None, "ring")
 
 
 def test_gather_pending_by_all_to_all_matches_the_ring():

@@ -586,7 +586,7 @@ def _demo_cell(
     link,
     workers,
     kind,
-    message * (workers if kind == "all-to-all" else 1),
+    step.collectives[0].operand_bytes,
     compute,
     measured,
     overlapped_share=1.0 if overlapped else 0.0,

@@ -783,7 +783,7 @@ Notes:
   the same collectives carry that model's message and are priced at its
   worker count; nothing was compiled or run at that size.
 - What is not measured: the steps' times over these links (the time model's
-  prediction; its far-link cells were within 5% of netlab's measurements
+  prediction; its far-link cells are within 20% of netlab's measurements
   at 100 ms; a segment lost among a sender's last three costs a timeout with
   Linux's 200 ms floor, which a tail-loss probe often beats on short paths,
   so the all-reduces' times on the 1 ms and 20 ms links are upper bounds);
