@@ -10,8 +10,10 @@ A worker's message for a whole tree is one ``uint8`` vector (docs/design.md,
    :func:`index_bits` bits (none with drawn positions); then, with
    ``quantize_1bit``, every tensor's sign bits (set: +1): ``ceil(k / 2)`` a
    chunk, the other signs carried by the order of each index pair (``k`` a
-   chunk with drawn positions).
-2. Without ``quantize_1bit``, every tensor's ``rows * k`` values in its dtype.
+   chunk with drawn positions); or, with ``codebook_bits``, every tensor's
+   codes (:func:`quantize`).
+2. With ``codebook_bits``, every tensor's float32 codebook; without it or
+   ``quantize_1bit``, every tensor's ``rows * k`` values in its dtype.
 
 A message whose sender's values were not finite is all zeros, and is left out.
 """
@@ -38,6 +40,8 @@ __all__ = [
   "index_bits",
   "message_valid",
   "position_key",
+  "dequantize",
+  "quantize",
   "scatter_blocks",
   "select_topk_blocks",
   "select_topk_many",
@@ -88,11 +92,14 @@ class WireLayout(NamedTuple):
     tensors: one :class:`TensorWire` per leaf, in tree order.
     quantize_1bit: whether values travel as sign bits in the bit stream.
     drawn_positions: positions drawn from a shared key (:func:`draw_positions`), not sent.
+    codebook_bits: values travel as codes of this many bits and a codebook
+      per tensor (:func:`quantize`, SparseLoCo's), or ``None``.
   """
 
   tensors: tuple[TensorWire, ...]
   quantize_1bit: bool
   drawn_positions: bool = False
+  codebook_bits: int | None = None
 
   @property
   def marker(self) -> int | None:
@@ -120,9 +127,10 @@ class WireLayout(NamedTuple):
 
   @property
   def stream_bits(self) -> int:
-    """Bits of the bit stream: the indices, then the signs with ``quantize_1bit``."""
+    """Bits of the bit stream: the indices, then the signs or the codes."""
     signs = sum(self.tensor_sign_bits(t) for t in self.tensors) if self.quantize_1bit else 0
-    return self.index_bits + signs
+    codes = sum(t.entries * (self.codebook_bits or 0) for t in self.tensors)
+    return self.index_bits + signs + codes
 
   @property
   def stream_bytes(self) -> int:
@@ -130,9 +138,11 @@ class WireLayout(NamedTuple):
 
   @property
   def value_bytes(self) -> int:
-    """Bytes of full-precision values (0 with ``quantize_1bit``)."""
+    """Bytes after the stream: the codebooks, or full-precision values (none as signs)."""
     if self.quantize_1bit:
       return 0
+    if self.codebook_bits:
+      return len(self.tensors) * (1 << self.codebook_bits) * _CODEBOOK_DTYPE.itemsize
     return sum(t.entries * np.dtype(t.value_dtype).itemsize for t in self.tensors)
 
   @property
@@ -372,6 +382,69 @@ def unsharded(x: jax.Array) -> jax.Array:
   )
 
 
+# Templar's production quantizer: 4 bins spanning 6 standard deviations.
+_RANGE_IN_SIGMAS = 6.0
+_CODEBOOK_DTYPE = np.dtype(np.float32)
+
+
+def quantize(values: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+  """Quantizes one tensor's kept values to ``bits``-bit codes and a float32 codebook.
+
+  SparseLoCo's quantizer, docs/design.md section 6 (``bits=2`` is Templar's).
+
+  Args:
+    values: float array of the values kept from one tensor, any shape.
+    bits: 1 or 2. Static.
+
+  Returns:
+    ``(codes, codebook)``: uint32 codes of the shape of ``values``, each below
+    ``2**bits``, and float32 ``codebook[2**bits]``; ``codebook[codes]``
+    reconstructs the values.
+  """
+  v = values.astype(jnp.float32)
+  n = v.size
+  bins = 1 << bits
+  mu = jnp.mean(v)
+  c = v - mu
+  if bits == 1:
+    codes = (c >= 0).astype(jnp.uint32)
+  else:
+    sigma = jnp.sqrt(jnp.sum(jnp.square(c)) / max(n - 1, 1))
+    width = _RANGE_IN_SIGMAS * sigma / bins
+    width = jnp.where((width > 0) & jnp.isfinite(width), width, 1.0)
+    codes = jnp.clip(jnp.round(c / width + bins // 2), 0, bins - 1).astype(jnp.uint32)
+  # No reshape: values sharded with their param (under jax.jit) stay so.
+  members = codes[..., None] == jnp.arange(bins, dtype=jnp.uint32)
+  every = tuple(range(codes.ndim))
+  sums = jnp.sum(jnp.where(members, c[..., None], 0.0), axis=every)
+  counts = jnp.sum(members, axis=every)
+  codebook = mu + jnp.where(counts > 0, sums / jnp.maximum(counts, 1), 0.0)
+  return codes, codebook
+
+
+def dequantize(codes: jax.Array, codebook: jax.Array) -> jax.Array:
+  """``codebook[codes]`` in float32; leading axes of ``codebook`` batch over workers.
+
+  Args:
+    codes: integer codes whose leading axes are those of ``codebook`` but its last.
+    codebook: float ``(..., 2**bits)``.
+
+  Returns:
+    float32 values of the shape of ``codes``.
+  """
+  book = codebook.astype(jnp.float32)
+  lead = book.shape[:-1]
+  if not lead:
+    # A select per entry of the codebook, not a gather: elementwise, so codes
+    # sharded with their param (under jax.jit) stay so.
+    out = jnp.broadcast_to(book[0], codes.shape)
+    for q in range(1, book.shape[0]):
+      out = jnp.where(codes == q, book[q], out)
+    return out
+  flat = codes.reshape(*lead, -1).astype(jnp.int32)
+  return jnp.take_along_axis(book, flat, axis=-1).reshape(codes.shape)
+
+
 def _signs_into_order(idx_RxK: jax.Array, positive_RxK: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Pairs ascending iff the smaller index is positive; bits: the larger's signs, odd k's last."""
   pairs = idx_RxK.shape[-1] // 2
@@ -415,9 +488,12 @@ def encode_message(
     layout: the :class:`WireLayout` of the tree.
     valid: False sends the message as all zeros, one to leave out.
   """
+  bits = layout.codebook_bits
+  # Quantized where they lie, so a sharded selection's codebook is the sender's own.
+  quantized = [quantize(v, bits) for v in values] if bits else []
   indices = [unsharded(x) for x in indices]
   values = [unsharded(x) for x in values]
-  signs = []
+  signs = [bitpack.to_bit_stream(unsharded(code), bits) for code, _ in quantized]
   if layout.drawn_positions:
     if layout.quantize_1bit:
       signs = [(v >= 0).reshape(-1).astype(jnp.uint8) for v in values]
@@ -436,7 +512,9 @@ def encode_message(
     parts.append(jnp.ones((1,), jnp.uint8))
   if stream:
     parts.append(jnp.packbits(jnp.concatenate(stream), bitorder="little"))
-  if not layout.quantize_1bit:
+  if quantized:
+    parts += [bitpack.to_bytes(unsharded(book).astype(_CODEBOOK_DTYPE)) for _, book in quantized]
+  elif not layout.quantize_1bit:
     parts += [bitpack.to_bytes(v.astype(t.value_dtype)) for t, v in zip(layout.tensors, values)]
   message = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
   return jnp.where(jnp.asarray(valid, bool), message, jnp.zeros_like(message))
@@ -482,7 +560,17 @@ def decode_message(
     start += n
   out_val = []
   for t in layout.tensors:
-    if layout.quantize_1bit:
+    if layout.codebook_bits:
+      n = t.entries * layout.codebook_bits
+      codes = bitpack.from_bit_stream(
+        stream[..., start : start + n], layout.codebook_bits, t.entries
+      )
+      start += n
+      size = (1 << layout.codebook_bits) * _CODEBOOK_DTYPE.itemsize
+      book = bitpack.from_bytes(message[..., offset : offset + size], _CODEBOOK_DTYPE, (size // 4,))
+      out_val.append(dequantize(codes, book).reshape(*lead, t.rows, t.k))
+      offset += size
+    elif layout.quantize_1bit:
       n = layout.tensor_sign_bits(t)
       bits = stream[..., start : start + n].reshape(*lead, t.rows, -1).astype(bool)
       drawn = layout.drawn_positions

@@ -9,7 +9,8 @@ them:
   from a key that every worker can build, so the message carries no indices
   and each receiver draws a sender's positions again.
 - **Values.** In the param dtype, or with ``quantize_1bit`` one sign bit each
-  (the receiver reads +-1). The bytes are :mod:`distro_jax.codec`'s, laid out
+  (the receiver reads +-1), or as codes of a per-tensor codebook
+  (SparseLoCo's quantizer). The bytes are :mod:`distro_jax.codec`'s, laid out
   by its :class:`~distro_jax.codec.WireLayout`.
 - **Basis.** The chunked DCT, or the raw entries (an ablation):
   :class:`distro_jax.dct.Basis`.
@@ -19,8 +20,7 @@ them:
 ``decode`` reads every worker's bytes back into a :class:`Received`, and
 ``as_received`` gives what decoding a lone worker's own message would, without
 making the bytes. The exchange (:mod:`distro_jax.delivery`) needs nothing else
-of a format, so SparseLoCo's (:mod:`distro_jax.sparseloco`) is another
-implementation of the same three calls.
+of a format; SparseLoCo's messages are formats of this kind too.
 """
 
 from collections.abc import Hashable, Sequence
@@ -233,10 +233,12 @@ class MessageFormat(NamedTuple):
     return Received(tensors, valid)
 
   def as_received(self, selection: Selection, valid: jax.Array) -> Received:
-    # The receiver's view of a value: a sign, or the value in the wire dtype.
+    # The receiver's view of a value: a codebook entry, a sign, or the value in the wire dtype.
     values = []
     for v, t in zip(selection.values, self.layout.tensors):
-      if self.layout.quantize_1bit:
+      if self.layout.codebook_bits:
+        values.append(codec.dequantize(*codec.quantize(v, self.layout.codebook_bits)))
+      elif self.layout.quantize_1bit:
         values.append(jnp.where(v >= 0, 1.0, -1.0))
       else:
         values.append(v.astype(t.value_dtype).astype(jnp.float32))

@@ -34,7 +34,6 @@ import numpy as np
 import optax
 
 from distro_jax import (
-  bitpack,
   codec,
   compress,
   dct,
@@ -56,21 +55,7 @@ from distro_jax.hyperparams import (
   unwrap_static,
 )
 
-__all__ = [
-  "SparseLocoBytes",
-  "SparseLocoLayout",
-  "SparseLocoState",
-  "SparseLocoTensor",
-  "dequantize",
-  "quantize",
-  "sparseloco",
-  "sparseloco_bytes",
-  "sparseloco_layout",
-]
-
-# Templar's production quantizer: 4 bins spanning 6 standard deviations.
-_RANGE_IN_SIGMAS = 6.0
-_CODEBOOK_DTYPE = np.dtype(np.float32)
+__all__ = ["SparseLocoBytes", "SparseLocoState", "sparseloco", "sparseloco_bytes"]
 
 
 class SparseLocoState(NamedTuple):
@@ -97,203 +82,6 @@ class SparseLocoState(NamedTuple):
   contributors: jax.Array
 
 
-class SparseLocoTensor(NamedTuple):
-  """What one tensor contributes to the message. Static.
-
-  Attributes:
-    rows: number of chunks.
-    k: entries kept per chunk.
-    chunk_size: entries per chunk.
-    value_bits: bits per quantized value, or ``None`` for the param dtype.
-    value_dtype: the parameter dtype's name (the values' wire dtype without
-      quantization).
-  """
-
-  rows: int
-  k: int
-  chunk_size: int
-  value_bits: int | None
-  value_dtype: str
-
-  @property
-  def entries(self) -> int:
-    return self.rows * self.k
-
-  @property
-  def index_bits(self) -> int:
-    return bitpack.bits_for(self.chunk_size)
-
-  @property
-  def index_bytes(self) -> int:
-    return bitpack.packed_bytes(self.entries, self.index_bits)
-
-  @property
-  def value_bytes(self) -> int:
-    if self.value_bits is None:
-      return self.entries * np.dtype(self.value_dtype).itemsize
-    return bitpack.packed_bytes(self.entries, self.value_bits)
-
-  @property
-  def codebook_bytes(self) -> int:
-    if self.value_bits is None:
-      return 0
-    return (1 << self.value_bits) * _CODEBOOK_DTYPE.itemsize
-
-  @property
-  def num_bytes(self) -> int:
-    return self.index_bytes + self.value_bytes + self.codebook_bytes
-
-
-class SparseLocoLayout(NamedTuple):
-  """Layout of a whole tree's SparseLoCo message. Static.
-
-  Attributes:
-    tensors: one :class:`SparseLocoTensor` per leaf, in tree order.
-  """
-
-  tensors: tuple[SparseLocoTensor, ...]
-
-  @property
-  def num_bytes(self) -> int:
-    """Bytes one worker sends per synchronization: the length of its message."""
-    return sum(t.num_bytes for t in self.tensors)
-
-
-def _plan(x: Any, chunk: int) -> dct.ChunkPlan:
-  return dct.plan_chunks(tuple(np.shape(x)), chunk)
-
-
-def sparseloco_layout(
-  params: Any, *, compression_topk: int, compression_chunk: int, value_bits: int | None
-) -> SparseLocoLayout:
-  """The message layout for a params tree (arrays or ``jax.ShapeDtypeStruct``).
-
-  A zero-size leaf has no part in it (see :func:`distro_jax.wire.carried`).
-  """
-  tensors = []
-  for x in filter(wire.carried, jax.tree.leaves(params)):
-    plan = _plan(x, compression_chunk)
-    k = min(compression_topk, plan.chunk_size)
-    tensors.append(
-      SparseLocoTensor(plan.rows, k, plan.chunk_size, value_bits, np.dtype(x.dtype).name)
-    )
-  return SparseLocoLayout(tuple(tensors))
-
-
-def quantize(values: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
-  """Quantizes one tensor's kept values to ``bits``-bit codes and a float32 codebook.
-
-  The quantizer is docs/design.md's, section 6 (``bits=2`` is Templar's).
-
-  Args:
-    values: float array of the values kept from one tensor, any shape.
-    bits: 1 or 2. Static.
-
-  Returns:
-    ``(codes, codebook)``: uint32 codes of the shape of ``values``, each below
-    ``2**bits``, and float32 ``codebook[2**bits]``; ``codebook[codes]``
-    reconstructs the values.
-  """
-  v = values.astype(jnp.float32)
-  n = v.size
-  bins = 1 << bits
-  mu = jnp.mean(v)
-  c = v - mu
-  if bits == 1:
-    codes = (c >= 0).astype(jnp.uint32)
-  else:
-    sigma = jnp.sqrt(jnp.sum(jnp.square(c)) / max(n - 1, 1))
-    width = _RANGE_IN_SIGMAS * sigma / bins
-    width = jnp.where((width > 0) & jnp.isfinite(width), width, 1.0)
-    codes = jnp.clip(jnp.round(c / width + bins // 2), 0, bins - 1).astype(jnp.uint32)
-  # No reshape: values sharded with their param (under jax.jit) stay so.
-  members = codes[..., None] == jnp.arange(bins, dtype=jnp.uint32)
-  every = tuple(range(codes.ndim))
-  sums = jnp.sum(jnp.where(members, c[..., None], 0.0), axis=every)
-  counts = jnp.sum(members, axis=every)
-  codebook = mu + jnp.where(counts > 0, sums / jnp.maximum(counts, 1), 0.0)
-  return codes, codebook
-
-
-def dequantize(codes: jax.Array, codebook: jax.Array) -> jax.Array:
-  """``codebook[codes]`` in float32; leading axes of ``codebook`` batch over workers.
-
-  Args:
-    codes: integer codes whose leading axes are those of ``codebook`` but its last.
-    codebook: float ``(..., 2**bits)``.
-
-  Returns:
-    float32 values of the shape of ``codes``.
-  """
-  book = codebook.astype(jnp.float32)
-  lead = book.shape[:-1]
-  if not lead:
-    # A select per entry of the codebook, not a gather: elementwise, so codes
-    # sharded with their param (under jax.jit) stay so.
-    out = jnp.broadcast_to(book[0], codes.shape)
-    for q in range(1, book.shape[0]):
-      out = jnp.where(codes == q, book[q], out)
-    return out
-  flat = codes.reshape(*lead, -1).astype(jnp.int32)
-  return jnp.take_along_axis(book, flat, axis=-1).reshape(codes.shape)
-
-
-def _encode(
-  indices: list[jax.Array],
-  codes: list[jax.Array],
-  codebooks: list[jax.Array | None],
-  layout: SparseLocoLayout,
-) -> jax.Array:
-  """One worker's message: per tensor, packed indices, packed codes (or values), codebook."""
-  parts = []
-  for t, idx, code, book in zip(layout.tensors, indices, codes, codebooks):
-    parts.append(bitpack.pack_bits(idx, t.index_bits))
-    if t.value_bits is None:
-      parts.append(bitpack.to_bytes(code.astype(t.value_dtype)))
-    else:
-      parts.append(bitpack.pack_bits(code, t.value_bits))
-      parts.append(bitpack.to_bytes(book.astype(_CODEBOOK_DTYPE)))
-  message = jnp.concatenate(parts)
-  assert message.shape == (layout.num_bytes,), (message.shape, layout.num_bytes)
-  return message
-
-
-def _decode(messages: jax.Array, layout: SparseLocoLayout) -> list[tuple[jax.Array, jax.Array]]:
-  """Per tensor, int32 indices and float32 values ``(W, rows, k)`` from ``uint8[W, N]``."""
-  out, offset = [], 0
-  num_workers = messages.shape[0]
-
-  def take(n):
-    nonlocal offset
-    piece = messages[:, offset : offset + n]
-    offset += n
-    return piece
-
-  for t in layout.tensors:
-    idx = bitpack.unpack_bits(take(t.index_bytes), t.index_bits, t.entries).astype(jnp.int32)
-    if t.value_bits is None:
-      val = bitpack.from_bytes(take(t.value_bytes), np.dtype(t.value_dtype), (t.entries,))
-    else:
-      code = bitpack.unpack_bits(take(t.value_bytes), t.value_bits, t.entries)
-      book = bitpack.from_bytes(take(t.codebook_bytes), _CODEBOOK_DTYPE, (1 << t.value_bits,))
-      val = dequantize(code, book)
-    shape = (num_workers, t.rows, t.k)
-    out.append((idx.reshape(shape), val.astype(jnp.float32).reshape(shape)))
-  return out
-
-
-def _all_finite_per_worker(values_W: list[jax.Array]) -> jax.Array:
-  """``bool[W]``: whether each worker's decoded values are finite in every tensor."""
-  # No reshape: values sharded with their param (under jax.jit) stay so.
-  per_tensor = [jnp.all(jnp.isfinite(v), axis=tuple(range(1, v.ndim))) for v in values_W]
-  return jnp.all(jnp.stack(per_tensor), axis=0)
-
-
-def _invalid_unless(finite: jax.Array, x: jax.Array) -> jax.Array:
-  """``x``, or NaN everywhere (the mark of an invalid message) when not ``finite``."""
-  return jnp.where(finite, x, jnp.nan).astype(x.dtype)
-
-
 def _check_errors(errors: list[Any], plans: list[dct.ChunkPlan]) -> None:
   for i, (e, plan) in enumerate(zip(errors, plans)):
     if np.shape(e) != plan.state_shape:
@@ -318,71 +106,6 @@ def _check_value_bits(value_bits: Any) -> int | None:
       "SparseLoCo's production value is 2."
     )
   return int(bits)
-
-
-class _Selection(NamedTuple):
-  """One worker's SparseLoCo message before it is written, per tensor.
-
-  Attributes:
-    indices: chunk-local positions in the block view, ``(*lead, A, B, k)``.
-    codes: the quantized codes (or, without quantization, the values in the
-      param dtype), shaped as the indices.
-    codebooks: per tensor a float32 codebook, or ``None`` without quantization.
-    sent: the values as receivers decode them, float32.
-  """
-
-  indices: list[jax.Array]
-  codes: list[jax.Array]
-  codebooks: list[jax.Array | None]
-  sent: list[jax.Array]
-
-
-class _Format(NamedTuple):
-  """SparseLoCo's top-k message, as DeMo's stages ask of a format.
-
-  :func:`distro_jax.compress.compress` selects with it (DeMo's top-k) and
-  :func:`distro_jax.delivery.deliver` writes and reads it. A message is
-  marked invalid by NaN where a valid one is finite: in every codebook entry
-  or, without quantization, in every value. So a receiver reads each
-  worker's validity from its values.
-  """
-
-  layout: SparseLocoLayout
-  basis: dct.Basis
-
-  @property
-  def num_bytes(self) -> int:
-    return self.layout.num_bytes
-
-  def select(self, blocks: list[jax.Array], tensors: list[int]) -> list[tuple[Any, Any]]:
-    """DeMo's top-k (:class:`distro_jax.message.TopK`) of the tensors numbered ``tensors``."""
-    ks = tuple(t.k for t in self.layout.tensors)
-    return message.TopK(ks).select(blocks, tensors)
-
-  def encode(self, selection: _Selection, valid: jax.Array) -> jax.Array:
-    quantized = [t.value_bits is not None for t in self.layout.tensors]
-    codes = [c if q else _invalid_unless(valid, c) for c, q in zip(selection.codes, quantized)]
-    books = [b if b is None else _invalid_unless(valid, b) for b in selection.codebooks]
-    # The message is one byte vector: a selection sharded with its param is
-    # gathered onto every device first, never the param.
-    rows_k = [(t.rows, t.k) for t in self.layout.tensors]
-    return _encode(
-      [codec.unsharded(i).reshape(s) for i, s in zip(selection.indices, rows_k)],
-      [codec.unsharded(c).reshape(s) for c, s in zip(codes, rows_k)],
-      books,
-      self.layout,
-    )
-
-  def decode(self, messages: jax.Array) -> message.Received:
-    tensors = _decode(messages, self.layout)
-    return message.Received(tensors, _all_finite_per_worker([val for _, val in tensors]))
-
-  def as_received(self, selection: _Selection, valid: jax.Array) -> message.Received:
-    tensors = [
-      (idx[None], _invalid_unless(valid, sent)[None])
-      for idx, sent in zip(selection.indices, selection.sent)
-    ]
-    return message.Received(tensors, _all_finite_per_worker([val for _, val in tensors]))
 
 
 class _Config(NamedTuple):
@@ -412,8 +135,7 @@ class _Round(NamedTuple):
     carried: which leaves the message carries (not the zero-size ones).
     all_leaves: every param leaf.
     leaves: the carried ones.
-    layout: the message's layout: :class:`SparseLocoLayout` for the top-k,
-      DeMo's :class:`~distro_jax.codec.WireLayout` for drawn positions.
+    layout: the message's :class:`~distro_jax.codec.WireLayout`.
     plans: per carried leaf, its :class:`~distro_jax.dct.ChunkPlan`.
     modes: per carried leaf, how its mean becomes a step
       (:func:`distro_jax.unit_rms.normalized_step`), or ``None`` for the mean
@@ -424,32 +146,22 @@ class _Round(NamedTuple):
   carried: wire.CarriedLeaves
   all_leaves: list[jax.Array]
   leaves: list[jax.Array]
-  layout: SparseLocoLayout | codec.WireLayout
+  layout: codec.WireLayout
   plans: list[dct.ChunkPlan]
   modes: list[Any]
 
 
 def _quantized(
-  out: compress.Compressed, layout: SparseLocoLayout
-) -> tuple[_Selection, list[jax.Array]]:
-  """The top-k values quantized, and the buffer with what receivers decode taken out.
+  out: compress.Compressed, fmt: message.MessageFormat
+) -> tuple[list[jax.Array], list[jax.Array]]:
+  """The values as receivers decode them, and the buffer with those taken out.
 
   What the quantizer loses stays in the buffer, so a later round sends it.
   """
-  codes, books, sents, kept = [], [], [], []
-  picked = zip(layout.tensors, out.momentum, out.selection.indices, out.selection.values)
-  for t, m, idx, val in picked:
-    if t.value_bits is None:
-      code, book = val.astype(t.value_dtype), None
-      sent = code.astype(jnp.float32)
-    else:
-      code, book = quantize(val, t.value_bits)
-      sent = dequantize(code, book)
-    kept.append(codec.scatter_blocks(m, idx, val - sent))
-    codes.append(code)
-    books.append(book)
-    sents.append(sent)
-  return _Selection(out.selection.indices, codes, books, sents), kept
+  received = fmt.as_received(out.selection, jnp.asarray(True))
+  sent = [values[0] for _, values in received.tensors]
+  picked = zip(out.momentum, out.selection.indices, out.selection.values, sent)
+  return sent, [codec.scatter_blocks(m, idx, val - s) for m, idx, val, s in picked]
 
 
 def _outer_step(means: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Array) -> Any:
@@ -472,12 +184,12 @@ def _outer_step(means: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Ar
 
 def _format(
   pseudo: list[jax.Array], rnd: _Round, cfg: _Config, count: jax.Array
-) -> _Format | message.MessageFormat:
-  """The round's message format: SparseLoCo's top-k, or DeMo's drawn one."""
-  if not cfg.drawn:
-    return _Format(rnd.layout, cfg.basis)
-  block_shapes = [plan.block_shape for plan in rnd.plans]
+) -> message.MessageFormat:
+  """The round's message format: the top-k and its indices, or positions drawn from a key."""
   ks = tuple(t.k for t in rnd.layout.tensors)
+  if not cfg.drawn:
+    return message.MessageFormat(rnd.layout, message.TopK(ks), cfg.basis)
+  block_shapes = [plan.block_shape for plan in rnd.plans]
   positions = message.drawn(count, cfg.axis_name, pseudo, [], block_shapes, ks, cfg.bias)
   return message.MessageFormat(rnd.layout, positions, cfg.basis)
 
@@ -510,12 +222,11 @@ def _exchange(
     pseudo, blocks, rnd.plans, fmt, lr=1.0, decay=cfg.error_decay, kernels=cfg.drawn
   )
   if cfg.drawn:
-    selection, kept, sent = out.selection, out.kept, out.selection.values
+    sent, kept = out.selection.values, out.kept
   else:
-    selection, kept = _quantized(out, rnd.layout)
-    sent = selection.sent
+    sent, kept = _quantized(out, fmt)
   finite = exchange.all_finite([*pseudo, *sent])
-  received = delivery.deliver(fmt, selection, finite, cfg.axis_name)
+  received = delivery.deliver(fmt, out.selection, finite, cfg.axis_name)
   if cfg.drawn:
     means = decode.aggregate(received, out.kept, rnd.plans, cfg.basis, cfg.axis_name)
   else:
@@ -631,17 +342,16 @@ def _check_positions(random_positions: Any, frequency_bias: Any, bits: int | Non
 
 def _layout(
   leaves: list[Any], topk: int, chunk: int, bits: int | None, drawn: bool
-) -> SparseLocoLayout | codec.WireLayout:
-  """The message's layout: SparseLoCo's top-k one, or DeMo's drawn one (no indices)."""
-  if drawn:
-    return wire.wire_layout(
-      leaves,
-      compression_topk=topk,
-      compression_chunk=chunk,
-      quantize_1bit=bits == 1,
-      random_positions=True,
-    )
-  return sparseloco_layout(leaves, compression_topk=topk, compression_chunk=chunk, value_bits=bits)
+) -> codec.WireLayout:
+  """The message's layout: the top-k with its indices and codes, or DeMo's drawn one."""
+  return wire.wire_layout(
+    leaves,
+    compression_topk=topk,
+    compression_chunk=chunk,
+    quantize_1bit=drawn and bits == 1,
+    random_positions=drawn,
+    codebook_bits=None if drawn else bits,
+  )
 
 
 def _round(params: Any, state: SparseLocoState, cfg: _Config) -> _Round:
@@ -650,7 +360,7 @@ def _round(params: Any, state: SparseLocoState, cfg: _Config) -> _Round:
   carried = wire.CarriedLeaves(all_leaves)
   leaves = carried.pick(all_leaves)
   layout = _layout(leaves, cfg.topk, cfg.chunk, cfg.bits, cfg.drawn)
-  plans = [_plan(x, cfg.chunk) for x in leaves]
+  plans = wire.plan_tree(leaves, cfg.chunk)
   if leaves:
     _check_errors(carried.pick(treedef.flatten_up_to(state.error_feedback)), plans)
   if cfg.normalize is None:

@@ -56,14 +56,17 @@ def wire_layout(
   compression_chunk: int,
   quantize_1bit: bool,
   random_positions: bool = False,
+  codebook_bits: int | None = None,
 ) -> codec.WireLayout:
-  """The message layout of a params tree, the transformations' own: its carried leaves, in order."""
+  """The message layout of a params tree: its carried leaves, in order (SparseLoCo's too)."""
   tensors = []
   leaves = [x for x in jax.tree.leaves(params) if carried(x)]
   for x, plan in zip(leaves, plan_tree(leaves, compression_chunk)):
     k = min(compression_topk, plan.chunk_size)
     tensors.append(codec.TensorWire(plan.rows, k, plan.chunk_size, np.dtype(x.dtype).name))
-  return codec.WireLayout(tuple(tensors), bool(quantize_1bit), bool(random_positions))
+  return codec.WireLayout(
+    tuple(tensors), bool(quantize_1bit), bool(random_positions), codebook_bits
+  )
 
 
 def ring_allreduce_factor(num_workers: int) -> float:

@@ -20,7 +20,7 @@ from sparseloco_reference import ReferenceSparseLoCo
 from sparseloco_reference import quantize as np_quantize
 
 import distro_jax as dj
-from distro_jax.sparseloco import dequantize, quantize
+from distro_jax.codec import dequantize, quantize
 
 # A 64x128 matrix (two 64x64 chunks of 4,096), a 96-vector (two chunks of 48),
 # a small matrix whose axes are shorter than the chunk target, and a 5-vector
@@ -199,20 +199,18 @@ def _step_parts(params, options):
 # The message counted by hand for a (128, 192) bf16 and a (40,) f32 param.
 # 64x64 chunks, top-64: 2x3 chunks of 64x64 (12-bit indices) and one of 40
 # entries (6-bit). 8x8 chunks, top-1: 16x24 chunks (6-bit) and 5 of 8 entries
-# (3-bit). Quantized values carry a codebook per tensor, 16 bytes at 2 bits
-# and 8 at 1.
-_IDX_64 = (6 * 64 * 12 + 7) // 8 + (40 * 6 + 7) // 8
-_IDX_8 = (16 * 24 * 6 + 7) // 8 + (5 * 3 + 7) // 8
+# (3-bit), and a flag byte, since no chunk keeps two indices to mark validity.
+# One bit stream holds every index, then every code; quantized values add a
+# float32 codebook per tensor, 16 bytes at 2 bits and 8 at 1.
+_IDX_64 = 6 * 64 * 12 + 40 * 6
+_IDX_8 = 16 * 24 * 6 + 5 * 3
 _HAND_COUNTED = {
-  "chunk64-2bit": (
-    dict(value_bits=2),
-    _IDX_64 + (6 * 64 * 2 + 7) // 8 + 16 + (40 * 2 + 7) // 8 + 16,
-  ),
-  "chunk64-1bit": (dict(value_bits=1), _IDX_64 + (6 * 64 + 7) // 8 + 8 + (40 + 7) // 8 + 8),
-  "chunk64-float": (dict(value_bits=None), _IDX_64 + 6 * 64 * 2 + 40 * 4),
+  "chunk64-2bit": (dict(value_bits=2), (_IDX_64 + (6 * 64 + 40) * 2 + 7) // 8 + 2 * 16),
+  "chunk64-1bit": (dict(value_bits=1), (_IDX_64 + 6 * 64 + 40 + 7) // 8 + 2 * 8),
+  "chunk64-float": (dict(value_bits=None), (_IDX_64 + 7) // 8 + 6 * 64 * 2 + 40 * 4),
   "chunk8-2bit": (
     dict(value_bits=2, compression_topk=1, compression_chunk=8),
-    _IDX_8 + (16 * 24 * 2 + 7) // 8 + 16 + (5 * 2 + 7) // 8 + 16,
+    1 + (_IDX_8 + (16 * 24 + 5) * 2 + 7) // 8 + 2 * 16,
   ),
   # DeMo's drawn message: no indices, no codebook; a flag byte, then one sign
   # bit per 8x8 chunk (16x24) and per chunk of 8 (5), packed together.
