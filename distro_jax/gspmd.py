@@ -10,7 +10,7 @@ stays in its ``nnx.Variable``. See docs/porting.md.
 
 import sys
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,16 +49,15 @@ __all__ = [
 ]
 
 
-def _variable_type() -> type | None:
-  """``flax.nnx.Variable`` if NNX is already imported (it is slow to import), else ``None``."""
+def _is_variable(x: Any) -> bool:
+  """Whether ``x`` is a ``flax.nnx.Variable``; NNX is not imported here, as it is slow to import."""
   nnx = sys.modules.get("flax.nnx")
-  return None if nnx is None else nnx.Variable
+  return nnx is not None and isinstance(x, nnx.Variable)
 
 
 def _is_unit(x: Any) -> bool:
   """A linen box or an NNX variable: one array with its metadata."""
-  variable = _variable_type()
-  return isinstance(x, meta.AxisMetadata) or (variable is not None and isinstance(x, variable))
+  return isinstance(x, meta.AxisMetadata) or _is_variable(x)
 
 
 def _units(tree: Any) -> tuple[list[Any], Any]:
@@ -68,53 +67,45 @@ def _units(tree: Any) -> tuple[list[Any], Any]:
 def _value(unit: Any) -> Any:
   if isinstance(unit, meta.AxisMetadata):
     return unit.unbox()
-  variable = _variable_type()
-  if variable is not None and isinstance(unit, variable):
-    return unit.get_value()
-  return unit
+  return unit.get_value() if _is_variable(unit) else unit
 
 
 def _plain(tree: Any) -> Any:
   return jax.tree.map(_value, tree, is_leaf=_is_unit)
 
 
+def _box_names(unit: Any) -> Any:
+  """A ``Partitioned`` box's names or an NNX variable's ``out_sharding``; else ``None``."""
+  if isinstance(unit, meta.Partitioned):
+    return unit.names
+  return unit.get_metadata().get("out_sharding") if _is_variable(unit) else None
+
+
 def _names(unit: Any, ndim: int) -> tuple[Any, ...]:
   """The mesh axes a box or variable partitions its array over, one per dimension."""
-  names: Any = ()
-  if isinstance(unit, meta.Partitioned):
-    names = unit.names
-  else:
-    variable = _variable_type()
-    if variable is not None and isinstance(unit, variable):
-      names = unit.get_metadata().get("out_sharding") or ()
-  names = tuple(names)
+  names = tuple(_box_names(unit) or ())
   return names + (None,) * (ndim - len(names))
 
 
 def _axes_of(names: Sequence[Any]) -> set[Hashable]:
-  out = set()
-  for entry in names:
-    out |= set(entry) if isinstance(entry, tuple) else {entry}
-  return out - {None}
+  return {a for entry in names for a in (entry if isinstance(entry, tuple) else (entry,))} - {None}
 
 
 def _rebox(unit: Any, value: Any, names: Any = None) -> Any:
-  """``value`` in ``unit``'s box or variable; with ``names``, partitioned over those."""
+  """``value`` in ``unit``'s box or variable; with ``names``, partitioned so (boxed if plain)."""
   if names is not None and isinstance(unit, meta.Partitioned):
     return unit.replace(value=value, names=names)
   if isinstance(unit, meta.AxisMetadata):
     return unit.replace_boxed(value)
-  variable = _variable_type()
-  if variable is not None and isinstance(unit, variable):
-    if names is None or unit.get_metadata().get("out_sharding") is None:
-      return unit.replace(value)
-    return unit.replace(value, out_sharding=names)
-  return value
+  if not _is_variable(unit):
+    return value if names is None else meta.Partitioned(value, names=names)
+  if names is None or _box_names(unit) is None:
+    return unit.replace(value)
+  return unit.replace(value, out_sharding=names)
 
 
 def _check_no_clash(params: Any, axis_name: Hashable) -> None:
-  units = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_unit)[0]
-  for path, unit in units:
+  for path, unit in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_unit)[0]:
     names = _names(unit, np.ndim(_value(unit)))
     sharding = getattr(unit, "sharding", None)
     if isinstance(unit, jax.Array) and isinstance(sharding, NamedSharding):
@@ -122,15 +113,9 @@ def _check_no_clash(params: Any, axis_name: Hashable) -> None:
     if axis_name in _axes_of(names):
       raise ValueError(
         f"params{jax.tree_util.keystr(path)} is partitioned as {names}, over {axis_name!r}, "
-        "which is the workers' axis. Every DisTrO worker holds a whole replica of the params "
-        "and sends only its message, so FSDP over the workers' axis would all-gather the "
-        "params across the workers' links every step. Give FSDP an axis of its own: a 2-D "
-        f"mesh whose other axis carries the params' partitioning, e.g. "
-        f"dj.workers_mesh(workers, names=({axis_name!r},)), which is "
-        f"Mesh(devices.reshape(workers, fsdp), ('workers', {axis_name!r})), with "
-        "dj.per_worker(tx, mesh, 'workers') and dj.worker_value_and_grad(..., 'workers'), "
-        "keeps the model's names; dj.plan_fsdp(params, fsdp) plans a partitioning whose "
-        "shards hold whole DeMo chunks (docs/porting.md, docs/fsdp.md)."
+        "the workers' axis, so every step would all-gather each worker's replica. Give FSDP "
+        f"an axis of its own: dj.workers_mesh(workers, names=({axis_name!r},)), with 'workers' "
+        "as the workers' axis; dj.plan_fsdp(params, fsdp) plans it (docs/fsdp.md)."
       )
 
 
@@ -140,22 +125,19 @@ def _divisors(n: int) -> list[int]:
 
 def _num_workers(mesh: Mesh, axis_name: Hashable) -> int:
   if axis_name not in mesh.axis_names:
-    n, first = mesh.devices.size, mesh.devices.shape[0]
+    first = mesh.devices.shape[0]
     raise ValueError(
-      f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names} ({n} devices). "
-      "DisTrO needs a workers' axis beside the mesh's own: dj.workers_mesh(W, mesh) splits "
-      f"the mesh's first axis into W workers, Mesh(mesh.devices.reshape(W, {first} // W, "
-      f"...), ({axis_name!r}, *mesh.axis_names)), so that the params' partitioning over "
-      f"{mesh.axis_names[0]!r} becomes FSDP within each worker. W is how many sites "
-      f"(hosts, slices) the slow links join, a divisor of {first}: one of "
-      f"{_divisors(first) or [1]} (docs/porting.md)."
+      f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}. Add one: "
+      "dj.workers_mesh(W, mesh) splits the mesh's first axis into W workers, "
+      f"Mesh(mesh.devices.reshape(W, {first} // W, ...), ({axis_name!r}, *mesh.axis_names)), "
+      "its partitioning becoming FSDP within each; W, how many sites the slow links join, "
+      f"is one of {_divisors(first) or [1]} (docs/porting.md)."
     )
   explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]
   if explicit:
     raise ValueError(
-      f"The mesh's axes {explicit} are Explicit (jax.make_mesh's default), but the jit path "
-      "works with GSPMD's automatic partitioning, as jit trainers do. Build the mesh with "
-      "Auto axes: jax.sharding.Mesh(devices, names), or jax.make_mesh(shape, names, "
+      f"The mesh's axes {explicit} are Explicit (jax.make_mesh's default); GSPMD's jit path "
+      "needs Auto axes: jax.sharding.Mesh(devices, names), or jax.make_mesh(shape, names, "
       "axis_types=(jax.sharding.AxisType.Auto,) * len(names))."
     )
   return mesh.shape[axis_name]
@@ -171,13 +153,9 @@ def _constrain(x: jax.Array, mesh: Mesh, names: Sequence[Any]) -> jax.Array:
 
 def _placed_stack(unit: Any, value: jax.Array, mesh: Mesh, axis_name: Hashable) -> Any:
   """A stack of one value per worker, split over the workers; other axes as ``unit`` says."""
-  names = _names(unit, np.ndim(value) - 1)
-  value = _constrain(
-    value, mesh, (axis_name, *(P.UNCONSTRAINED if n is None else n for n in names))
-  )
-  if not _is_unit(unit):
-    return meta.Partitioned(value, names=(axis_name, *names))
-  return _rebox(unit, value, (axis_name, *names))
+  names = (axis_name, *_names(unit, np.ndim(value) - 1))
+  value = _constrain(value, mesh, [P.UNCONSTRAINED if n is None else n for n in names])
+  return _rebox(unit, value, names)
 
 
 def workers_mesh(
@@ -188,9 +166,6 @@ def workers_mesh(
 ) -> Mesh:
   """A mesh with a workers' axis in front: the devices split into ``num_workers`` sites.
 
-  Each worker is a block of consecutive devices; the other axes stay within
-  each worker. The axes are ``Auto``, as GSPMD's jit path needs.
-
   Args:
     num_workers: W, how many sites the slow links join (hosts, TPU slices).
     devices: the devices (default ``jax.devices()``), or a trainer's ``Mesh``,
@@ -199,7 +174,8 @@ def workers_mesh(
     names: the axes within a worker, one per axis of ``devices`` (not a ``Mesh``).
 
   Returns:
-    A ``jax.sharding.Mesh`` of shape ``(W, ...)``.
+    A ``jax.sharding.Mesh`` of shape ``(W, ...)``, each worker a block of consecutive
+    devices, and its axes ``Auto``, as GSPMD's jit path needs.
 
   Raises:
     ValueError: W does not divide the first axis, or ``axis_name`` is taken.
@@ -218,12 +194,12 @@ def workers_mesh(
     if array.ndim != len(names):
       raise ValueError(
         f"devices has {array.ndim} axes but names {names} names {len(names)}; give one name "
-        "per axis of devices (a flat list of devices takes one, e.g. ('data',))."
+        "per axis (a flat list of devices takes one, e.g. ('data',))."
       )
   if axis_name in names:
     raise ValueError(
-      f"{axis_name!r} is already an axis of the mesh {tuple(names)}; dj.workers_mesh adds the "
-      "workers' axis, so pass the mesh without it, or name the workers' axis otherwise."
+      f"{axis_name!r} is already an axis of the mesh {tuple(names)}; pass the mesh without "
+      "it, or give the workers' axis another axis_name."
     )
   first = array.shape[0]
   if not isinstance(num_workers, int | np.integer) or num_workers < 1 or first % num_workers:
@@ -240,11 +216,9 @@ def worker_value_and_grad(
 ) -> Callable[..., Any]:
   """Every worker's own loss and gradient, in a ``jax.jit`` step: no shard_map needed.
 
-  The batch is cut along its leading axis into W equal slices, and worker
-  ``i`` differentiates the loss of the ``i``-th; nothing crosses the workers.
-
   Args:
-    fun: ``fun(params, batch, *args, **kwargs)``, the loss of ``batch``'s rows.
+    fun: ``fun(params, batch, *args, **kwargs)``, the loss of ``batch``'s rows; worker ``i``
+      differentiates it on the ``i``-th of W equal slices of the batch's leading axis.
     mesh: the device mesh.
     axis_name: the workers' axis of ``mesh``.
     has_aux: as in ``jax.value_and_grad``.
@@ -255,8 +229,7 @@ def worker_value_and_grad(
     and each worker's aux and gradient stacked on a leading axis.
 
   Raises:
-    ValueError: the batch does not split into W slices, or a param is
-      partitioned over ``axis_name``.
+    ValueError: the batch does not split into W slices, or a param is split over the workers' axis.
 
   Example:
     >>> import jax, jax.numpy as jnp, distro_jax as dj
@@ -274,8 +247,7 @@ def worker_value_and_grad(
     if x.ndim == 0 or x.shape[0] % num_workers:
       raise ValueError(
         f"batch{jax.tree_util.keystr(path)} has shape {x.shape}, whose leading axis does not "
-        f"split into {num_workers} equal slices, one per worker of {axis_name!r}; make the "
-        f"batch size a multiple of {num_workers}."
+        f"split into one slice per worker of {axis_name!r}: make it a multiple of {num_workers}."
       )
     x = x.reshape(num_workers, x.shape[0] // num_workers, *x.shape[1:])
     return _constrain(x, mesh, (axis_name, *[P.UNCONSTRAINED] * (x.ndim - 1)))
@@ -295,22 +267,12 @@ def worker_value_and_grad(
   return wrapped
 
 
-def _key_name(key: Any) -> Any:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return getattr(key, attr)
-  return key
-
-
 def reduce_over_workers(tree: Any, summed: Sequence[str] = ()) -> Any:
-  """Per-worker values stacked on a leading axis, reduced to the whole batch's.
-
-  For the ``aux`` of :func:`worker_value_and_grad`: a leaf is averaged over
-  the workers, or summed where a key or attribute on its path is in ``summed``.
+  """Per-worker values stacked on axis 0 (:func:`worker_value_and_grad`'s aux), reduced.
 
   Args:
     tree: a pytree whose every leaf has the workers on its axis 0.
-    summed: dict keys or attributes (counts) whose leaves are summed.
+    summed: dict keys or attributes (counts) on a leaf's path that make it summed, not averaged.
 
   Returns:
     ``tree`` with axis 0 of every leaf reduced.
@@ -334,7 +296,9 @@ def reduce_over_workers(tree: Any, summed: Sequence[str] = ()) -> Any:
         f"aux{jax.tree_util.keystr(path)} is a scalar; dj.reduce_over_workers reduces values "
         "stacked one per worker on axis 0, as dj.worker_value_and_grad returns its aux."
       )
-    names = {_key_name(k) for k in path} & set(summed)
+    # A path's keys hold their names as DictKey.key, GetAttrKey.name or SequenceKey.idx.
+    keys = {getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path}
+    names = keys & set(summed)
     seen.update(names)
     return jnp.sum(x, axis=0) if names else jnp.mean(x, axis=0)
 
@@ -371,8 +335,7 @@ class PerWorker(optax.GradientTransformationExtraArgs):
   def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
     """:func:`worker_value_and_grad` on this optimizer's mesh and workers' axis.
 
-    With ``all_reduce``, the gradients come averaged over the workers, shaped
-    and boxed like the params.
+    With ``all_reduce``, the gradients come averaged, shaped and boxed like the params.
     """
     value_and_grad = worker_value_and_grad(fun, self.mesh, self.axis_name, has_aux=has_aux)
     if not self.all_reduce:
@@ -381,9 +344,12 @@ class PerWorker(optax.GradientTransformationExtraArgs):
     def averaged(params: Any, *args: Any, **kwargs: Any) -> Any:
       out, grads = value_and_grad(params, *args, **kwargs)
       units, treedef = _units(grads)
-      # Boxed as the params are: a param without a box gets a plain gradient.
-      boxed = [_is_unit(p) for p in _units(params)[0]]
-      means = [_worker_mean(u) if b else jnp.mean(_value(u), axis=0) for u, b in zip(units, boxed)]
+      means = []
+      for unit, param in zip(units, _units(params)[0]):
+        mean = jnp.mean(_value(unit), axis=0)
+        # Boxed as the param is, over its names: a param without a box gets a plain gradient.
+        names = tuple(_box_names(unit) or ())[1:]
+        means.append(_rebox(unit, mean, names) if _is_unit(param) else mean)
       return out, treedef.unflatten(means)
 
     return averaged
@@ -403,137 +369,92 @@ class PerWorker(optax.GradientTransformationExtraArgs):
     return self._flags[key]
 
 
-def _worker_mean(unit: Any) -> Any:
-  """A stack of one value per worker, averaged and boxed as its param is."""
-  value = jnp.mean(_value(unit), axis=0)
-  if isinstance(unit, meta.Partitioned):
-    return _rebox(unit, value, tuple(unit.names)[1:])
-  variable = _variable_type()
-  if variable is not None and isinstance(unit, variable):
-    names = unit.get_metadata().get("out_sharding")
-    return _rebox(unit, value, None if names is None else names[1:])
-  return _rebox(unit, value)
-
-
 def _differs_error(paths: Sequence[str], axis_name: Hashable) -> ValueError:
   return ValueError(
-    f"The update of {', '.join(paths[:3])} differs from worker to worker, so the replicas "
-    f"would drift apart: the optimizer exchanges nothing over {axis_name!r}. Build it with "
-    f"axis_name={axis_name!r} (dj.demo(lr, axis_name={axis_name!r})), or, for the all-reduce "
-    f"baseline with a dense optimizer (AdamW), pass all_reduce=True to dj.per_worker, or "
-    f"chain dj.pmean_gradients({axis_name!r}) before it."
+    f"The update of {', '.join(paths[:3])} differs from worker to worker: the optimizer "
+    f"exchanges nothing over {axis_name!r}. Build it with axis_name={axis_name!r}, or, for "
+    "the all-reduce baseline with a dense optimizer (AdamW), pass all_reduce=True to "
+    f"dj.per_worker or chain dj.pmean_gradients({axis_name!r}) before it."
   )
 
 
-class _Step(NamedTuple):
-  """What one traced update of :func:`per_worker` runs, for every worker at once."""
+def _update(wrapper: PerWorker, updates: Any, state: Any, params: Any, extra_args: dict) -> Any:
+  """``wrapper.update``: every worker's update by ``inner``, in a ``shard_map`` over the workers."""
+  tx, mesh, axis_name = wrapper.inner, wrapper.mesh, wrapper.axis_name
+  plain_params, g_leaves, paths, averaged = _gradient_leaves(wrapper, updates, params)
+  p_leaves, p_def = jax.tree.flatten(plain_params)
+  s_leaves, s_def = jax.tree.flatten(state)
+  flags, t_def = _check_state(wrapper, s_leaves, plain_params)
+  leaves = (g_leaves, s_leaves, p_leaves)
+  s_specs = [P(axis_name) if f else P() for f in flags]
+  specs = ([P(axis_name)] * len(g_leaves), s_specs, [P()] * len(p_leaves))
 
-  tx: optax.GradientTransformation
-  mesh: Mesh
-  axis_name: Hashable
-  all_reduce: bool
-  p_def: Any
-  t_def: Any
-  flags: list[bool]
-  paths: list[str]
-  extra_args: dict[str, Any]
+  def update(grads, s_leaves, p_leaves):
+    state, params = t_def.unflatten(s_leaves), p_def.unflatten(p_leaves)
+    updates, state = tx.update(grads, state, params, **extra_args)
+    return p_def.flatten_up_to(updates), t_def.flatten_up_to(state)
 
-  def inner(self, g_leaves: list[Any], s_leaves: list[Any], p_leaves: list[Any]) -> Any:
+  def one_worker(g_leaves, s_leaves, p_leaves):
     """One worker's update: its own gradient and state (the stacks' one block), shared params."""
-    grads = self.p_def.unflatten([g[0] for g in g_leaves])
-    if self.all_reduce:
-      grads = jax.tree.map(lambda g: jax.lax.pmean(g, self.axis_name), grads)
-    state = self.t_def.unflatten([x[0] if f else x for x, f in zip(s_leaves, self.flags)])
-    params = self.p_def.unflatten(p_leaves)
-    updates, state = self.tx.update(grads, state, params, **self.extra_args)
-    return self.p_def.flatten_up_to(updates), self.t_def.flatten_up_to(state)
+    grads = p_def.unflatten([g[0] for g in g_leaves])
+    if wrapper.all_reduce:
+      grads = jax.tree.map(lambda g: jax.lax.pmean(g, axis_name), grads)
+    return update(grads, [x[0] if f else x for x, f in zip(s_leaves, flags)], p_leaves)
 
-  def differing(self, u_leaves: list[Any]) -> list[str]:
-    return [p for p, u in zip(self.paths, u_leaves) if exchange.varies_over(u, self.axis_name)]
+  def differing(u_leaves):
+    return [p for p, u in zip(paths, u_leaves) if exchange.varies_over(u, axis_name)]
 
-  def body(self, g_leaves: list[Any], s_leaves: list[Any], p_leaves: list[Any]) -> Any:
-    u_leaves, n_leaves = self.inner(g_leaves, s_leaves, p_leaves)
-    differing = self.differing(u_leaves)
-    if differing:
-      raise _differs_error(differing, self.axis_name)
-    shared_but_varying = [
+  def body(g_leaves, s_leaves, p_leaves):
+    u_leaves, n_leaves = one_worker(g_leaves, s_leaves, p_leaves)
+    differs = differing(u_leaves)
+    if differs:
+      raise _differs_error(differs, axis_name)
+    varying = [
       i
-      for i, (x, f) in enumerate(zip(n_leaves, self.flags))
-      if not f and exchange.varies_over(x, self.axis_name)
+      for i, (x, f) in enumerate(zip(n_leaves, flags))
+      if not f and exchange.varies_over(x, axis_name)
     ]
-    if shared_but_varying:
+    if varying:
       raise ValueError(
-        f"State leaves {shared_but_varying} were laid out as shared but differ between "
-        "workers after an update; the optimizer's state does not keep the types "
-        "dj.worker_state_specs found."
+        f"State leaves {varying} were laid out as shared but differ between workers after an "
+        "update; the optimizer's state does not keep the types dj.worker_state_specs found."
       )
-    n_leaves = [
-      exchange.as_varying(x, (self.axis_name,))[None] if f else x
-      for x, f in zip(n_leaves, self.flags)
+    return u_leaves, [
+      exchange.as_varying(x, (axis_name,))[None] if f else x for x, f in zip(n_leaves, flags)
     ]
-    return u_leaves, n_leaves
 
-  def in_specs(self, num_grads: int, num_params: int) -> tuple[Any, ...]:
-    s_specs = [P(self.axis_name) if f else P() for f in self.flags]
-    return [P(self.axis_name)] * num_grads, s_specs, [P()] * num_params
-
-  def run(self, g_leaves: list[Any], s_leaves: list[Any], p_leaves: list[Any]) -> Any:
-    """The update inside a ``jax.shard_map`` manual over the workers' axis only."""
-    specs = self.in_specs(len(g_leaves), len(p_leaves))
-    return jax.shard_map(
-      self.body,
-      mesh=self.mesh,
-      in_specs=specs,
-      out_specs=([P()] * len(p_leaves), specs[1]),
-      axis_names={self.axis_name},
-    )(g_leaves, s_leaves, p_leaves)
-
-  def diagnose(self, g_leaves: list[Any], s_leaves: list[Any], p_leaves: list[Any]) -> list[str]:
-    """The params whose update differs by worker, traced with every mesh axis manual.
-
-    ``MultiSteps``' ``lax.cond`` can fail in :meth:`run` before :meth:`body` checks.
-    """
+  def diagnose():
+    """The params whose update differs by worker, traced with every mesh axis manual."""
     found: list[str] = []
 
-    def probe(g_leaves, s_leaves, p_leaves):
-      found.extend(self.differing(self.inner(g_leaves, s_leaves, p_leaves)[0]))
+    def probe(*leaves):
+      found.extend(differing(one_worker(*leaves)[0]))
       return jnp.zeros(())
 
-    specs = self.in_specs(len(g_leaves), len(p_leaves))
-    probe_all = jax.shard_map(probe, mesh=self.mesh, in_specs=specs, out_specs=P())
-    args = _shapes((g_leaves, s_leaves, p_leaves))
+    probe_all = jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=P())
     try:
       with dense_step.quiet():
-        jax.eval_shape(probe_all, *args)
+        jax.eval_shape(probe_all, *_shapes(leaves))
     except Exception:  # noqa: BLE001 - the caller re-raises the update's own error
       return []
     return found
 
-
-def _stack_init(
-  tx: optax.GradientTransformation, wrapper: PerWorker, params: Any, num_workers: int
-) -> Any:
-  """``tx.init(params)`` with every per-worker leaf stacked W times, boxed over the workers."""
-  mesh, axis_name = wrapper.mesh, wrapper.axis_name
-  _check_no_clash(params, axis_name)
-  flags = wrapper.per_worker_leaves(params)
-  units, treedef = _units(tx.init(params))
-  if len(units) != len(flags):
-    raise ValueError(
-      "The optimizer state holds a box or variable with more than one array; "
-      "dj.per_worker lays out one array per box."
-    )
-  out = []
-  for unit, stacked in zip(units, flags):
-    value = jnp.asarray(_value(unit))
-    if stacked:
-      value = jnp.broadcast_to(value[None], (num_workers, *value.shape))
-      out.append(_placed_stack(unit, value, mesh, axis_name))
-    elif isinstance(value, jax.core.Tracer):
-      out.append(unit)  # placed by the caller's out_shardings, or by GSPMD
-    else:
-      out.append(_rebox(unit, jax.device_put(value, _unit_sharding(unit, mesh, value.ndim))))
-  return treedef.unflatten(out)
+  if averaged:  # all_reduce's gradients, averaged by value_and_grad: the dense step's own
+    u_leaves, n_leaves = update(p_def.unflatten(g_leaves), s_leaves, p_leaves)
+    return jax.tree.structure(params).unflatten(u_leaves), s_def.unflatten(n_leaves)
+  out_specs = ([P()] * len(p_leaves), s_specs)
+  step = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names={axis_name})
+  try:
+    u_leaves, n_leaves = step(*leaves)
+  except ValueError:
+    raise
+  except Exception as e:
+    # MultiSteps' lax.cond can fail here, before body checks the updates.
+    differs = diagnose()
+    if differs:
+      raise _differs_error(differs, axis_name) from e
+    raise
+  return jax.tree.structure(params).unflatten(u_leaves), s_def.unflatten(n_leaves)
 
 
 def per_worker(
@@ -546,7 +467,6 @@ def per_worker(
   """``tx`` for the stacked per-worker gradients of :func:`worker_value_and_grad`, in a jit step.
 
   Put optax wrappers (``MultiSteps``, ``masked``, ...) inside, not around it.
-  The state is ``tx``'s, with every per-worker leaf stacked on a leading axis.
 
   Args:
     tx: a DisTrO optimizer built with ``axis_name``; dense with ``all_reduce``.
@@ -559,9 +479,8 @@ def per_worker(
     keyword arguments to ``tx.update``.
 
   Raises:
-    ValueError: gradients without the workers' axis, a state of another
-      worker count, an update that differs by worker, or params partitioned
-      over ``axis_name``.
+    ValueError: gradients without the workers' axis, a state of another worker count,
+      an update that differs by worker, or params partitioned over ``axis_name``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, distro_jax as dj
@@ -578,44 +497,35 @@ def per_worker(
   num_workers = _num_workers(mesh, axis_name)
 
   def update_fn(updates, state, params=None, **extra_args):
-    plain_params, g_leaves, paths = _gradient_leaves(updates, params, axis_name)
-    p_leaves, p_def = jax.tree.flatten(plain_params)
-    # With all_reduce, the averaged gradients of value_and_grad are the dense step's own.
-    averaged = all_reduce and all(np.shape(g) == np.shape(p) for g, p in zip(g_leaves, p_leaves))
-    if not averaged:
-      _check_gradient_shapes(paths, g_leaves, p_leaves, num_workers, axis_name)
-    flags = wrapper.per_worker_leaves(plain_params)
-    s_leaves, s_def = jax.tree.flatten(state)
-    t_def = _check_state(tx, s_leaves, plain_params, flags, num_workers, axis_name)
-    if averaged:
-      new_updates, new_state = tx.update(
-        p_def.unflatten(g_leaves), t_def.unflatten(s_leaves), plain_params, **extra_args
-      )
-      u_leaves, n_leaves = p_def.flatten_up_to(new_updates), t_def.flatten_up_to(new_state)
-      return jax.tree.structure(params).unflatten(u_leaves), s_def.unflatten(n_leaves)
-    step = _Step(tx, mesh, axis_name, all_reduce, p_def, t_def, flags, paths, extra_args)
-    try:
-      u_leaves, n_leaves = step.run(g_leaves, s_leaves, p_leaves)
-    except ValueError:
-      raise
-    except Exception as e:
-      differing = step.diagnose(g_leaves, s_leaves, p_leaves)
-      if differing:
-        raise _differs_error(differing, axis_name) from e
-      raise
-    return jax.tree.structure(params).unflatten(u_leaves), s_def.unflatten(n_leaves)
+    return _update(wrapper, updates, state, params, extra_args)
 
   def init_fn(params):
-    # optax.MultiSteps around this wrapper would accumulate the stacked gradients
-    # into zeros shaped like the params and fail inside optax: name the fix first.
+    # Around this wrapper, MultiSteps would fail inside optax at the first update.
     if isinstance(sys._getframe(1).f_locals.get("self"), optax.MultiSteps):
       raise ValueError(
         "optax.MultiSteps is wrapped around dj.per_worker, so it would accumulate every "
-        "worker's stacked gradients into zeros shaped like the params. Put it inside, where "
-        "it accumulates each worker's own gradient: dj.per_worker(optax.MultiSteps(tx, k), "
-        f"mesh, {axis_name!r}); its gradient_step and mini_step still read from the state."
+        "worker's stacked gradients into zeros shaped like the params. Put it inside: "
+        f"dj.per_worker(optax.MultiSteps(tx, k), mesh, {axis_name!r})."
       )
-    return _stack_init(tx, wrapper, params, num_workers)
+    _check_no_clash(params, axis_name)
+    flags = wrapper.per_worker_leaves(params)
+    units, treedef = _units(tx.init(params))
+    if len(units) != len(flags):
+      raise ValueError(
+        "The optimizer state holds a box or variable with more than one array; "
+        "dj.per_worker lays out one array per box."
+      )
+    out = []  # tx.init(params), every per-worker leaf stacked W times and boxed over the workers
+    for unit, stacked in zip(units, flags):
+      value = jnp.asarray(_value(unit))
+      if stacked:
+        value = jnp.broadcast_to(value[None], (num_workers, *value.shape))
+        out.append(_placed_stack(unit, value, mesh, axis_name))
+      elif isinstance(value, jax.core.Tracer):
+        out.append(unit)  # placed by the caller's out_shardings, or by GSPMD
+      else:
+        out.append(_rebox(unit, jax.device_put(value, _unit_sharding(unit, mesh, value.ndim))))
+    return treedef.unflatten(out)
 
   wrapper = PerWorker(init_fn, update_fn)
   wrapper.inner, wrapper.mesh, wrapper.axis_name = tx, mesh, axis_name
@@ -624,8 +534,9 @@ def per_worker(
   return wrapper
 
 
-def _gradient_leaves(updates: Any, params: Any, axis_name: Hashable) -> tuple[Any, list, list]:
-  """The params unboxed, the gradient's leaves and the params' paths, checked."""
+def _gradient_leaves(wrapper: PerWorker, updates: Any, params: Any) -> tuple[Any, list, list, bool]:
+  """The params unboxed, the gradient's leaves, the params' paths, and whether all-reduced."""
+  axis_name, num_workers = wrapper.axis_name, wrapper.mesh.shape[wrapper.axis_name]
   if params is None:
     raise ValueError(
       "dj.per_worker needs the params in update (tx.update(grads, state, params)), to tell "
@@ -640,56 +551,45 @@ def _gradient_leaves(updates: Any, params: Any, axis_name: Hashable) -> tuple[An
       f"The gradient has {len(g_leaves)} leaves, the params {len(p_paths)}; pass the "
       "gradients of dj.worker_value_and_grad with respect to exactly these params."
     )
-  return plain_params, g_leaves, [jax.tree_util.keystr(p) for p, _ in p_paths]
+  paths = [jax.tree_util.keystr(p) for p, _ in p_paths]
+  p_shapes = [np.shape(p) for _, p in p_paths]
+  averaged = wrapper.all_reduce and all(np.shape(g) == p for g, p in zip(g_leaves, p_shapes))
+  for path, g, p in zip(paths, g_leaves, p_shapes):
+    if not averaged and np.shape(g) != (num_workers, *p):
+      hint = (
+        "That is the gradient of the whole batch, or values of a wrapper around dj.per_worker: "
+        f"put it inside, dj.per_worker(optax.MultiSteps(tx, k), mesh, {axis_name!r}). "
+        if np.shape(g) == p
+        else ""
+      )
+      raise ValueError(
+        f"Gradient leaf {path} has shape {np.shape(g)}; dj.per_worker needs each worker's "
+        f"own gradient stacked on a leading axis, {(num_workers, *p)}. {hint}"
+        f"Take it with dj.worker_value_and_grad(loss, mesh, {axis_name!r})."
+      )
+  return plain_params, g_leaves, paths, averaged
 
 
-def _check_state(
-  tx: optax.GradientTransformation,
-  s_leaves: list,
-  plain_params: Any,
-  flags: list[bool],
-  num_workers: int,
-  axis_name: Hashable,
-) -> Any:
-  """The treedef of ``tx``'s own state, once the stacked state's leaves are checked."""
-  template, t_def = jax.tree.flatten(jax.eval_shape(tx.init, _shapes(plain_params)))
+def _check_state(wrapper: PerWorker, s_leaves: list, plain_params: Any) -> tuple[list, Any]:
+  """Which state leaves are per worker, and the treedef of ``inner``'s state, once checked."""
+  axis_name, num_workers = wrapper.axis_name, wrapper.mesh.shape[wrapper.axis_name]
+  flags = wrapper.per_worker_leaves(plain_params)
+  template, t_def = jax.tree.flatten(jax.eval_shape(wrapper.inner.init, _shapes(plain_params)))
   if len(s_leaves) != len(template):
     raise ValueError(
-      "The optimizer state does not match this optimizer's: build it with this "
-      "dj.per_worker(...).init(params)."
+      "The optimizer state is not this optimizer's; build it with dj.per_worker(...).init(params)."
     )
   for x, t, stacked in zip(s_leaves, template, flags):
     want = (num_workers, *t.shape) if stacked else t.shape
     if np.shape(x) != want:
       raise ValueError(
-        f"An optimizer state leaf has shape {np.shape(x)}, but this optimizer's layout on "
-        f"{num_workers} workers has {want}: the state was built for another worker count or "
-        "other params. Resize a state of another worker count with dj.resize_per_worker."
+        f"An optimizer state leaf has shape {np.shape(x)}, not {want} as on {num_workers} "
+        "workers: it is of other params, or of another worker count (see dj.resize_per_worker)."
       )
   dense_step.warn_if_replicated_per_worker(
     [x for x, f in zip(s_leaves, flags) if f], axis_name, num_workers
   )
-  return t_def
-
-
-def _check_gradient_shapes(
-  paths: list[str], g_leaves: list[Any], p_leaves: list[Any], num_workers: int, axis_name: Hashable
-) -> None:
-  for path, g, p in zip(paths, g_leaves, p_leaves):
-    if np.shape(g) != (num_workers, *np.shape(p)):
-      hint = (
-        "That is the gradient of the whole batch, which GSPMD all-reduces across the "
-        "workers (a dense step), or an optax wrapper around dj.per_worker fed it values "
-        "shaped like the params (optax.MultiSteps' accumulator): put such wrappers inside, "
-        f"dj.per_worker(optax.MultiSteps(tx, k), mesh, {axis_name!r}). "
-        if np.shape(g) == np.shape(p)
-        else ""
-      )
-      raise ValueError(
-        f"Gradient leaf {path} has shape {np.shape(g)}; dj.per_worker needs each worker's "
-        f"own gradient stacked on a leading axis, {(num_workers, *np.shape(p))}. {hint}"
-        f"Take it with dj.worker_value_and_grad(loss, mesh, {axis_name!r})."
-      )
+  return flags, t_def
 
 
 def _unit_sharding(unit: Any, mesh: Mesh, ndim: int) -> NamedSharding:
@@ -703,7 +603,10 @@ def _is_train_state(x: Any) -> bool:
   )
 
 
-def _check_wrapper(tx: Any) -> PerWorker:
+def _check_wrapper(tx: Any, missing: bool, usage: str) -> PerWorker:
+  """``tx``, checked to be a :class:`PerWorker`; ``missing``: arguments of ``usage`` are none."""
+  if missing:
+    raise TypeError(f"{usage}, or a TrainState whose tx is dj.per_worker's optimizer, alone.")
   if not isinstance(tx, PerWorker):
     raise TypeError(
       f"expected the optimizer dj.per_worker returned, got {type(tx).__name__}; with a "
@@ -728,12 +631,7 @@ def abstract_per_worker(tx: Any, params: Any = None) -> Any:
   """
   if params is None and _is_train_state(tx):
     return tx.replace(opt_state=abstract_per_worker(tx.tx, tx.params))
-  if params is None:
-    raise TypeError(
-      "dj.abstract_per_worker takes (tx, params), or a TrainState whose tx is the optimizer "
-      "dj.per_worker returned, alone."
-    )
-  tx = _check_wrapper(tx)
+  tx = _check_wrapper(tx, params is None, "dj.abstract_per_worker takes (tx, params)")
   units, treedef = _units(jax.eval_shape(tx.init, params))
   out = []
   for unit, stacked in zip(units, tx.per_worker_leaves(params)):
@@ -782,12 +680,8 @@ def resize_per_worker(
   if state is None and params is None and _is_train_state(tx):
     opt_state = resize_per_worker(tx.tx, tx.opt_state, tx.params, keep=keep, leaving=leaving)
     return tx.replace(opt_state=opt_state)
-  if state is None or params is None:
-    raise TypeError(
-      "dj.resize_per_worker takes (tx, state, params), or a TrainState whose tx is the "
-      "optimizer dj.per_worker returned, alone."
-    )
-  tx = _check_wrapper(tx)
+  missing = state is None or params is None
+  tx = _check_wrapper(tx, missing, "dj.resize_per_worker takes (tx, state, params)")
   plain_params = _plain(params)
   flags = tx.per_worker_leaves(plain_params)
   s_leaves = jax.tree.leaves(state)
@@ -795,23 +689,19 @@ def resize_per_worker(
   if len(s_leaves) != len(template):
     raise ValueError("the state is not this optimizer's: its leaves do not match tx.init's.")
   units, treedef = _units(jax.eval_shape(tx.init, params))
-  host = [elastic._on(tx.mesh, x) for x in s_leaves]
-  if not any(flags):
-    # All shared (all_reduce, or a stateless inner): nothing depends on the worker count.
-    out = [jax.device_put(x, _unit_sharding(u, tx.mesh, np.ndim(x))) for u, x in zip(units, host)]
-    return treedef.unflatten([_rebox(u, x) for u, x in zip(units, out)])
-  # dj.resize_worker_state works on the per-worker layout of dj.worker_state,
-  # the W workers' blocks concatenated along axis 0, which a reshape gives.
-  flat = [jnp.reshape(x, (-1, *np.shape(x)[2:])) if f else x for x, f in zip(host, flags)]
-  placed = jax.device_put(plain_params, NamedSharding(tx.mesh, P()))
-  resized = elastic.resize_worker_state(
-    tx.inner, t_def.unflatten(flat), placed, tx.mesh, tx.axis_name, keep=keep, leaving=leaving
-  )
+  leaves = [elastic._on(tx.mesh, x) for x in s_leaves]
+  if any(flags):  # else all shared: nothing depends on the worker count
+    # dj.resize_worker_state takes dj.worker_state's layout: the W workers' blocks concatenated.
+    flat = [jnp.reshape(x, (-1, *np.shape(x)[2:])) if f else x for x, f in zip(leaves, flags)]
+    placed = jax.device_put(plain_params, NamedSharding(tx.mesh, P()))
+    resized = elastic.resize_worker_state(
+      tx.inner, t_def.unflatten(flat), placed, tx.mesh, tx.axis_name, keep=keep, leaving=leaving
+    )
+    leaves = t_def.flatten_up_to(resized)
   num_workers = tx.mesh.shape[tx.axis_name]
   out = []
-  for unit, x, t, stacked in zip(units, t_def.flatten_up_to(resized), template, flags):
+  for unit, x, t, stacked in zip(units, leaves, template, flags):
     if stacked:
       x = jnp.reshape(x, (num_workers, *t.shape))
-    x = jax.device_put(x, _unit_sharding(unit, tx.mesh, np.ndim(x)))
-    out.append(_rebox(unit, x))
+    out.append(_rebox(unit, jax.device_put(x, _unit_sharding(unit, tx.mesh, np.ndim(x)))))
   return treedef.unflatten(out)
