@@ -19,12 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distro_jax.worker_state import (
-  abstract_worker_state,
-  init_worker_state,
-  is_spec,
-  worker_state_specs,
-)
+from distro_jax.worker_state import abstract_worker_state, init_worker_state, spec_axes
 
 __all__ = [
   "LEAVING",
@@ -43,81 +38,53 @@ IN_FLIGHT_FIELDS = ("pending",)
 LEAVING = ("drop", "fold")
 
 
-def _axis0(spec: P) -> tuple[Hashable, ...]:
-  """The mesh axes that split a leaf's axis 0, in order."""
-  first = spec[0] if spec else None
-  if first is None:
-    return ()
-  return tuple(first) if isinstance(first, tuple) else (first,)
-
-
-def _is_residual(path: tuple[Any, ...], residual_fields: Sequence[str]) -> bool:
-  """Whether a leaf sits under a field or dict key named in ``residual_fields``."""
-  for entry in path:
-    name = getattr(entry, "name", getattr(entry, "key", None))
-    if isinstance(name, str) and name in residual_fields:
-      return True
-  return False
+def _under(path: tuple[Any, ...], fields: Sequence[str]) -> bool:
+  """Whether a leaf sits under a field or dict key named in ``fields``."""
+  names = (getattr(entry, "name", getattr(entry, "key", None)) for entry in path)
+  return any(isinstance(name, str) and name in fields for name in names)
 
 
 class _Leaf:
-  """How one state leaf is laid out: shared, or per worker with its axis-0 split."""
+  """One state leaf: its place in the new layout, and for a per-worker one its axis-0 split."""
 
-  def __init__(
-    self, spec: P, axis_name: Hashable, mesh: Mesh, residual: bool, in_flight: bool = False
-  ):
-    axes = _axis0(spec)
-    others = [a for e in tuple(spec)[1:] for a in (e if isinstance(e, tuple) else (e,)) if a]
-    if axis_name in others:
-      raise ValueError(
-        f"a per-worker state leaf is split over {axis_name!r} on an axis other than 0 "
-        f"({spec}); the per-worker layout of distro_jax.worker_state puts it on axis 0."
-      )
+  def __init__(self, path, new: jax.ShapeDtypeStruct, axis_name, mesh: Mesh, residual_fields):
+    axes = spec_axes(new.sharding.spec)  # a per-worker leaf is split on axis 0 only
+    self.new = new
     self.per_worker = axis_name in axes
     self.position = axes.index(axis_name) if self.per_worker else None
     self.sizes = [mesh.shape[a] for a in axes]
-    self.residual = residual and self.per_worker
-    self.in_flight = in_flight and self.per_worker
-
-  def block(self, new_rows: int) -> int:
-    """Rows of axis 0 that one worker holds (all its devices' pieces together)."""
-    return new_rows // self.sizes[self.position]
+    # Rows of axis 0 that one worker holds (all its devices' pieces together).
+    self.rows = new.shape[0] // self.sizes[self.position] if self.per_worker else None
+    self.residual = self.per_worker and _under(path, residual_fields)
+    self.in_flight = self.per_worker and _under(path, IN_FLIGHT_FIELDS)
 
   def split(self, x: jax.Array, workers: int) -> jax.Array:
     """``(rows, ...)`` -> ``(workers, block, ...)``, whatever the axis order of the split."""
-    sizes = list(self.sizes)
-    sizes[self.position] = workers
+    sizes = [workers if i == self.position else s for i, s in enumerate(self.sizes)]
     x = x.reshape(*sizes, x.shape[0] // math.prod(sizes), *x.shape[1:])
     x = jnp.moveaxis(x, self.position, 0)
     return x.reshape(workers, -1, *x.shape[len(sizes) + 1 :])
 
   def join(self, x: jax.Array, workers: int) -> jax.Array:
     """Inverse of :meth:`split`."""
-    sizes = list(self.sizes)
-    sizes[self.position] = workers
-    others = [s for i, s in enumerate(sizes) if i != self.position]
+    others = self.sizes[: self.position] + self.sizes[self.position + 1 :]
     x = x.reshape(workers, *others, -1, *x.shape[2:])
     x = jnp.moveaxis(x, 0, self.position)
-    return x.reshape(-1, *x.shape[len(sizes) + 1 :])
+    return x.reshape(-1, *x.shape[len(self.sizes) + 1 :])
 
 
-def _layout(tx, params, mesh, axis_name, param_specs, residual_fields):
-  """Per leaf of the state, a :class:`_Leaf`, plus the new layout's abstract state."""
-  specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
+def _layout(tx, params, mesh, axis_name, param_specs, residual_fields=()):
+  """The state's treedef, and a :class:`_Leaf` per leaf for the layout on ``mesh``."""
   abstract = abstract_worker_state(tx, params, mesh, axis_name, param_specs=param_specs)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
-  leaves = [
-    _Leaf(s, axis_name, mesh, _is_residual(p, residual_fields), _is_residual(p, IN_FLIGHT_FIELDS))
-    for p, s in flat
-  ]
-  return leaves, treedef, abstract
+  flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  return [_Leaf(p, x, axis_name, mesh, residual_fields) for p, x in flat], treedef
 
 
-def _count_from(leaves: list[_Leaf], shapes: list[tuple[int, ...]], new_shapes) -> int | None:
+def _count_from(leaves: list[_Leaf], shapes: list[tuple[int, ...]]) -> int | None:
   """The worker count that per-worker leaves of ``shapes`` were laid out for."""
   counts = set()
-  for leaf, shape, new in zip(leaves, shapes, new_shapes):
-    shape, new = tuple(shape), tuple(new)
+  for leaf, shape in zip(leaves, shapes):
+    shape, new = tuple(shape), leaf.new.shape
     if not leaf.per_worker:
       if shape != new:
         raise ValueError(
@@ -125,14 +92,13 @@ def _count_from(leaves: list[_Leaf], shapes: list[tuple[int, ...]], new_shapes) 
           "state is from another optimizer or model."
         )
       continue
-    rows = leaf.block(new[0])
-    if len(shape) != len(new) or shape[1:] != new[1:] or not shape[0] or shape[0] % rows:
+    if len(shape) != len(new) or shape[1:] != new[1:] or not shape[0] or shape[0] % leaf.rows:
       raise ValueError(
         f"a per-worker state leaf has shape {shape}, which is no whole number of workers' "
-        f"blocks of {rows} rows (this optimizer's layout: {new}); the state is from another "
+        f"blocks of {leaf.rows} rows (this optimizer's layout: {new}); the state is from another "
         "optimizer, model or FSDP layout."
       )
-    counts.add(shape[0] // rows)
+    counts.add(shape[0] // leaf.rows)
   if len(counts) > 1:
     raise ValueError(f"the per-worker state leaves disagree on the worker count: {sorted(counts)}.")
   return counts.pop() if counts else None
@@ -163,9 +129,8 @@ def worker_count(
   Raises:
     ValueError: the shapes are not this optimizer's state for any W.
   """
-  leaves, treedef, abstract = _layout(tx, params, mesh, axis_name, param_specs, ())
-  shapes = [tuple(np.shape(x)) for x in treedef.flatten_up_to(state)]
-  return _count_from(leaves, shapes, [x.shape for x in jax.tree.leaves(abstract)])
+  leaves, treedef = _layout(tx, params, mesh, axis_name, param_specs)
+  return _count_from(leaves, [np.shape(x) for x in treedef.flatten_up_to(state)])
 
 
 def abstract_state_of_workers(
@@ -195,21 +160,22 @@ def abstract_state_of_workers(
   """
   if num_workers < 1:
     raise ValueError(f"num_workers must be positive, got {num_workers}.")
-  leaves, treedef, abstract = _layout(tx, params, mesh, axis_name, param_specs, ())
+  leaves, treedef = _layout(tx, params, mesh, axis_name, param_specs)
   replicated = NamedSharding(mesh, P())
   out = []
-  for leaf, x in zip(leaves, jax.tree.leaves(abstract)):
+  for leaf in leaves:
+    x = leaf.new
     if leaf.per_worker:
-      rows = leaf.block(x.shape[0]) * num_workers
-      x = jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=replicated)
+      x = jax.ShapeDtypeStruct(
+        (leaf.rows * num_workers, *x.shape[1:]), x.dtype, sharding=replicated
+      )
     out.append(x)
   return treedef.unflatten(out)
 
 
 def _on(mesh: Mesh, x: Any) -> Any:
   """``x`` as it is if it lives on ``mesh``, else fetched to the host."""
-  sharding = getattr(x, "sharding", None)
-  if not isinstance(x, jax.Array) or getattr(sharding, "mesh", None) == mesh:
+  if not isinstance(x, jax.Array) or getattr(x.sharding, "mesh", None) == mesh:
     return x
   if not x.is_fully_addressable and not x.is_fully_replicated:
     raise ValueError(
@@ -230,40 +196,6 @@ def _check_keep(keep: Sequence[int] | None, before: int, after: int) -> tuple[in
   if len(keep) > after:
     raise ValueError(f"keep names {len(keep)} workers, but the mesh has room for {after}.")
   return keep
-
-
-def _rearrange(
-  leaves: Sequence[Any],
-  keep: tuple[int, ...],
-  before: int,
-  after: int,
-  fold: bool,
-  replicated: NamedSharding,
-  old: list[jax.Array],
-  fresh: list[jax.Array],
-) -> list[jax.Array]:
-  """:func:`resize_worker_state`'s program: the kept workers' blocks, then the joiners'."""
-  old, fresh = jax.sharding.reshard((old, fresh), replicated)
-  # Stayers that take another index: their message in flight is marked invalid.
-  moved = np.asarray(keep) != np.arange(len(keep))
-  out = []
-  for leaf, o, f in zip(leaves, old, fresh):
-    if not leaf.per_worker:
-      out.append(o)
-      continue
-    o_w, f_w = leaf.split(o, before), leaf.split(f, after)
-    kept = o_w[np.asarray(keep, np.int32)]
-    if leaf.in_flight and moved.any():
-      # A fresh message is all zeros, the invalid marker.
-      rows = moved.reshape(-1, *[1] * (kept.ndim - 1))
-      kept = jnp.where(rows, f_w[: len(keep)], kept)
-    if leaf.residual and fold:
-      # Every process runs this same program on the same replicated inputs,
-      # so the fold is bit-identical everywhere.
-      shift = jnp.mean(o_w, axis=0) - jnp.mean(kept, axis=0)
-      kept = kept + shift.astype(kept.dtype)
-    out.append(leaf.join(jnp.concatenate([kept, f_w[len(keep) :]]), after))
-  return out
 
 
 def resize_worker_state(
@@ -324,15 +256,13 @@ def resize_worker_state(
   """
   if leaving not in LEAVING:
     raise ValueError(f"leaving={leaving!r}; use one of {LEAVING}.")
-  leaves, treedef, abstract = _layout(tx, params, mesh, axis_name, param_specs, residual_fields)
-  old = treedef.flatten_up_to(state)
-  new_abstract = jax.tree.leaves(abstract)
-  before = _count_from(leaves, [np.shape(x) for x in old], [x.shape for x in new_abstract])
+  leaves, treedef = _layout(tx, params, mesh, axis_name, param_specs, residual_fields)
+  old = [_on(mesh, x) for x in treedef.flatten_up_to(state)]
+  before = _count_from(leaves, [np.shape(x) for x in old])
   after = mesh.shape[axis_name]
-  shardings = [x.sharding for x in new_abstract]
+  shardings = [leaf.new.sharding for leaf in leaves]
   if before is None:  # nothing per worker: every leaf carries over
-    carry = jax.jit(lambda xs: xs, out_shardings=shardings)
-    return treedef.unflatten(carry([_on(mesh, x) for x in old]))
+    return treedef.unflatten(jax.jit(lambda xs: xs, out_shardings=shardings)(old))
   keep = _check_keep(keep, before, after)
   left = tuple(w for w in range(before) if w not in keep)
   if leaving == "fold" and left and not keep and any(leaf.residual for leaf in leaves):
@@ -341,7 +271,30 @@ def resize_worker_state(
       "leaving='drop'."
     )
   fresh = jax.tree.leaves(init_worker_state(tx, params, mesh, axis_name, param_specs=param_specs))
-  fold, replicated = leaving == "fold" and bool(left), NamedSharding(mesh, P())
-  rearrange = functools.partial(_rearrange, leaves, keep, before, after, fold, replicated)
-  fn = jax.jit(rearrange, out_shardings=shardings)
-  return treedef.unflatten(fn([_on(mesh, x) for x in old], fresh))
+  # Stayers that take another index: their message in flight is marked invalid.
+  moved = np.asarray(keep) != np.arange(len(keep))
+
+  @functools.partial(jax.jit, out_shardings=shardings)
+  def rearrange(old, fresh):
+    """The kept workers' blocks, then the joiners'."""
+    old, fresh = jax.sharding.reshard((old, fresh), NamedSharding(mesh, P()))
+    out = []
+    for leaf, o, f in zip(leaves, old, fresh):
+      if not leaf.per_worker:
+        out.append(o)
+        continue
+      o_w, f_w = leaf.split(o, before), leaf.split(f, after)
+      kept = o_w[np.asarray(keep, np.int32)]
+      if leaf.in_flight and moved.any():
+        # A fresh message is all zeros, the invalid marker.
+        rows = moved.reshape(-1, *[1] * (kept.ndim - 1))
+        kept = jnp.where(rows, f_w[: len(keep)], kept)
+      if leaf.residual and leaving == "fold" and left:
+        # Every process runs this same program on the same replicated inputs,
+        # so the fold is bit-identical everywhere.
+        shift = jnp.mean(o_w, axis=0) - jnp.mean(kept, axis=0)
+        kept = kept + shift.astype(kept.dtype)
+      out.append(leaf.join(jnp.concatenate([kept, f_w[len(keep) :]]), after))
+    return out
+
+  return treedef.unflatten(rearrange(old, fresh))

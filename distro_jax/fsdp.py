@@ -102,24 +102,12 @@ def plan_fsdp(
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   specs, axes, whole = [], [], []
   for path, x in flat:
-    shape = tuple(np.shape(x))
-    d, why = _split_axis(shape, fsdp, compression_chunk)
+    d, why = _split_axis(tuple(np.shape(x)), fsdp, compression_chunk)
     axes.append(d)
-    if d is None:
-      specs.append(P())
-      if fsdp > 1:
-        whole.append((jax.tree_util.keystr(path), why))
-    else:
-      specs.append(P(*([None] * d), axis_name))
+    specs.append(P() if d is None else P(*([None] * d), axis_name))
+    if d is None and fsdp > 1:
+      whole.append((jax.tree_util.keystr(path), why))
   return FsdpPlan(treedef.unflatten(specs), tuple(axes), tuple(whole), fsdp)
-
-
-def _spec_axis(spec: P, axis_name: Hashable) -> int | None:
-  for d, entry in enumerate(spec):
-    names = entry if isinstance(entry, tuple) else (entry,)
-    if axis_name in names:
-      return d
-  return None
 
 
 def local_shapes(params: Any, specs: Any, axis_sizes: dict[Hashable, int]) -> Any:
@@ -152,8 +140,10 @@ def gather_params(shards: Any, specs: Any, axis_name: Hashable = "fsdp") -> Any:
   """
 
   def one(x, spec):
-    d = _spec_axis(spec, axis_name)
-    return x if d is None else jax.lax.all_gather(x, axis_name, axis=d, tiled=True)
+    for d, entry in enumerate(spec):
+      if axis_name in (entry if isinstance(entry, tuple) else (entry,)):
+        return jax.lax.all_gather(x, axis_name, axis=d, tiled=True)
+    return x
 
   return jax.tree.map(one, shards, specs, is_leaf=lambda s: isinstance(s, P))
 
@@ -214,8 +204,7 @@ def clip_by_sharded_global_norm(
 
   def update_fn(updates, state, params=None):
     del params
-    sharded = jnp.zeros([], jnp.float32)
-    whole = jnp.zeros([], jnp.float32)
+    sharded = whole = jnp.zeros([], jnp.float32)
     for g in jax.tree.leaves(updates):
       sq = jnp.sum(jnp.square(g.astype(jnp.float32)))
       if varies_over(g, axis_name):

@@ -9,6 +9,7 @@ replicated. See docs/elastic.md and docs/fsdp.md.
 """
 
 import collections
+import contextlib
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -36,26 +37,15 @@ def is_spec(x: Any) -> bool:
   return isinstance(x, P)
 
 
-def _spec_axes(spec: P) -> tuple[Hashable, ...]:
-  names = []
-  for entry in spec:
-    names += [n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None]
-  return tuple(names)
+def spec_axes(spec: P) -> tuple[Hashable, ...]:
+  """The mesh axes that ``spec`` names, in order."""
+  return tuple(n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n is not None)
 
 
 def _leaf_spec(axes: tuple[Hashable, ...]) -> P:
   if not axes:
     return P()
   return P(axes[0]) if len(axes) == 1 else P(axes)
-
-
-def _local_params(params: Any, mesh: Mesh, param_specs: Any) -> Any:
-  return jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(NamedSharding(mesh, s).shard_shape(jnp.shape(x)), x.dtype),
-    params,
-    param_specs,
-    is_leaf=is_spec,
-  )
 
 
 def _abstract(params: Any, mesh: Mesh, param_specs: Any) -> Any:
@@ -66,16 +56,9 @@ def _abstract(params: Any, mesh: Mesh, param_specs: Any) -> Any:
   )
 
 
-def _default_param_specs(params: Any) -> Any:
-  return jax.tree.map(lambda _: P(), params)
-
-
-def _multi_steps(tx: Any) -> optax.MultiSteps | None:
-  """The ``optax.MultiSteps`` that ``tx`` is, or whose ``gradient_transformation()`` it is."""
-  if isinstance(tx, optax.MultiSteps):
-    return tx
-  owner = getattr(getattr(tx, "update", None), "__self__", None)
-  return owner if isinstance(owner, optax.MultiSteps) else None
+def _or_replicated(params: Any, param_specs: Any) -> Any:
+  """``param_specs``, by default every param replicated."""
+  return jax.tree.map(lambda _: P(), params) if param_specs is None else param_specs
 
 
 Marks = list[tuple[Hashable, ...]]
@@ -89,11 +72,11 @@ def _update_tracer(
   param_specs: Any,
   candidates: tuple[Hashable, ...],
 ) -> tuple[Any, Callable[[Marks], Marks]]:
-  """``tx``'s state shape, and a function that traces one update with per-worker gradients.
-
-  Given the axes each state leaf varies over, it returns those of the new state's leaves.
-  """
-  state_shape = jax.eval_shape(tx.init, _local_params(abstract_params, mesh, param_specs))
+  """``tx``'s state shape, and ``trace``: the axes each leaf varies over, after one update."""
+  local = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype), abstract_params
+  )
+  state_shape = jax.eval_shape(tx.init, local)
   leaves, treedef = jax.tree.flatten(state_shape)
 
   def trace(marks: Marks) -> Marks:
@@ -125,15 +108,12 @@ def _multi_steps_start(
   param_specs: Any,
   candidates: tuple[Hashable, ...],
 ) -> Marks | None:
-  """Where the least fixpoint of ``optax.MultiSteps``' state can start; ``None`` for other ``tx``.
-
-  Its ``lax.cond`` does not trace with a per-worker leaf marked shared, so the
-  search starts from what varies anyway, below the fixpoint: the accumulated
-  gradients, and what one inner update makes vary.
-  """
-  multi = _multi_steps(tx)
+  """Where the fixpoint search on ``optax.MultiSteps``' state starts; ``None`` for other ``tx``."""
+  # Its lax.cond does not trace with a per-worker leaf marked shared: start from what
+  # varies anyway, the accumulated gradients and what one inner update varies.
+  multi = getattr(getattr(tx, "update", None), "__self__", None)  # MultiSteps.update's owner
   if (
-    multi is None
+    not isinstance(multi, optax.MultiSteps)
     or not isinstance(state_shape, optax.MultiStepsState)
     or jax.tree.leaves(state_shape.skip_state)
   ):
@@ -146,7 +126,7 @@ def _multi_steps_start(
   except TypeError:
     return None
   grad_like = jax.tree.map(
-    lambda s: _leaf_spec(tuple(a for a in candidates if a == axis_name or a in _spec_axes(s))),
+    lambda s: _leaf_spec(tuple(a for a in candidates if a == axis_name or a in spec_axes(s))),
     param_specs,
     is_leaf=is_spec,
   )
@@ -160,7 +140,7 @@ def _multi_steps_start(
   flat, treedef = jax.tree.flatten(start, is_leaf=is_spec)
   if treedef != jax.tree.structure(state_shape):
     return None
-  return [_spec_axes(s) for s in flat]
+  return [spec_axes(s) for s in flat]
 
 
 def worker_state_specs(
@@ -191,9 +171,7 @@ def worker_state_specs(
     ValueError: a per-worker leaf is a scalar, or one update cannot be traced
       with per-worker gradients.
   """
-  if param_specs is None:
-    param_specs = _default_param_specs(params)
-  return _found(tx, params, mesh, axis_name, param_specs).specs
+  return _found(tx, params, mesh, axis_name, _or_replicated(params, param_specs)).specs
 
 
 class _Found(NamedTuple):
@@ -214,49 +192,28 @@ def _found(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: A
       f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}; "
       "build the mesh with it, e.g. jax.make_mesh((n,), ('data',))."
     )
-
-  def make() -> _Found:
-    specs = _find_specs(tx, params, mesh, axis_name, param_specs)
-    init = jax.jit(
-      _init_on_mesh(tx, mesh, param_specs, specs), out_shardings=_state_shardings(mesh, specs)
-    )
-    return _Found(specs, init)
-
-  key = _memo_key(tx, params, mesh, axis_name, param_specs)
-  if key is None:
-    return make()
-  if key not in _FOUND:
-    _FOUND[key] = make()
-    while len(_FOUND) > _FOUND_SIZE:
-      _FOUND.popitem(last=False)
-  _FOUND.move_to_end(key)
-  return _FOUND[key]
-
-
-def _memo_key(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: Any) -> Any:
-  """What the specs depend on, hashable; ``None`` when some part cannot be hashed."""
   leaves, treedef = jax.tree.flatten(params)
   spec_leaves, spec_def = jax.tree.flatten(param_specs, is_leaf=is_spec)
-  key = (
-    tx,
-    treedef,
-    tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves),
-    mesh,
-    axis_name,
-    spec_def,
-    tuple(spec_leaves),
-  )
+  shapes = tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+  key = (tx, treedef, shapes, mesh, axis_name, spec_def, tuple(spec_leaves))
   try:
-    hash(key)
-  except TypeError:
-    return None
-  return key
+    found = _FOUND.pop(key, None)
+  except TypeError:  # some part cannot be hashed: keep nothing
+    key = found = None
+  if found is None:
+    specs = _find_specs(tx, params, mesh, axis_name, param_specs)
+    found = _Found(specs, _init_on_mesh(tx, mesh, param_specs, specs))
+  if key is not None:
+    _FOUND[key] = found  # last: the most recently used
+    if len(_FOUND) > _FOUND_SIZE:
+      _FOUND.popitem(last=False)
+  return found
 
 
 def _find_specs(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_specs: Any) -> Any:
   """:func:`worker_state_specs`, computed: the least fixpoint of one update's varying axes."""
   abstract_params = _abstract(params, mesh, param_specs)
-  sharded = {a for s in jax.tree.leaves(param_specs, is_leaf=is_spec) for a in _spec_axes(s)}
+  sharded = {a for s in jax.tree.leaves(param_specs, is_leaf=is_spec) for a in spec_axes(s)}
   candidates = tuple(a for a in mesh.axis_names if a == axis_name or a in sharded)
   state_shape, trace = _update_tracer(tx, abstract_params, mesh, axis_name, param_specs, candidates)
   leaves, treedef = jax.tree.flatten(state_shape)
@@ -280,11 +237,9 @@ def _find_specs(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_spe
       for a in candidates:
         trial = list(varying)
         trial[i] = tuple(x for x in varying[i] if x != a)
-        try:
+        with contextlib.suppress(TypeError):
           if a not in trace(trial)[i]:
             varying = trial
-        except TypeError:
-          pass
     try:
       traced = trace(varying)
     except TypeError as e:
@@ -302,25 +257,25 @@ def _find_specs(tx: Any, params: Any, mesh: Mesh, axis_name: Hashable, param_spe
         "state's PartitionSpecs to jax.shard_map by hand."
       ) from None
 
-  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state_shape)[0]]
-  for path, leaf, mark in zip(paths, leaves, varying):
+  for (path, leaf), mark in zip(jax.tree_util.tree_flatten_with_path(state_shape)[0], varying):
     if mark and leaf.ndim == 0:
       raise ValueError(
-        f"Optimizer state leaf {path} is a per-worker scalar; the per-worker layout "
-        f"concatenates leaves along axis 0 and cannot hold it. {_PER_WORKER_SCALAR_FIX}"
+        f"Optimizer state leaf {jax.tree_util.keystr(path)} is a per-worker scalar, which the "
+        f"per-worker layout (leaves joined on axis 0) cannot hold. {_PER_WORKER_SCALAR_FIX}"
       )
   return treedef.unflatten([_leaf_spec(mark) for mark in varying])
 
 
 def _init_on_mesh(tx, mesh, param_specs, specs):
-  """``tx.init`` on every device's own params, assembled into the layout of ``specs``."""
+  """``tx.init`` on every device's own params, jitted into the layout of ``specs``."""
   spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
 
   def local_init(p):
     leaves, treedef = jax.tree.flatten(tx.init(p))
-    return treedef.unflatten([as_varying(x, _spec_axes(s)) for x, s in zip(leaves, spec_leaves)])
+    return treedef.unflatten([as_varying(x, spec_axes(s)) for x, s in zip(leaves, spec_leaves)])
 
-  return jax.shard_map(local_init, mesh=mesh, in_specs=(param_specs,), out_specs=specs)
+  fn = jax.shard_map(local_init, mesh=mesh, in_specs=(param_specs,), out_specs=specs)
+  return jax.jit(fn, out_shardings=_state_shardings(mesh, specs))
 
 
 def _state_shardings(mesh: Mesh, specs: Any) -> Any:
@@ -355,8 +310,7 @@ def init_worker_state(
     >>> tx = dj.demo(1e-3)
     >>> state = dj.init_worker_state(tx, {"w": jnp.zeros((64, 64))}, mesh)
   """
-  if param_specs is None:
-    param_specs = _default_param_specs(params)
+  param_specs = _or_replicated(params, param_specs)
   init = _found(tx, params, mesh, axis_name, param_specs).init
   params = jax.tree.map(
     lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
@@ -375,13 +329,7 @@ def abstract_worker_state(
   param_specs: Any = None,
 ) -> Any:
   """Shapes, dtypes and shardings of :func:`init_worker_state`: a checkpoint's restore target."""
-  if param_specs is None:
-    param_specs = _default_param_specs(params)
-  specs = worker_state_specs(tx, params, mesh, axis_name, param_specs=param_specs)
-  abstract_params = _abstract(params, mesh, param_specs)
-  shapes = jax.eval_shape(_init_on_mesh(tx, mesh, param_specs, specs), abstract_params)
-  return jax.tree.map(
-    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-    shapes,
-    _state_shardings(mesh, specs),
-  )
+  param_specs = _or_replicated(params, param_specs)
+  init = _found(tx, params, mesh, axis_name, param_specs).init
+  shapes = jax.eval_shape(init, _abstract(params, mesh, param_specs))
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding), shapes)
