@@ -20,13 +20,6 @@ __all__ = ["DenseStepWarning", "quiet", "warn_if_dense", "warn_if_replicated_per
 
 _QUIET = contextvars.ContextVar("distro_jax_dense_step_quiet", default=False)
 
-_FIX = (
-  "For DisTrO between the workers of a jax.jit step, take per-worker gradients with "
-  "dj.worker_value_and_grad(loss, mesh, axis_name) and wrap the optimizer, built with that "
-  "axis_name, in dj.per_worker(tx, mesh, axis_name) (docs/porting.md); inside jax.shard_map, "
-  "pass axis_name and take gradients with dj.local_value_and_grad."
-)
-
 
 class DenseStepWarning(UserWarning):
   """A train step all-reduces the whole gradient, or all-gathers per-worker state.
@@ -57,27 +50,26 @@ def quiet() -> Iterator[None]:
 
 
 def _when_placed(arrays: Sequence[Any], decide: Callable[[list[Any]], None]) -> None:
-  """Calls ``decide`` with the shardings of ``arrays``, once all of them are known.
+  """Calls ``decide`` with the shardings of ``arrays`` (``None`` for a host value), once known.
 
   A traced array's sharding is known only when XLA compiles the step
   (``jax.debug.inspect_array_sharding``), so ``decide`` runs once per compile.
   """
   traced = [i for i, x in enumerate(arrays) if isinstance(x, jax.core.Tracer)]
-  # A host value is on no device yet: None.
-  known = {
-    i: x.sharding if isinstance(x, jax.Array) and i not in traced else None
+  known = [
+    x.sharding if isinstance(x, jax.Array) and i not in traced else None
     for i, x in enumerate(arrays)
-  }
+  ]
   compiled: dict[int, Any] = {}
 
   def record(i: int, sharding: Any) -> None:
     compiled[i] = sharding
     if len(compiled) == len(traced):
-      decide([compiled.get(j, known[j]) for j in range(len(arrays))])
+      decide([compiled.get(j, s) for j, s in enumerate(known)])
       compiled.clear()
 
   if not traced:
-    decide([known[j] for j in range(len(arrays))])
+    decide(known)
   for i in traced:
     jax.debug.inspect_array_sharding(arrays[i], callback=lambda s, i=i: record(i, s))
 
@@ -125,11 +117,13 @@ def warn_if_dense(grads: Sequence[Any], axis_name: Hashable | None) -> None:
         )
       warnings.warn(
         f"A DisTrO update with axis_name=None runs in a step over {devices} devices, {how}, "
-        "a dense data-parallel step in which no compressed message is exchanged. "
-        f"{_FIX} If one worker spread over these devices is what you mean (one site's "
-        "FSDP, or tensor parallelism over the same rows), trace the step under "
-        "dj.dense_step.quiet(), or silence this with "
-        "warnings.filterwarnings('ignore', category=dj.DenseStepWarning).",
+        "a dense data-parallel step in which no compressed message is exchanged. For DisTrO "
+        "between the workers of a jax.jit step, take per-worker gradients with "
+        "dj.worker_value_and_grad(loss, mesh, axis_name) and wrap the optimizer, built with that "
+        "axis_name, in dj.per_worker(tx, mesh, axis_name) (docs/porting.md); inside "
+        "jax.shard_map, pass axis_name and take gradients with dj.local_value_and_grad. For one "
+        "worker spread over these devices (a site's FSDP, or tensor parallelism), trace the step "
+        "under dj.dense_step.quiet(), or filter out dj.DenseStepWarning.",
         DenseStepWarning,
         stacklevel=2,
       )

@@ -1,24 +1,11 @@
 """Where a worker takes its gradient: the overlapped exchange's lookahead, and local steps.
 
-With ``delayed_apply``, step t all-gathers the message compressed at step t-1
-and applies its aggregate, so the collective overlaps the forward and backward
-pass. Taken at the params as they are, though, step t's gradient misses the
-update that is still in flight, and a sign-momentum method run one step late
-oscillates (docs/design.md, section 4). Psyche's correction is a lookahead:
-take the gradient where the params will be once the update in flight lands,
-as the worker can guess it from what it holds, and move back before the
-update. :func:`gradient_point` computes that point from the optimizer state
-alone, so the all-gather still depends on nothing computed from this step's
-gradient.
-
-The guess is ``-lr_prev * (sign(IDCT(c)) + weight_decay * p)``. With
-``guess="momentum"`` (the default, Psyche's), ``c`` is the worker's momentum
-of the previous step before error feedback, which a ``delayed_apply``
-:class:`~distro_jax.DemoState` keeps (its next update removes what the pending
-message sends), so the guess is the same for fp32 and 1-bit values. With
-``guess="message"``, ``c`` is the worker's own pending message, decoded as
-every receiver decodes it: the update that would land if every worker had
-sent what this one sent, exact when the workers agree.
+With ``delayed_apply``, step t's gradient, taken at the params as they are,
+misses the update still in flight, and a sign-momentum method run one step
+late oscillates. Psyche's correction, :func:`gradient_point`, takes the
+gradient where the params will be once that update lands, as the worker
+guesses it from its optimizer state alone, so the all-gather still depends on
+nothing computed from this step's gradient (docs/design.md, section 4).
 """
 
 from collections.abc import Hashable
@@ -41,28 +28,8 @@ def _is_masked(x: Any) -> bool:
 
 
 def _selected(momentum: Any, params: Any) -> Any:
-  """``params`` with ``optax.MaskedNode`` wherever ``momentum`` has one.
-
-  Under ``optax.masked`` or ``optax.multi_transform`` (a partial overlap, see
-  :func:`distro_jax.distro`) a :class:`DemoState` covers only some params;
-  its momentum marks the others.
-  """
+  """``params`` with ``optax.MaskedNode`` where ``momentum`` (masked or partial) has one."""
   return jax.tree.map(lambda m, p: m if _is_masked(m) else p, momentum, params, is_leaf=_is_masked)
-
-
-_GUESSES = ("momentum", "message")
-
-
-def _pending_layout(state: DemoState, leaves: list[jax.Array], c: Compression) -> codec.WireLayout:
-  """The layout of the message in flight, checked against the bytes the state holds."""
-  layout = c.layout(leaves)
-  if state.pending.shape != (layout.num_bytes,):
-    raise ValueError(
-      f"The pending message holds {state.pending.shape[-1]} bytes, but these options give "
-      f"{layout.num_bytes}; pass gradient_point the compression options of the dj.demo "
-      "that made the state."
-    )
-  return layout
 
 
 @takes_compression
@@ -100,12 +67,14 @@ def lookahead_update(
   Returns:
     A tree like ``params``: zero before the first message (or after one
     marked invalid), else ``-scale * lr_prev * (step(IDCT(c)) + wd * p)``,
-    ``step`` the ``normalize`` mode's.
+    ``step`` the ``normalize`` mode's and ``c`` the momentum of the previous
+    step before error feedback, or with ``guess="message"`` this worker's
+    pending message decoded as every receiver decodes it.
   """
   unit_rms.check_normalize(normalize)
   c = Compression.of(compression).checked()
-  if guess not in _GUESSES:
-    raise ValueError(f"guess must be one of {_GUESSES}, got {guess!r}.")
+  if guess not in ("momentum", "message"):
+    raise ValueError(f"guess={guess!r}; use guess='momentum' or guess='message'.")
   if c.random_positions and guess == "message":
     raise ValueError(
       'guess="message" decodes the pending message at its sent positions, which '
@@ -116,13 +85,17 @@ def lookahead_update(
   # A zero-size param has no part in the message, and no guess to move it by.
   carried = wire.CarriedLeaves(all_leaves)
   leaves = carried.pick(all_leaves)
-  layout = _pending_layout(state, leaves, c)
+  layout = c.layout(leaves)
+  if state.pending.shape != (layout.num_bytes,):
+    raise ValueError(
+      f"The pending message holds {state.pending.shape[-1]} bytes, but these options give "
+      f"{layout.num_bytes}; pass gradient_point the compression options of the dj.demo "
+      "that made the state."
+    )
   plans = wire.plan_tree(leaves, c.compression_chunk)
   basis = c.basis
   momenta = [dct.to_blocks(m, plan) for m, plan in zip(carried.pick(all_momenta), plans)]
   if guess == "message":
-    # The pending message, read back and decoded as a receiver decodes the
-    # messages of one worker.
     tensors, valid = codec.decode_message(state.pending[None], layout)
     received = message.Received(tensors, valid)
     q_blocks = decode.aggregate(received, momenta, plans, basis, axis_name=None)
@@ -137,21 +110,18 @@ def lookahead_update(
   modes = carried.pick(unit_rms.normalize_modes(normalize, params))
   for q_block, plan, x, mode in zip(q_blocks, plans, leaves, modes):
     q = dct.from_blocks(q_block, plan)
-    # Without axis_name the tensor is whole here; with it, every other axis
-    # that the param is split over holds another block of it (FSDP). The
-    # param's typing decides, not q's: q is typed by the message, which
-    # differs across a site's devices even where the param is whole on each.
+    # With axis_name, the param's other axes hold other blocks of it (FSDP). The
+    # param's typing decides, not q's, which the message types as differing
+    # across a site's devices even where the param is whole on each.
     blocks = () if axis_name is None else exchange.varying_axes(x) - {axis_name}
     direction = unit_rms.normalized_step(q, mode, blocks).astype(x.dtype)
     if weight_decay:
       direction = direction + weight_decay * x
     delta = (-step * direction).astype(x.dtype)
     if axis_name is not None:
-      # Under FSDP the message covers a site's shards, so it is typed as
-      # differing across the site's devices, while a param kept whole there
-      # has the same guess on each. Typed as the param is (plus the worker
-      # axis; a max over equal values changes no value), its gradient is
-      # taken as of a whole param.
+      # A param kept whole across a site has the same guess on each device;
+      # typed as the param is (a max over equal values changes none), its
+      # gradient is taken as of a whole param.
       site = exchange.varying_axes(delta) - exchange.varying_axes(x) - {axis_name}
       if site:
         delta = jax.lax.pmax(delta, tuple(sorted(site, key=str)))
@@ -222,8 +192,6 @@ def gradient_point(
     )
   point = params
   for demo_state in states:
-    # Each overlapped exchange moves the params it covers (all of them, but
-    # for a partial overlap or a masked transformation).
     delta = lookahead_update(
       demo_state, _selected(demo_state.momentum, params), learning_rate, **lookahead
     )

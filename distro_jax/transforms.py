@@ -1,21 +1,13 @@
 """DeMo and DisTrO as optax transformations.
 
-:func:`scale_by_demo` is the whole communication step, a pipeline of named
-stages (docs/library.md, "The pipeline"):
-
-1. **compress** (:mod:`distro_jax.compress`): fold the gradient into the
-   decoupled momentum in the chunked DCT basis, select the message (top-k or
-   drawn positions, :mod:`distro_jax.message`), and feed back what it sends;
-2. **exchange** (:mod:`distro_jax.delivery`): all-gather the messages, this
-   step's or, with ``delayed_apply``, the step before's;
-3. **decode** (:mod:`distro_jax.decode`): average each coefficient over the
-   workers that chose it and take the inverse DCT, giving ``Q`` in each
-   param's shape, the same on every worker.
-
+:func:`scale_by_demo` is the communication step, a pipeline of named stages
+(docs/library.md, "The pipeline"): **compress** (:mod:`distro_jax.compress`)
+folds the gradient into the decoupled momentum and selects the message;
+**exchange** (:mod:`distro_jax.delivery`) all-gathers the messages; **decode**
+(:mod:`distro_jax.decode`) averages them into ``Q``, the same on every worker.
 The fourth stage, **normalize**, is the transformation chained after it:
-:func:`demo` takes ``sign(Q)`` as the reference does (or a unit-RMS or
-orthogonalized step, :mod:`distro_jax.unit_rms`); :func:`distro` takes any
-optax transformation.
+:func:`demo`'s ``sign(Q)`` (or a step of :mod:`distro_jax.unit_rms`), or any
+optax transformation in :func:`distro`.
 """
 
 import functools
@@ -64,13 +56,12 @@ class DemoState(NamedTuple):
     count: number of updates applied, int32 scalar.
     momentum: per parameter, the decoupled momentum in the chunked DCT basis,
       float32, in the parameter's shape (``(1,)`` for a scalar) with each
-      chunk's coefficients in place (docs/design.md, section 1), so a param's
-      ``PartitionSpec`` places it. With ``delayed_apply`` it is kept before
-      the pending message's error feedback (what the lookahead reads). A
-      worker whose values were not finite restarts from zero.
-    contributors: how many workers' messages went into the last aggregate,
-      the same on every worker (with ``delayed_apply``, the previous step's;
-      0 at step 1).
+      chunk's coefficients in place (docs/design.md, section 1). With
+      ``delayed_apply`` it is kept before the pending message's error
+      feedback (what the lookahead reads). A worker whose values were not
+      finite restarts from zero.
+    contributors: how many workers' messages went into the last aggregate
+      (with ``delayed_apply``, the previous step's; 0 at step 1).
     pending: with ``delayed_apply``, this worker's message of the previous
       step, ``uint8[message bytes]``, all zeros (invalid) before the first
       step; ``None`` otherwise.
@@ -103,16 +94,12 @@ def _check_trees(updates: Any, params: Any) -> None:
       "jax.grad(loss)(params).\n"
       f"  gradients: {u_def}\n  params:    {p_def}"
     )
-  for path_u, g, p in zip(
-    jax.tree_util.tree_flatten_with_path(updates)[0],
-    jax.tree.leaves(updates),
-    jax.tree.leaves(params),
-  ):
+  with_path = jax.tree_util.tree_flatten_with_path(updates)[0]
+  for (path, g), p in zip(with_path, jax.tree.leaves(params)):
     if np.shape(g) != np.shape(p):
-      name = jax.tree_util.keystr(path_u[0])
       raise ValueError(
-        f"Gradient {name} has shape {np.shape(g)} but its parameter has shape "
-        f"{np.shape(p)}. Gradients must have the shapes of the params."
+        f"Gradient {jax.tree_util.keystr(path)} has shape {np.shape(g)} but its parameter has "
+        f"shape {np.shape(p)}. Gradients must have the shapes of the params."
       )
 
 
@@ -154,24 +141,8 @@ def _options(
   return _Options(compression.checked(), axis_name, bool(delayed_apply), collective)
 
 
-def _init(params: Any, opts: _Options) -> DemoState:
-  """A worker's first state: zero momentum and, with ``delayed_apply``, no message."""
-  dct.refuse_non_float(params, "DeMo", "DCT, top-k by magnitude and sign step")
-  zero = jnp.zeros([], jnp.int32)
-  pending = None
-  if opts.delayed_apply:
-    # All zeros marks the message invalid, so the first step applies nothing.
-    pending = jnp.zeros((opts.compression.layout(params).num_bytes,), jnp.uint8)
-  momentum = jax.tree.map(dct.in_place_zeros, params)
-  return DemoState(count=zero, momentum=momentum, contributors=zero, pending=pending)
-
-
 def _without_empty(update: Callable[..., Any], updates, state, params, **extra_args):
-  """``update`` on the tensors with entries; a zero-size tensor gets an empty update.
-
-  A zero-size tensor has nothing to send: the message and the exchange leave
-  it out, and its update is as empty as it is.
-  """
+  """``update`` on the nonempty tensors; a zero-size one, in no message, gets an empty update."""
   _check_trees(updates, params)
   grads, treedef = jax.tree.flatten(updates)
   carried = wire.CarriedLeaves(grads)
@@ -191,17 +162,10 @@ def _without_empty(update: Callable[..., Any], updates, state, params, **extra_a
 class _Tensors(NamedTuple):
   """What one update knows of its tensors before it computes anything.
 
-  Attributes:
-    lr: this step's learning rate.
-    shapes: per tensor, the update's shape and dtype (the param's, or without
-      params the gradient's), which set the values' width on the wire.
-    plans: per tensor, its :class:`~distro_jax.dct.ChunkPlan`.
-    momenta: the state's momenta, in their params' shapes.
-    momentum_blocks: the same in their block views, where everything
-      param-sized stays: both DCT stages, top-k's first stage and the
-      scatters read the data in place there.
-    site_axes: mesh axes besides the workers' that the gradients vary over:
-      a worker's gradients sharded over its site's devices (FSDP).
+  ``shapes`` holds the updates' shapes with the params' dtypes (the values'
+  width on the wire); ``momentum_blocks`` the ``momenta`` in their block views,
+  where all param-sized work reads them in place; ``site_axes`` the mesh axes
+  besides the workers' that the gradients vary over (FSDP within a site).
   """
 
   lr: Any
@@ -251,11 +215,10 @@ def _verdict(
 ) -> tuple[jax.Array, jax.Array]:
   """``(finite, send)``: whether this worker's values are finite, and whether it sends.
 
-  A non-finite gradient anywhere in a chunk spreads over all its
-  coefficients, so checking what was selected catches it. Such a worker sends
-  a message marked invalid and restarts from zero momentum. A worker that
-  holds its message back (``contribute=False``, a cold start) sends it marked
-  invalid, like a failed one, but keeps its momentum whole.
+  A non-finite gradient spreads over all its chunk's coefficients, so checking
+  the selection catches it; such a worker sends an invalid message and restarts
+  from zero momentum. ``contribute=False`` (a cold start) also sends an invalid
+  message, but keeps the momentum whole.
   """
   finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in selection.values]))
   if site_axes:
@@ -297,10 +260,7 @@ def scale_by_demo(
       each message straight to every peer in one hop, for far links (inside a
       ``jax.shard_map`` built with ``check_vma=False``;
       :func:`distro_jax.exchange.all_gather_messages`). Static.
-    **compression: the fields of :class:`~distro_jax.Compression` by name
-      (``compression_decay=0.999``, ``compression_topk=32``,
-      ``compression_chunk=64``, ``quantize_1bit``, ``use_dct``,
-      ``random_positions``, ``frequency_bias``).
+    **compression: the fields of :class:`~distro_jax.Compression` by name.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -324,8 +284,7 @@ def scale_by_demo(
     >>> q["w"].shape
     (4, 8)
   """
-  c = Compression.of(compression)
-  opts = _options(learning_rate, c, axis_name, delayed_apply, collective)
+  opts = _options(learning_rate, Compression.of(compression), axis_name, delayed_apply, collective)
   return _demo_stage(learning_rate, opts)
 
 
@@ -338,7 +297,14 @@ def _demo_stage(
   feed_back = opts.compression.error_feedback
 
   def init_fn(params):
-    return _init(params, opts)
+    dct.refuse_non_float(params, "DeMo", "DCT, top-k by magnitude and sign step")
+    zero = jnp.zeros([], jnp.int32)
+    pending = None
+    if opts.delayed_apply:
+      # All zeros marks the message invalid, so the first step applies nothing.
+      pending = jnp.zeros((opts.compression.layout(params).num_bytes,), jnp.uint8)
+    momentum = jax.tree.map(dct.in_place_zeros, params)
+    return DemoState(count=zero, momentum=momentum, contributors=zero, pending=pending)
 
   def update_carried(updates, state, params, *, contribute=None, gathered=None, **extra_args):
     del extra_args  # Other transformations' arguments, passed along by optax.chain.
@@ -352,8 +318,6 @@ def _demo_stage(
     tensors = _tensors(updates, state, params, learning_rate, opts)
     fmt = _message_format(state.count, grads, tensors, opts)
     schedule = delivery.schedule(axis_name, num_workers, opts.delayed_apply, opts.collective)
-    # The pipeline: compress, exchange, decode; the chain's next
-    # transformation (sign, unit RMS, Adam, ...) normalizes what it returns.
     momentum_blocks = schedule.feed_back(tensors.momentum_blocks, state, fmt)
     compressed = compress.compress(
       grads, momentum_blocks, tensors.plans, fmt, tensors.lr, decay, feed_back=feed_back
@@ -380,30 +344,23 @@ def _demo_stage(
 def _skip_when_nothing_received(
   tx: optax.GradientTransformation, *, delayed_apply: bool = False
 ) -> optax.GradientTransformationExtraArgs:
-  """Makes a step whose every message was left out a no-op: no update, state as before.
+  """Makes a step whose every message was left out a no-op but for ``contributors``, 0.
 
-  All but :attr:`DemoState.contributors`, which says 0 for that step.
-
-  ``tx`` is a chain whose first state is a :class:`DemoState`. Without this,
-  the rest of the chain would still act on the empty aggregate (weight decay
-  would shrink the params, Adam's moments would decay). With
-  ``delayed_apply`` the messages left out are the previous step's, while this
-  step's gradient has already gone into the momentum and the next message, so
-  the :class:`DemoState` moves on and only the rest of the chain is held.
+  ``tx`` is a chain whose first state is a :class:`DemoState`; the rest of it
+  would still act on the empty aggregate (weight decay would shrink the params,
+  Adam's moments would decay). With ``delayed_apply`` this step's gradient is
+  already in the momentum and the next message, so only the rest is held.
   """
   tx = optax.with_extra_args_support(tx)
 
   def update_fn(updates, state, params=None, **extra_args):
     new_updates, new_state = tx.update(updates, state, params, **extra_args)
     received = _exchange_state(new_state[0]).contributors > 0
-    # The select on the updates fuses into what consumes them; the state is
-    # param-sized and materialized, so it is held back only when it must be.
+    # Selects on the updates, and on state that the rest of the chain computes
+    # elementwise, fuse into what computes or consumes them; DeMo's momentum is
+    # param-sized and materialized, so scale_by_demo holds it itself.
     new_updates = jax.tree.map(lambda u: jnp.where(received, u, jnp.zeros_like(u)), new_updates)
     hold = lambda new, old: jax.tree.map(lambda n, o: jnp.where(received, n, o), new, old)
-    # Selects on state that the rest of the chain computes elementwise fuse
-    # into that computation. DeMo's momentum is held by scale_by_demo itself,
-    # and with delayed_apply its state moves on (the messages left out were
-    # the previous step's, this step's gradient is already in the momentum).
     demo_new, demo_old = new_state[0], state[0]
     if not delayed_apply:
       # contributors stays this step's 0, so a caller sees that every worker
@@ -473,12 +430,6 @@ def demo(
   Args:
     learning_rate: a float or an optax schedule.
     weight_decay: decoupled weight decay, scaled by the learning rate.
-    axis_name: the data-parallel axis; ``None`` for one worker, no collective.
-    delayed_apply: apply step t-1's aggregate at step t, so that the
-      all-gather can overlap the next forward and backward pass. Static.
-    synchronous: with ``delayed_apply``, the params exchanged without the
-      delay (a partial overlap, :func:`distro`). Static.
-    collective: how the messages travel (:func:`scale_by_demo`). Static.
     normalize: how ``Q`` becomes a step: ``"sign"`` (DeMo's), ``"rms"`` (each
       tensor at unit root mean square) or ``"orth"`` (each matrix
       orthogonalized as Muon does, :func:`distro_jax.orthogonalize`; other
@@ -487,10 +438,8 @@ def demo(
     aggregate_momentum: the decay of a Nesterov momentum on the decoded
       aggregate before ``normalize`` (:func:`distro_jax.scale_by_muon_momentum`),
       the same on every worker; 0 keeps none.
-    estimate_step: above 0, the message corrects an estimate of the workers'
-      mean momentum that every worker keeps alike, and the step follows it
-      (:func:`distro_jax.track_shared_estimate`). Not with ``delayed_apply``.
-      Static.
+    axis_name, delayed_apply, synchronous, collective, estimate_step: as in
+      :func:`distro`.
     **compression: the fields of :class:`~distro_jax.Compression` by name.
 
   Returns:
@@ -541,8 +490,7 @@ def distro(
   """DisTrO: the compressed exchange of :func:`scale_by_demo`, then ``inner``.
 
   ``inner`` sees the same aggregate ``Q`` on every worker, so its state and
-  its updates stay identical across replicas. ``dj.demo`` is
-  ``distro(chain(scale_by_sign(), add_decayed_weights(wd), scale_by_learning_rate(lr)), lr)``.
+  its updates stay identical across replicas.
 
   With ``delayed_apply`` and ``synchronous``, a partial overlap: the params
   that ``synchronous`` selects are exchanged without the delay, the others
@@ -557,16 +505,18 @@ def distro(
     learning_rate: the rate folded into the momentum (a float or schedule),
       normally the one ``inner`` uses.
     axis_name: the data-parallel axis; ``None`` for one worker, no collective.
-    delayed_apply: apply step t-1's aggregate at step t (:func:`scale_by_demo`).
-      Static.
+    delayed_apply: apply step t-1's aggregate at step t, so that the
+      all-gather can overlap the next forward and backward pass
+      (:func:`scale_by_demo`). Static.
     synchronous: with ``delayed_apply``, the params exchanged in the step that
       computes them: a tree of bools like the params (or a prefix of it), or a
       function of the params that returns one; ``None`` overlaps every param.
       Static.
     collective: how the messages travel (:func:`scale_by_demo`). Static.
     estimate_step: above 0, the exchange corrects a shared estimate of the
-      workers' mean momentum and ``inner`` sees that estimate
-      (:func:`distro_jax.track_shared_estimate`). Static.
+      workers' mean momentum that every worker keeps alike, and ``inner``
+      sees that estimate (:func:`distro_jax.track_shared_estimate`). Not with
+      ``delayed_apply``. Static.
     **compression: the fields of :class:`~distro_jax.Compression` by name.
 
   Returns:
@@ -587,8 +537,35 @@ def distro(
     (True, False)
   """
   c = Compression.of(compression)
-  exchange_opts = (axis_name, collective)
-  return _distro(inner, learning_rate, delayed_apply, synchronous, c, exchange_opts, estimate_step)
+  estimate = _estimate(estimate_step, c)
+  if estimate is not None and delayed_apply:
+    raise ValueError(
+      "estimate_step > 0 corrects the estimate with this step's messages; with "
+      "delayed_apply=True they arrive a step late. Use delayed_apply=False, or estimate_step=0."
+    )
+  if synchronous is not None:
+    if not delayed_apply:
+      raise ValueError(
+        "synchronous= picks the params that a delayed_apply=True exchange still sends in "
+        "the step that computes them; without delayed_apply every param is synchronous "
+        "already. Pass delayed_apply=True, or leave synchronous=None."
+      )
+    # Two exchanges, one per group, each a whole DisTrO of its own, so a tensor
+    # trains as it would in a run with its group's mode.
+    group = functools.partial(
+      distro, inner, learning_rate, axis_name=axis_name, collective=collective, **compression
+    )
+    groups = {_SYNCHRONOUS: group(delayed_apply=False), _OVERLAPPED: group(delayed_apply=True)}
+    return optax.multi_transform(groups, functools.partial(_overlap_labels, synchronous))
+  rate = learning_rate
+  if estimate is not None:
+    # A stateless exchange at rate 1 corrects the estimate, which keeps the momentum.
+    rate, c = 1.0, c._replace(compression_decay=0.0)
+  stage = _demo_stage(rate, _options(rate, c, axis_name, delayed_apply, collective))
+  if estimate is not None:
+    decay, step = estimate
+    stage = track_shared_estimate(stage, decay=decay, step=step, axis_name=axis_name)
+  return _skip_when_nothing_received(optax.chain(stage, inner), delayed_apply=delayed_apply)
 
 
 def _estimate(estimate_step: Any, compression: Compression) -> tuple[float, float] | None:
@@ -609,52 +586,6 @@ def _estimate(estimate_step: Any, compression: Compression) -> tuple[float, floa
     hint="With estimate_step it is each worker's momentum decay, e.g. 0.95 (Muon's).",
   )
   return decay, float(step)
-
-
-def _distro(
-  inner: optax.GradientTransformation,
-  learning_rate: optax.ScalarOrSchedule,
-  delayed_apply: bool,
-  synchronous: Any,
-  compression: Compression,
-  exchange_opts: tuple[Hashable | None, str],
-  estimate_step: Any = 0.0,
-) -> optax.GradientTransformationExtraArgs:
-  """:func:`distro` with its options gathered; ``exchange_opts`` is ``(axis_name, collective)``."""
-  axis_name, collective = exchange_opts
-  estimate = _estimate(estimate_step, compression)
-  if estimate is not None and delayed_apply:
-    raise ValueError(
-      "estimate_step > 0 corrects the estimate with this step's messages; with "
-      "delayed_apply=True they arrive a step late. Use delayed_apply=False, or estimate_step=0."
-    )
-  if synchronous is None:
-    if estimate is None:
-      stage = _demo_stage(
-        learning_rate, _options(learning_rate, compression, axis_name, delayed_apply, collective)
-      )
-    else:
-      # A stateless exchange at rate 1 corrects the estimate, which keeps the momentum.
-      decay, step = estimate
-      stateless = compression._replace(compression_decay=0.0)
-      opts = _options(1.0, stateless, axis_name, delayed_apply, collective)
-      stage = track_shared_estimate(
-        _demo_stage(1.0, opts), decay=decay, step=step, axis_name=axis_name
-      )
-    return _skip_when_nothing_received(optax.chain(stage, inner), delayed_apply=delayed_apply)
-  if not delayed_apply:
-    raise ValueError(
-      "synchronous= picks the params that a delayed_apply=True exchange still sends in "
-      "the step that computes them; without delayed_apply every param is synchronous "
-      "already. Pass delayed_apply=True, or leave synchronous=None."
-    )
-  # Two exchanges, one per group, each a whole DisTrO of its own, so a tensor
-  # trains as it would in a run with its group's mode.
-  groups = {
-    _SYNCHRONOUS: _distro(inner, learning_rate, False, None, compression, exchange_opts),
-    _OVERLAPPED: _distro(inner, learning_rate, True, None, compression, exchange_opts),
-  }
-  return optax.multi_transform(groups, functools.partial(_overlap_labels, synchronous))
 
 
 _SYNCHRONOUS, _OVERLAPPED = "synchronous", "overlapped"
@@ -694,12 +625,7 @@ def distro_adamw(
     b2: Adam's second-moment decay.
     eps: Adam's epsilon.
     weight_decay: AdamW's decoupled weight decay.
-    axis_name: the data-parallel axis; ``None`` for one worker, no collective.
-    delayed_apply: apply step t-1's aggregate at step t (:func:`scale_by_demo`).
-      Static.
-    synchronous: with ``delayed_apply``, the params exchanged without the
-      delay (:func:`distro`). Static.
-    collective: how the messages travel (:func:`scale_by_demo`). Static.
+    axis_name, delayed_apply, synchronous, collective: as in :func:`distro`.
     **compression: the fields of :class:`~distro_jax.Compression` by name.
 
   Returns:
