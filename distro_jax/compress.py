@@ -7,7 +7,7 @@ and zero what was selected (error feedback, so what is sent leaves the
 momentum at full precision).
 
 A fused kernel is another implementation of this stage: :func:`_fused`
-is the one place that asks whether one serves a tensor (the ``serves`` of
+is where the stage asks whether one serves a tensor (the ``serves`` of
 :mod:`distro_jax.cpu_kernels`, then of :mod:`distro_jax.pallas_kernels`:
 the CPU's on a CPU, the Pallas ones on a GPU, each folding, transforming and
 taking the top-k or the drawn positions in one pass), and every tensor none

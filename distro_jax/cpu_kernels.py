@@ -18,7 +18,6 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -64,25 +63,16 @@ _FLAGS = (
 _COMPRESS, _DECODE = "distro_jax_demo_compress", "distro_jax_demo_decode"
 _COMPRESS_AT, _COMPRESS8 = "distro_jax_demo_compress_at", "distro_jax_demo_compress8"
 _DECODE8, _DRAW = "distro_jax_demo_decode8", "distro_jax_demo_draw"
-_TARGETS = {
-  _COMPRESS: "DistroJaxDemoCompress",
-  _DECODE: "DistroJaxDemoDecode",
-  _COMPRESS_AT: "DistroJaxDemoCompressAt",
-  _COMPRESS8: "DistroJaxDemoCompress8",
-  _DECODE8: "DistroJaxDemoDecode8",
-  _DRAW: "DistroJaxDemoDraw",
-}
+_TARGETS = (_COMPRESS, _DECODE, _COMPRESS_AT, _COMPRESS8, _DECODE8, _DRAW)
 _switch = kernel_switch.Switch(SWITCH)
 
 
 def _cpu_signature() -> str:
   """What a binary built with -march=native depends on: the CPU's feature flags."""
-  try:
+  with contextlib.suppress(OSError):
     for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
       if line.startswith(("flags", "Features")):
         return line
-  except OSError:
-    pass
   return platform.processor() or platform.machine()
 
 
@@ -92,8 +82,7 @@ def _cache_dir() -> pathlib.Path:
 
 
 def _build(compiler: str) -> pathlib.Path:
-  source = _SOURCE.read_bytes()
-  key = hashlib.sha256(source)
+  key = hashlib.sha256(_SOURCE.read_bytes())
   headers = jax.ffi.include_dir()
   for part in (" ".join(_FLAGS), compiler, headers, _cpu_signature(), jax.__version__):
     key.update(part.encode())
@@ -101,34 +90,23 @@ def _build(compiler: str) -> pathlib.Path:
   if target.exists():
     return target
   target.parent.mkdir(parents=True, exist_ok=True)
-  # Processes starting at once build once: the others wait for the lock. The
-  # rename keeps any process from loading a half-written file.
-  with _exclusive(target.with_suffix(".lock")):
+  # Processes starting at once build once: the others wait for the lock (which
+  # closing the file releases). The rename keeps any process from loading a
+  # half-written file.
+  with open(target.with_suffix(".lock"), "a") as lock:
+    if fcntl is not None:
+      fcntl.flock(lock, fcntl.LOCK_EX)
     if target.exists():
       return target
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-      cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+      cmd = [compiler, *_FLAGS, f"-I{headers}", str(_SOURCE), "-o", tmp]
       subprocess.run(cmd, check=True, capture_output=True, text=True)
       os.replace(tmp, target)
     finally:
-      if os.path.exists(tmp):
-        os.remove(tmp)
+      pathlib.Path(tmp).unlink(missing_ok=True)
   return target
-
-
-@contextlib.contextmanager
-def _exclusive(path: pathlib.Path) -> Iterator[None]:
-  """Holds an advisory exclusive lock on ``path``."""
-  with open(path, "a") as f:
-    if fcntl is not None:
-      fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      if fcntl is not None:
-        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 _build_lock = threading.Lock()
@@ -145,9 +123,8 @@ def _load() -> bool:
   compiler = os.environ.get("CXX", "c++")
   if shutil.which(compiler) is None:
     warnings.warn(
-      f"distro_jax: no C++ compiler ({compiler!r}) found, so DeMo's update on the CPU "
-      "takes XLA's slower path. Install one (e.g. g++) or set CXX to use the fused "
-      f"kernels; set {SWITCH}=0 to silence this.",
+      f"distro_jax: no C++ compiler ({compiler!r}) found, so DeMo's CPU update takes XLA's "
+      f"slower path. Install one (e.g. g++) or set CXX; set {SWITCH}=0 to silence this.",
       stacklevel=3,
     )
     return False
@@ -161,16 +138,16 @@ def _load() -> bool:
       stacklevel=3,
     )
     return False
-  for target, symbol in _TARGETS.items():
+  for target in _TARGETS:
+    # The library names each kernel in CamelCase: DistroJaxDemoCompressAt.
+    symbol = target.title().replace("_", "")
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), "cpu")
   return True
 
 
 def available() -> bool:
   """Whether DeMo's update takes the kernels where they serve: on a CPU, not switched off, built."""
-  if _switch.off() or jax.default_backend() != "cpu":
-    return False
-  return _library()
+  return not _switch.off() and jax.default_backend() == "cpu" and _library()
 
 
 def disabled() -> contextlib.AbstractContextManager[None]:
@@ -271,14 +248,12 @@ def compress(
   _require()
   *lead, a, side, b, _ = g_blocks.shape
   scalars = jnp.stack([jnp.asarray(decay, jnp.float32), jnp.asarray(lr, jnp.float32)])
-  shape = (*lead, a, b, k)
-  m_shape = jax.ShapeDtypeStruct(_matrices(g_blocks).shape, jnp.float32)
-  values = jax.ShapeDtypeStruct(shape, jnp.float32)
   g, m = _matrices(g_blocks), _matrices(m_blocks)
+  m_shape = jax.ShapeDtypeStruct(g.shape, jnp.float32)
+  values = jax.ShapeDtypeStruct((*lead, a, b, k), jnp.float32)
   if positions is None:
-    call = jax.ffi.ffi_call(
-      _COMPRESS, (m_shape, jax.ShapeDtypeStruct(shape, jnp.int32), values), vmap_method="sequential"
-    )
+    indices = values.update(dtype=jnp.int32)
+    call = jax.ffi.ffi_call(_COMPRESS, (m_shape, indices, values), vmap_method="sequential")
     m_new, idx, val = call(g, m, scalars, tables(), k=np.int64(k))
   else:
     idx = positions.astype(jnp.int32)
@@ -303,15 +278,12 @@ def decode(
   _require()
   num_workers = indices.shape[0]
   *lead, a, c1, b, c2 = block_shape
-  rows = int(np.prod(lead, dtype=np.int64)) * a * b
-  idx = indices.astype(jnp.int32).reshape(num_workers, rows, -1)
-  val = values.astype(jnp.float32).reshape(num_workers, rows, -1)
+  batch = int(np.prod(lead, dtype=np.int64))
+  idx = indices.astype(jnp.int32).reshape(num_workers, batch * a * b, -1)
+  val = values.astype(jnp.float32).reshape(num_workers, batch * a * b, -1)
   target, table = (_DECODE8, basis8()) if c1 == 8 else (_DECODE, tables())
-  call = jax.ffi.ffi_call(
-    target,
-    jax.ShapeDtypeStruct((rows // (a * b), a * c1, b * c2), jnp.float32),
-    vmap_method="sequential",
-  )
+  matrices = jax.ShapeDtypeStruct((batch, a * c1, b * c2), jnp.float32)
+  call = jax.ffi.ffi_call(target, matrices, vmap_method="sequential")
   valid = valid_W.astype(jnp.int32)
   (out,) = _typed_like((call(idx, val, valid, table),), idx, val, valid)
   return out.reshape(block_shape)

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # Some jax versions have no shard_alike; from_blocks then skips a sharding hint.
 try:
@@ -43,15 +45,8 @@ def chunk_length(n: int, target: int) -> int:
   """The chunk length of an axis of length ``n``: its largest divisor up to ``target`` (>= 1)."""
   if n < 1 or target < 1:
     raise ValueError(f"chunk_length needs n >= 1 and target >= 1, got {n=}, {target=}.")
-  if n <= target:
-    return n
-  best = 1
-  for d in range(1, math.isqrt(n) + 1):
-    if n % d == 0:
-      for c in (d, n // d):
-        if best < c <= target:
-          best = c
-  return best
+  divisors = (c for d in range(1, math.isqrt(n) + 1) if n % d == 0 for c in (d, n // d))
+  return max(c for c in divisors if c <= target)
 
 
 class ChunkPlan(NamedTuple):
@@ -101,8 +96,7 @@ class ChunkPlan(NamedTuple):
   @property
   def block_shape(self) -> tuple[int, ...]:
     """The block view's shape, ``(*batch, n1 // c1, c1, n2 // c2, c2)``."""
-    lead = self.shape[:-2] if len(self.shape) >= 2 else ()
-    return (*lead, self.n1 // self.c1, self.c1, self.n2 // self.c2, self.c2)
+    return (*self.shape[:-2], self.n1 // self.c1, self.c1, self.n2 // self.c2, self.c2)
 
 
 def in_place_zeros(p: Any) -> jax.Array:
@@ -149,19 +143,15 @@ def plan_chunks(shape: tuple[int, ...], target: int) -> ChunkPlan:
   shape = tuple(int(d) for d in shape)
   if any(d == 0 for d in shape):
     raise ValueError(f"Cannot chunk a tensor with a zero-length axis, shape {shape}.")
-  if len(shape) == 0:
-    n1, n2, batch = 1, 1, 1
-  elif len(shape) == 1:
-    n1, n2, batch = 1, shape[0], 1
-  else:
-    n1, n2, batch = shape[-2], shape[-1], math.prod(shape[:-2])
-  return ChunkPlan(shape, batch, n1, n2, chunk_length(n1, target), chunk_length(n2, target))
+  n1, n2 = (1, 1, *shape)[-2:]
+  return ChunkPlan(
+    shape, math.prod(shape[:-2]), n1, n2, chunk_length(n1, target), chunk_length(n2, target)
+  )
 
 
 @functools.cache
 def _basis_np(n: int) -> np.ndarray:
-  k = np.arange(n)[:, None]
-  i = np.arange(n)[None, :]
+  k, i = np.ogrid[:n, :n]
   basis = np.sqrt(2.0 / n) * np.cos(np.pi * (2 * i + 1) * k / (2 * n))
   basis[0] /= np.sqrt(2.0)
   return basis.astype(np.float32)
@@ -177,16 +167,10 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 def explicit_sharding(x: jax.Array) -> Any:
   """``x``'s sharding when its type shards it over explicit mesh axes, else ``None``."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or not mesh.axis_names:
+  sharding = jax.typeof(x).sharding if placed_on_mesh(x) else None
+  if sharding is None or jax.sharding.AxisType.Explicit not in sharding.mesh.axis_types:
     return None
-  explicit = jax.sharding.AxisType.Explicit
-  spec = tuple(sharding.spec)
-  named = [e for e in spec if e is not None]
-  if not named or not any(t == explicit for t in mesh.axis_types):
-    return None
-  return sharding
+  return sharding if any(e is not None for e in sharding.spec) else None
 
 
 def placed_on_mesh(x: jax.Array) -> bool:
@@ -203,25 +187,24 @@ def _axis_entry_size(mesh: Any, entry: Any) -> int:
   return math.prod(mesh.shape[n] for n in names)
 
 
+def _padded_spec(sharding: Any, ndim: int) -> tuple[Any, ...]:
+  """``sharding``'s spec with an entry for each of ``ndim`` axes."""
+  spec = tuple(sharding.spec)
+  return spec + (None,) * (ndim - len(spec))
+
+
 def _chunk_whole_spec(sharding: Any, plan: ChunkPlan) -> tuple[Any, ...]:
   """The tensor's spec with every entry that would cut a chunk dropped."""
-  spec = tuple(sharding.spec) + (None,) * (len(plan.shape) - len(tuple(sharding.spec)))
-  if len(plan.shape) == 0:
-    return spec
-  chunked = {len(plan.shape) - 1: plan.n2 // plan.c2}
-  if len(plan.shape) >= 2:
-    chunked[len(plan.shape) - 2] = plan.n1 // plan.c1
+  nd = len(plan.shape)
+  chunks = {nd - 2: plan.n1 // plan.c1, nd - 1: plan.n2 // plan.c2}
   return tuple(
-    None
-    if e is not None and d in chunked and chunked[d] % _axis_entry_size(sharding.mesh, e)
-    else e
-    for d, e in enumerate(spec)
+    None if e is not None and d in chunks and chunks[d] % _axis_entry_size(sharding.mesh, e) else e
+    for d, e in enumerate(_padded_spec(sharding, nd))
   )
 
 
-def _block_spec(spec: tuple[Any, ...], plan: ChunkPlan) -> jax.sharding.PartitionSpec:
+def _block_spec(spec: tuple[Any, ...], plan: ChunkPlan) -> P:
   """Where a chunk-whole spec of a tensor's axes goes in its block view."""
-  P = jax.sharding.PartitionSpec
   if len(plan.shape) >= 2:
     return P(*spec[:-2], spec[-2], None, spec[-1], None)
   if len(plan.shape) == 1:
@@ -243,11 +226,9 @@ def to_blocks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
   if sharding is None:
     return jnp.reshape(x, plan.block_shape)
   whole = _chunk_whole_spec(sharding, plan)
-  if whole != tuple(sharding.spec) + (None,) * (x.ndim - len(tuple(sharding.spec))):
-    x = jax.sharding.reshard(
-      x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*whole))
-    )
-  out = jax.sharding.NamedSharding(sharding.mesh, _block_spec(whole, plan))
+  if whole != _padded_spec(sharding, x.ndim):
+    x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(*whole)))
+  out = NamedSharding(sharding.mesh, _block_spec(whole, plan))
   return jnp.reshape(x, plan.block_shape, out_sharding=out)
 
 
@@ -270,11 +251,10 @@ def from_blocks(
     if sharding is None or len(plan.shape) < 1:
       y = jnp.reshape(y, shape)
     else:
-      spec = tuple(sharding.spec) + (None,) * (y.ndim - len(tuple(sharding.spec)))
+      spec = _padded_spec(sharding, y.ndim)
       nb = plan.batch_dims
-      out = (*spec[:nb], spec[nb], spec[nb + 2]) if len(plan.shape) >= 2 else (spec[2],)
-      out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*out))
-      y = jnp.reshape(y, shape, out_sharding=out)
+      kept = (*spec[:nb], spec[nb], spec[nb + 2]) if len(plan.shape) >= 2 else (spec[2],)
+      y = jnp.reshape(y, shape, out_sharding=NamedSharding(sharding.mesh, P(*kept)))
   if like is None or not placed_on_mesh(like):
     return y
   want = explicit_sharding(like)
@@ -292,10 +272,9 @@ def from_blocks(
 @functools.cache
 def _warn_no_shard_alike() -> None:
   warnings.warn(
-    f"jax {jax.__version__} has no shard_alike, so on a mesh of AxisType.Auto the "
-    "update and optimizer state (DeMo's, SparseLoCo's) may come back replicated instead "
-    "of sharded like the params (the values are the same). Use a mesh with AxisType.Explicit "
-    "to keep the params' sharding, or a jax that has jax.experimental.shard_alike.",
+    f"jax {jax.__version__} has no shard_alike, so on an AxisType.Auto mesh DeMo's and "
+    "SparseLoCo's update and state may come back replicated, not sharded like the params "
+    "(same values). Use an AxisType.Explicit mesh, or a jax with jax.experimental.shard_alike.",
     stacklevel=3,
   )
 
@@ -342,19 +321,9 @@ class Basis(NamedTuple):
   inverse: Callable[[jax.Array, ChunkPlan], jax.Array]
 
 
-def _entries(x_blocks: jax.Array, plan: ChunkPlan) -> jax.Array:
-  del plan
-  return x_blocks.astype(jnp.float32)
-
-
-def _unchanged(y_blocks: jax.Array, plan: ChunkPlan) -> jax.Array:
-  del plan
-  return y_blocks
-
-
 DCT_BASIS = Basis("dct", forward_blocks, inverse_blocks)
 """Every chunk's orthonormal 2-D DCT: :func:`forward_blocks`, :func:`inverse_blocks`."""
-IDENTITY_BASIS = Basis("identity", _entries, _unchanged)
+IDENTITY_BASIS = Basis("identity", lambda x, plan: x.astype(jnp.float32), lambda y, plan: y)
 """A chunk's own entries, in float32 (the ``use_dct=False`` ablation)."""
 
 
@@ -377,15 +346,10 @@ def to_chunks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
   Row ``r`` is chunk ``r`` in chunk-local order ``i * c2 + j``; no transform.
   """
   x = jnp.reshape(x.astype(jnp.float32), plan.block_shape)
-  nb = plan.batch_dims
-  perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
-  return x.transpose(perm).reshape(plan.coeff_shape)
+  return jnp.swapaxes(x, -3, -2).reshape(plan.coeff_shape)
 
 
 def from_chunks(y: jax.Array, plan: ChunkPlan) -> jax.Array:
   """Inverse of :func:`to_chunks`: ``plan.coeff_shape`` back to ``plan.shape``."""
-  lead, (a, c1, b, c2) = plan.block_shape[:-4], plan.block_shape[-4:]
-  nb = plan.batch_dims
-  y = y.reshape(*lead, a, b, c1, c2)
-  perm = (*range(nb), nb, nb + 2, nb + 1, nb + 3)
-  return y.transpose(perm).reshape(plan.shape)
+  *lead, a, c1, b, c2 = plan.block_shape
+  return jnp.swapaxes(y.reshape(*lead, a, b, c1, c2), -3, -2).reshape(plan.shape)

@@ -17,7 +17,6 @@ __all__ = [
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 
-# Bytes per element of each HLO element type.
 _DTYPE_BYTES = {
   **dict.fromkeys(("s4", "u4"), 0.5),
   **dict.fromkeys(("pred", "s8", "u8", "f8e4m3fn", "f8e5m2", "f8e4m3fnuz", "f8e5m2fnuz"), 1),
@@ -30,6 +29,7 @@ _DTYPE_BYTES = {
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_DEPTH = {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}
 
 
 class CollectiveBytes(NamedTuple):
@@ -61,7 +61,7 @@ def _split_shape(rest: str) -> tuple[str, str]:
   if rest.startswith("("):
     depth = 0
     for i, ch in enumerate(rest):
-      depth += {"(": 1, ")": -1}.get(ch, 0)
+      depth += _DEPTH.get(ch, 0)
       if depth == 0:
         return rest[: i + 1], rest[i + 1 :].lstrip()
   head, _, tail = rest.partition(" ")
@@ -70,52 +70,36 @@ def _split_shape(rest: str) -> tuple[str, str]:
 
 def _operands(call: str) -> list[str]:
   """The operand list of ``opcode(a, b), attrs`` as raw strings."""
-  start = call.index("(")
-  depth = 0
-  for i in range(start, len(call)):
-    depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(call[i], 0)
-    if depth == 0:
-      inner = call[start + 1 : i]
+  parts, depth = [""], 0
+  for ch in call[call.index("(") + 1 :]:
+    depth += _DEPTH.get(ch, 0)
+    if depth < 0:  # the opcode's closing parenthesis
       break
-  else:
-    inner = call[start + 1 :]
-  parts, depth, cur = [], 0, ""
-  for ch in inner:
-    if ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
     if ch == "," and depth == 0:
-      parts.append(cur.strip())
-      cur = ""
+      parts.append("")
     else:
-      cur += ch
-  if cur.strip():
-    parts.append(cur.strip())
-  return parts
+      parts[-1] += ch
+  parts = [p.strip() for p in parts]
+  return parts if parts[-1] else parts[:-1]
 
 
 def _collectives(hlo_text: str) -> list[tuple[str, str, int, str]]:
   """``(kind, name, operand bytes, attributes)`` of every collective in HLO text."""
   # Compiled HLO names operands without their shapes: index every result shape first.
   shapes: dict[str, str] = {}
-  instrs: list[tuple[str, str, str]] = []
+  calls: list[tuple[str, str, str]] = []
   for line in hlo_text.splitlines():
     # Long operand lists carry /*index=N*/ markers that would hide a name.
     m = _DEF.match(_COMMENT.sub("", line))
     if not m or "(" not in m.group(2):
       continue
     name, rest = m.groups()
-    shape, call = _split_shape(rest)
-    shapes[name] = shape
-    opcode = call.split("(", 1)[0].strip()
-    instrs.append((name, opcode, call))
-
+    shapes[name], call = _split_shape(rest)
+    kind = call.split("(", 1)[0].strip().removesuffix("-start")
+    if kind in KINDS:
+      calls.append((kind, name, call))
   found = []
-  for name, opcode, call in instrs:
-    kind = opcode.removesuffix("-start")
-    if kind not in KINDS:
-      continue
+  for kind, name, call in calls:
     nbytes = 0
     for operand in _operands(call):
       if _ARRAY.search(operand):
@@ -182,9 +166,8 @@ def _device_groups(attrs: str, num_devices: int) -> list[list[int]]:
     shape = [int(x) for x in m.group(1).split(",")]
     return _iota(num_devices, m.group(2), m.group(3)).reshape(shape).tolist()
   m = _GROUPS_LIST.search(attrs)
-  groups = []
-  if m:
-    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+  listed = re.findall(r"\{([0-9,]*)\}", m.group(1)) if m else []
+  groups = [[int(x) for x in g.split(",") if x] for g in listed]
   # An empty list means one group of every device.
   return [g for g in groups if g] or [list(range(num_devices))]
 

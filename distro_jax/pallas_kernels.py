@@ -23,7 +23,7 @@ SWITCH = "DISTRO_JAX_PALLAS"
 SIDES = (8, 64)  # 8x8 chunks only with drawn positions and in the decode
 # The top-k runs k rounds over the chunk; past this the two-stage XLA top-k wins.
 MAX_K = 64
-_BAND = 16  # 8x8 chunks taken at once along a band, at most
+_BAND = 16  # 8x8 chunks a program takes along a band, at most
 _HIGHEST = jax.lax.Precision.HIGHEST
 _switch = kernel_switch.Switch(SWITCH)
 _local = threading.local()  # interpret: set by interpreted()
@@ -31,9 +31,7 @@ _local = threading.local()  # interpret: set by interpreted()
 
 def available() -> bool:
   """Whether DeMo's update takes the kernels where they serve: on a GPU or interpreted, not off."""
-  if _switch.off():
-    return False
-  return interpreting() or jax.default_backend() == "gpu"
+  return not _switch.off() and (interpreting() or jax.default_backend() == "gpu")
 
 
 @contextlib.contextmanager
@@ -84,8 +82,10 @@ def _pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-def _band(b: int) -> int:
-  """The largest power of two up to ``_BAND`` that divides ``b``."""
+def _band(side: int, b: int) -> int | None:
+  """The chunks a program takes: a 64x64 one (``None``), or a band of 8x8 ones up to ``_BAND``."""
+  if side == 64:
+    return None
   t = _BAND
   while b % t:
     t //= 2
@@ -93,9 +93,10 @@ def _band(b: int) -> int:
 
 
 @functools.cache
-def _bases(side: int) -> tuple[np.ndarray, np.ndarray]:
+def _bases(side: int) -> tuple[np.ndarray, ...]:
+  """The DCT bases the kernels read: ``D`` and ``D.T`` for 64x64 chunks, ``D`` for 8x8."""
   d = dct._basis_np(side)
-  return d, np.ascontiguousarray(d.T)
+  return (d, np.ascontiguousarray(d.T)) if side == 64 else (d,)
 
 
 def _together(*arrays: jax.Array) -> tuple[list[jax.Array], dict]:
@@ -104,6 +105,11 @@ def _together(*arrays: jax.Array) -> tuple[list[jax.Array], dict]:
   typed = [exchange.as_varying(x, axes) for x in arrays]
   manual = getattr(jax.typeof(typed[0]), "manual_axis_type", None)
   return typed, ({} if manual is None else {"manual_axis_type": manual})
+
+
+def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
+  """The block spec that hands every program the whole array."""
+  return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
 def _params(interpret: bool) -> dict:
@@ -171,43 +177,30 @@ def compress(
   ``interpret`` runs it in Pallas's interpret mode, on any backend.
   """
   *lead, a, side, b, _ = g_blocks.shape
+  top_k = positions is None
+  if side != 64 and top_k:
+    raise ValueError("pallas_kernels.compress takes 8x8 chunks only at drawn positions.")
   bands = int(np.prod(lead, dtype=np.int64)) * a
   kp = _pow2(k)
   scalars = jnp.stack([jnp.asarray(decay, jnp.float32), jnp.asarray(lr, jnp.float32)])
   g = g_blocks.reshape(bands, side, b, side)
   m = m_blocks.reshape(bands, side, b, side)
-  d, dt = (jnp.asarray(x) for x in _bases(side))
-  (scalars, d, dt, g, m), typing = _together(scalars, d, dt, g, m)
-  whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  bases = [jnp.asarray(x) for x in _bases(side)]
+  (scalars, *bases, g, m), typing = _together(scalars, *bases, g, m)
   m_shape = jax.ShapeDtypeStruct(g.shape, jnp.float32, **typing)
-  if side == 64:
-    chunk = pl.BlockSpec((None, 64, None, 64), lambda r, c: (r, 0, c, 0))
-    top_k = positions is None
-    outs = pl.pallas_call(
-      functools.partial(_compress64_kernel, k=k, kp=kp),
-      out_shape=(m_shape, *[jax.ShapeDtypeStruct((bands, b, kp), jnp.int32, **typing)] * top_k),
-      grid=(bands, b),
-      in_specs=[whole((2,)), whole((64, 64)), whole((64, 64)), chunk, chunk],
-      out_specs=(chunk, *[pl.BlockSpec((None, None, kp), lambda r, c: (r, c, 0))] * top_k),
-      **_params(interpret),
-    )(scalars, d, dt, g, m)
-    m_new = outs[0]
-    idx = outs[1][..., :k].reshape(*lead, a, b, k) if top_k else positions.astype(jnp.int32)
-  else:
-    if positions is None:
-      raise ValueError("pallas_kernels.compress takes 8x8 chunks only at drawn positions.")
-    bt = _band(b)
-    band = pl.BlockSpec((None, 8, bt, 8), lambda r, c: (r, 0, c, 0))
-    m_new = pl.pallas_call(
-      _compress8_kernel,
-      out_shape=m_shape,
-      grid=(bands, b // bt),
-      in_specs=[whole((2,)), whole((8, 8)), band, band],
-      out_specs=band,
-      **_params(interpret),
-    )(scalars, d, g, m)
-    idx = positions.astype(jnp.int32)
-  m_new = m_new.reshape(g_blocks.shape)
+  bt = _band(side, b)
+  band = pl.BlockSpec((None, side, bt, side), lambda r, c: (r, 0, c, 0))
+  kernel = functools.partial(_compress64_kernel, k=k, kp=kp) if side == 64 else _compress8_kernel
+  outs = pl.pallas_call(
+    kernel,
+    out_shape=(m_shape, *[jax.ShapeDtypeStruct((bands, b, kp), jnp.int32, **typing)] * top_k),
+    grid=(bands, b // (bt or 1)),
+    in_specs=[_whole((2,)), *[_whole((side, side))] * len(bases), band, band],
+    out_specs=(band, *[pl.BlockSpec((None, None, kp), lambda r, c: (r, c, 0))] * top_k),
+    **_params(interpret),
+  )(scalars, *bases, g, m)
+  m_new = outs[0].reshape(g_blocks.shape)
+  idx = outs[1][..., :k].reshape(*lead, a, b, k) if top_k else positions.astype(jnp.int32)
   # Values read back from the stored m' are its bits whatever the compiler did.
   idx = exchange.as_varying(idx, exchange.varying_axes(m_new))
   return m_new, idx, codec.gather_blocks(m_new, idx)
@@ -276,10 +269,9 @@ def decode(
   interpret: bool = False,
 ) -> jax.Array:
   """:func:`distro_jax.cpu_kernels.decode`; ``interpret`` runs it in Pallas's interpret mode."""
-  workers = indices.shape[0]
+  workers, k = indices.shape[0], indices.shape[-1]
   *lead, a, side, b, _ = block_shape
   bands = int(np.prod(lead, dtype=np.int64)) * a
-  k = indices.shape[-1]
   idx = indices.astype(jnp.int32).reshape(workers, bands, b, k)
   val = values.astype(jnp.float32).reshape(workers, bands, b, k)
   order = codec.worker_order(
@@ -289,30 +281,18 @@ def decode(
   kp = _pow2(k)
   idx, val = (jnp.pad(x, ((0, 0),) * 3 + ((0, kp - k),)) for x in (idx, val))
   ok = valid_W.astype(jnp.int32)
-  d, dt = (jnp.asarray(x) for x in _bases(side))
-  (order, ok, d, dt, idx, val), typing = _together(order, ok, d, dt, idx, val)
-  whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-  vec = whole((workers,))
-  out_shape = jax.ShapeDtypeStruct((bands, side, b, side), jnp.float32, **typing)
-  if side == 64:
-    per_chunk = pl.BlockSpec((workers, None, None, kp), lambda r, c: (0, r, c, 0))
-    q = pl.pallas_call(
-      functools.partial(_decode64_kernel, workers=workers, k=k),
-      out_shape=out_shape,
-      grid=(bands, b),
-      in_specs=[vec, vec, whole((64, 64)), whole((64, 64)), per_chunk, per_chunk],
-      out_specs=pl.BlockSpec((None, 64, None, 64), lambda r, c: (r, 0, c, 0)),
-      **_params(interpret),
-    )(order, ok, d, dt, idx, val)
-  else:
-    bt = _band(b)
-    per_band = pl.BlockSpec((workers, None, bt, kp), lambda r, c: (0, r, c, 0))
-    q = pl.pallas_call(
-      functools.partial(_decode8_kernel, workers=workers, k=k),
-      out_shape=out_shape,
-      grid=(bands, b // bt),
-      in_specs=[vec, vec, whole((8, 8)), per_band, per_band],
-      out_specs=pl.BlockSpec((None, 8, bt, 8), lambda r, c: (r, 0, c, 0)),
-      **_params(interpret),
-    )(order, ok, d, idx, val)
+  bases = [jnp.asarray(x) for x in _bases(side)]
+  (order, ok, *bases, idx, val), typing = _together(order, ok, *bases, idx, val)
+  bt = _band(side, b)
+  kernel = _decode64_kernel if side == 64 else _decode8_kernel
+  vec = _whole((workers,))
+  messages = pl.BlockSpec((workers, None, bt, kp), lambda r, c: (0, r, c, 0))
+  q = pl.pallas_call(
+    functools.partial(kernel, workers=workers, k=k),
+    out_shape=jax.ShapeDtypeStruct((bands, side, b, side), jnp.float32, **typing),
+    grid=(bands, b // (bt or 1)),
+    in_specs=[vec, vec, *[_whole((side, side))] * len(bases), messages, messages],
+    out_specs=pl.BlockSpec((None, side, bt, side), lambda r, c: (r, 0, c, 0)),
+    **_params(interpret),
+  )(order, ok, *bases, idx, val)
   return q.reshape(block_shape)

@@ -17,8 +17,8 @@ from distro_jax.orthogonal import orthogonalize
 
 __all__ = ["NORMALIZE", "PerLayer", "Split", "scale_to_unit_rms", "to_unit_rms"]
 
-# How dj.demo turns the decoded aggregate into a step.
 NORMALIZE = ("sign", "rms", "orth")
+_MODES = ", ".join(map(repr, NORMALIZE))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +48,7 @@ class PerLayer:
 
   def __post_init__(self) -> None:
     if self.mode not in NORMALIZE:
-      raise ValueError(
-        f"PerLayer(mode={self.mode!r}); use one of {', '.join(map(repr, NORMALIZE))}."
-      )
+      raise ValueError(f"PerLayer(mode={self.mode!r}); use one of {_MODES}.")
     if not isinstance(self.axes, int) or isinstance(self.axes, bool) or self.axes < 1:
       raise ValueError(
         f"PerLayer(axes={self.axes!r}) counts the leading axes that index the layers; "
@@ -83,10 +81,7 @@ class Split:
   def __post_init__(self) -> None:
     inner = self.mode.mode if isinstance(self.mode, PerLayer) else self.mode
     if not isinstance(inner, str) or inner not in NORMALIZE:
-      raise ValueError(
-        f"Split(mode={self.mode!r}); use one of {', '.join(map(repr, NORMALIZE))} or a "
-        "dj.PerLayer of one."
-      )
+      raise ValueError(f"Split(mode={self.mode!r}); use one of {_MODES} or a dj.PerLayer of one.")
     if not isinstance(self.axis, int) or isinstance(self.axis, bool) or self.axis < 0:
       raise ValueError(
         f"Split(axis={self.axis!r}) names the param's axis that is cut into blocks; use a "
@@ -103,10 +98,9 @@ def check_normalize(normalize: Any) -> Any:
       continue
     if not isinstance(mode, str) or mode not in NORMALIZE:
       raise ValueError(
-        f"normalize={mode!r}; use normalize='sign' (DeMo's: every entry moves by the "
-        "learning rate), normalize='rms' (each tensor's step scaled to unit RMS) or "
-        "normalize='orth' (each matrix's step orthogonalized, then at unit RMS), or a "
-        "tree of these (or of dj.PerLayer(mode) for stacked layers) like the params."
+        f"normalize={mode!r}; use normalize='sign' (DeMo's), normalize='rms' (each tensor's "
+        "step at unit RMS) or normalize='orth' (each matrix orthogonalized, then at unit RMS), "
+        "or a tree of these (or of dj.PerLayer(mode) for stacked layers) like the params."
       )
   return normalize
 
@@ -135,28 +129,28 @@ def normalized_step(
   ``"orth"`` scales a tensor that is not a matrix to unit RMS. ``sharded_over``:
   the mesh axes holding the other blocks of ``q``.
   """
+  sharded_over = tuple(sharded_over)
+  inner = mode.mode if isinstance(mode, Split) else mode
+  inner = inner.mode if isinstance(inner, PerLayer) else inner
+  # The sign is elementwise: no layer or block of q needs the rest of it.
+  if inner == "sign":
+    return jnp.sign(q)
   if isinstance(mode, Split):
     return _split_step(q, mode)
   if isinstance(mode, PerLayer):
-    return _per_layer_step(q, mode, tuple(sharded_over))
-  if mode == "sign":
-    return jnp.sign(q)
+    return _per_layer_step(q, mode, sharded_over)
   if mode == "orth" and q.ndim == 2:
-    sharded_over = tuple(sharded_over)
     if sharded_over:
       raise ValueError(
-        f"normalize='orth' orthogonalizes each matrix whole, but this {q.shape} block is "
-        f"one of a matrix split over the mesh axes {sharded_over} (FSDP within a worker). "
-        "Mark it dj.Split('orth', axis=..., over=...), use normalize='rms' with FSDP, or "
-        "keep the params whole on each worker's devices."
+        f"normalize='orth' orthogonalizes each matrix whole, but this {q.shape} block is one "
+        f"of a matrix split over the mesh axes {sharded_over} (FSDP). Mark it dj.Split('orth', "
+        "axis=..., over=...), use normalize='rms', or keep the params whole on each worker."
       )
     q = orthogonalize(q)
   return to_unit_rms(q, sharded_over)
 
 
 def _per_layer_step(q: jax.Array, mode: PerLayer, sharded_over: tuple[Hashable, ...]) -> jax.Array:
-  if mode.mode == "sign":
-    return jnp.sign(q)
   if q.ndim <= mode.axes:
     raise ValueError(
       f"PerLayer(axes={mode.axes}) marks a tensor of shape {q.shape}, which has no axes "
@@ -164,10 +158,10 @@ def _per_layer_step(q: jax.Array, mode: PerLayer, sharded_over: tuple[Hashable, 
     )
   if sharded_over:
     raise ValueError(
-      f"PerLayer({mode.mode!r}) normalizes each layer of a stack whole, but this "
-      f"{q.shape} block is one of a stack split over the mesh axes {sharded_over} (FSDP "
-      "within a worker). Mark it dj.Split(dj.PerLayer(...), axis=..., over=...), keep "
-      "stacked params whole on each worker's devices, or use normalize='sign'."
+      f"PerLayer({mode.mode!r}) normalizes each layer whole, but this {q.shape} block is one "
+      f"of a stack split over the mesh axes {sharded_over} (FSDP). Mark it "
+      "dj.Split(dj.PerLayer(...), axis=..., over=...), keep stacked params whole on each "
+      "worker, or use normalize='sign'."
     )
   layer_shape = q.shape[mode.axes :]
   matrix = mode.mode == "orth" and len(layer_shape) == 2 and min(layer_shape) > 1
@@ -177,9 +171,6 @@ def _per_layer_step(q: jax.Array, mode: PerLayer, sharded_over: tuple[Hashable, 
 
 
 def _split_step(q: jax.Array, mode: Split) -> jax.Array:
-  inner = mode.mode.mode if isinstance(mode.mode, PerLayer) else mode.mode
-  if inner == "sign":
-    return jnp.sign(q)
   if mode.axis >= q.ndim:
     raise ValueError(
       f"Split(axis={mode.axis}) marks a block of shape {q.shape}, which has no axis "
@@ -242,10 +233,9 @@ def scale_by_normalize(
   def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
     del params
     leaves, treedef = jax.tree.flatten(updates)
-    modes = normalize_modes(normalize, updates)
     steps = [
       normalized_step(u, mode, exchange.varying_axes(u) - {axis_name})
-      for u, mode in zip(leaves, modes)
+      for u, mode in zip(leaves, normalize_modes(normalize, updates))
     ]
     return treedef.unflatten(steps), state
 
