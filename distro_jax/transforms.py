@@ -438,8 +438,11 @@ def demo(
     aggregate_momentum: the decay of a Nesterov momentum on the decoded
       aggregate before ``normalize`` (:func:`distro_jax.scale_by_muon_momentum`),
       the same on every worker; 0 keeps none.
-    axis_name, delayed_apply, synchronous, collective, estimate_step: as in
-      :func:`distro`.
+    axis_name: as in :func:`distro`.
+    delayed_apply: as in :func:`distro`.
+    synchronous: as in :func:`distro`.
+    collective: as in :func:`distro`.
+    estimate_step: as in :func:`distro`.
     **compression: the fields of :class:`~distro_jax.Compression` by name.
 
   Returns:
@@ -625,7 +628,10 @@ def distro_adamw(
     b2: Adam's second-moment decay.
     eps: Adam's epsilon.
     weight_decay: AdamW's decoupled weight decay.
-    axis_name, delayed_apply, synchronous, collective: as in :func:`distro`.
+    axis_name: as in :func:`distro`.
+    delayed_apply: as in :func:`distro`.
+    synchronous: as in :func:`distro`.
+    collective: as in :func:`distro`.
     **compression: the fields of :class:`~distro_jax.Compression` by name.
 
   Returns:
