@@ -157,6 +157,8 @@ def _quantized(
   """The values as receivers decode them, and the buffer with those taken out.
 
   What the quantizer loses stays in the buffer, so a later round sends it.
+  The encoder quantizes the same values by the same operations, which the
+  step's program computes once.
   """
   received = fmt.as_received(out.selection, jnp.asarray(True))
   sent = [values[0] for _, values in received.tensors]

@@ -142,6 +142,24 @@ def test_one_coefficient_per_chunk_carries_a_flag_byte():
   np.testing.assert_array_equal(tensors[0][0][0], idx)
 
 
+@pytest.mark.parametrize("bits", [1, 2])
+def test_codebook_values_travel_as_codes_after_the_indices_then_a_codebook_per_tensor(bits):
+  # SparseLoCo's values: each tensor quantized on its own (codec.quantize).
+  idx, val = _selection(np.random.default_rng(5))
+  layout = _layout(False)._replace(codebook_bits=bits)
+  # 84 index bits, then 16 codes of `bits` bits in one stream; a float32 codebook per tensor.
+  assert layout.num_bytes == -(-(84 + 16 * bits) // 8) + 2 * (1 << bits) * 4
+  msgs = jnp.stack([encode_message(idx, val, layout, valid=v) for v in (True, False)])
+  assert msgs.shape == (2, layout.num_bytes) and not np.any(np.asarray(msgs[1]))
+  decoded, valid = decode_message(msgs, layout)
+  np.testing.assert_array_equal(valid, [True, False])
+  for (i, v), i0, v0 in zip(decoded, idx, val):
+    np.testing.assert_array_equal(i[0], i0)
+    # The encoder's program rounds the codebook's means as it fuses them: to the ulp.
+    np.testing.assert_allclose(v[0], codec.dequantize(*codec.quantize(v0, bits)), rtol=1e-6)
+    assert len(np.unique(np.asarray(v[0]))) <= 1 << bits
+
+
 @pytest.mark.parametrize("quantize_1bit", [True, False], ids=["1bit", "fp32"])
 def test_drawn_positions_travel_as_values_alone(quantize_1bit):
   rng = np.random.default_rng(5)
