@@ -89,3 +89,12 @@ def test_a_long_run_on_small_takes_the_long_recipe(name):
   assert checks.resolve(given).learning_rate == 1e-2
   tiny = checks.resolve(TrainConfig(optimizer=name, preset="tiny", steps=min_steps))
   assert tiny.learning_rate == method.recipe.learning_rate
+
+
+def test_the_orthogonalized_demo_step_keeps_its_rate_in_long_runs():
+  min_steps, long = methods.get("demo").long_recipes["small"]
+  for steps in (min_steps - 1, min_steps, 3 * min_steps):
+    orth = TrainConfig(optimizer="demo", preset="small", steps=steps, normalize="orth")
+    assert checks.resolve(orth).learning_rate == methods.get("demo").recipe.learning_rate
+  sign = TrainConfig(optimizer="demo", preset="small", steps=min_steps, normalize="sign")
+  assert checks.resolve(sign).learning_rate == long.learning_rate

@@ -172,6 +172,8 @@ class Method:
     long_recipes: per preset, ``(steps, recipe)``: a run of at least that many
       steps on that preset takes that recipe (``experiments.frontier`` found
       lower rates better for longer runs).
+    takes_long_recipes: ``takes_long_recipes(cfg)``, whether ``long_recipes``
+      apply to a run of ``cfg`` (every run by default).
     options: the tokens that may follow the name on the command line.
     exchange_every: ``exchange_every(cfg)``, steps between exchanges.
     supports_fsdp: runs on sites of more than one device.
@@ -215,6 +217,7 @@ class Method:
   recipe: Recipe
   preset_recipes: Mapping[str, Recipe] = dataclasses.field(default_factory=dict)
   long_recipes: Mapping[str, tuple[int, Recipe]] = dataclasses.field(default_factory=dict)
+  takes_long_recipes: Callable[[TrainConfig], bool] = lambda cfg: True
   options: tuple[Option, ...] = ()
   exchange_every: Callable[[TrainConfig], int] = lambda cfg: 1
   supports_fsdp: bool = True
@@ -234,9 +237,13 @@ class Method:
   steps_with_muon: Callable[[TrainConfig], bool] = lambda cfg: False
   dense: bool = False
 
-  def recipe_for(self, preset: str, steps: int) -> Recipe:
-    """The defaults for this method on ``preset``, for a run of ``steps`` steps."""
-    if preset in self.long_recipes:
+  def recipe_for(self, preset: str, steps: int, long: bool = True) -> Recipe:
+    """The defaults for this method on ``preset``, for a run of ``steps`` steps.
+
+    ``long=False`` (:attr:`takes_long_recipes` says no) keeps the short
+    runs' recipe at any length.
+    """
+    if long and preset in self.long_recipes:
       min_steps, longer = self.long_recipes[preset]
       if steps >= min_steps:
         return longer
@@ -978,6 +985,10 @@ register(
     # demo-k8-1bit: 1.9982 at 1.5e-3, 2.0185 at 7.5e-4; the defaults are flat
     # there (1.8829, 1.8816), so the family takes 1.5e-3.
     long_recipes=_long_runs(_DEMO_RECIPE, 1.5e-3),
+    # The orthogonalized step keeps 3e-3 at 900 steps: the 1,015x message
+    # (demo-k1-c8-1bit-rand-fb1-orth, seed 0) ended at 1.6316 there against
+    # 1.6472 at 1.5e-3 and 1.6438 at 6e-3 (docs/results.md).
+    takes_long_recipes=lambda cfg: cfg.normalize != "orth",
     options=_DEMO_OPTIONS,
     supports_delayed_apply=True,
     excludes_nonfinite=True,
