@@ -1,10 +1,9 @@
-"""Unsigned integers at any bit width, packed densely into bytes, and arrays as raw bytes.
+"""Unsigned integers at any bit width as one bit stream, and arrays as raw bytes.
 
 Values of ``bits`` bits go end to end, least significant bit first: bit ``j``
-of value ``i`` is stream bit ``i * bits + j``, bit ``s % 8`` of byte ``s // 8``.
+of value ``i`` is stream bit ``i * bits + j``, which ``jnp.packbits(...,
+bitorder="little")`` puts at bit ``s % 8`` of byte ``s // 8`` (the codec's wire).
 """
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +14,8 @@ __all__ = [
   "bits_for",
   "from_bit_stream",
   "from_bytes",
-  "pack_bits",
-  "packed_bytes",
   "to_bit_stream",
   "to_bytes",
-  "unpack_bits",
 ]
 
 
@@ -28,11 +24,6 @@ def bits_for(num_values: int) -> int:
   if num_values < 1:
     raise ValueError(f"bits_for needs at least one value, got {num_values}.")
   return max(1, (num_values - 1).bit_length())
-
-
-def packed_bytes(count: int, bits: int) -> int:
-  """Bytes that ``count`` values of ``bits`` bits each occupy once packed."""
-  return math.ceil(count * bits / 8)
 
 
 def _check_bits(bits: int) -> None:
@@ -46,6 +37,17 @@ def to_bit_stream(values: jax.Array, bits: int) -> jax.Array:
   Args:
     values: non-negative integers below ``2**bits``, any shape (flattened in C order).
     bits: width of each value, 1 to 32. Static.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from distro_jax import bitpack
+    >>> stream = bitpack.to_bit_stream(jnp.array([5, 4095, 0]), 12)
+    >>> packed = jnp.packbits(stream, bitorder="little")  # 36 bits in 5 bytes
+    >>> packed.shape
+    (5,)
+    >>> back = jnp.unpackbits(packed, count=36, bitorder="little")
+    >>> bitpack.from_bit_stream(back, 12, 3).tolist()
+    [5, 4095, 0]
   """
   _check_bits(bits)
   flat = jnp.ravel(values).astype(jnp.uint32)
@@ -66,46 +68,6 @@ def from_bit_stream(stream: jax.Array, bits: int, count: int) -> jax.Array:
   grouped = stream.reshape(*lead, count, bits).astype(jnp.uint32)
   weights = np.uint32(1) << jnp.arange(bits, dtype=jnp.uint32)
   return jnp.sum(grouped * weights, axis=-1, dtype=jnp.uint32)
-
-
-def pack_bits(values: jax.Array, bits: int) -> jax.Array:
-  """Packs non-negative integers below ``2**bits`` into bytes, end to end.
-
-  Args:
-    values: integers of any shape, flattened in C order; bits above ``bits`` are dropped.
-    bits: width of each value, 1 to 32. Static.
-
-  Returns:
-    ``uint8[packed_bytes(values.size, bits)]``.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from distro_jax import bitpack
-    >>> packed = bitpack.pack_bits(jnp.array([5, 4095, 0]), 12)
-    >>> packed.shape
-    (5,)
-    >>> bitpack.unpack_bits(packed, 12, 3).tolist()
-    [5, 4095, 0]
-  """
-  _check_bits(bits)
-  if bits == 8:
-    return jnp.ravel(values).astype(jnp.uint8)
-  return jnp.packbits(to_bit_stream(values, bits), bitorder="little")
-
-
-def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
-  """Inverse of :func:`pack_bits`: ``uint32[..., count]``, leading batch axes kept.
-
-  Args:
-    packed: ``uint8[..., packed_bytes(count, bits)]``.
-    bits: width of each value, as packed. Static.
-    count: how many values were packed. Static.
-  """
-  _check_bits(bits)
-  if bits == 8:
-    return packed[..., :count].astype(jnp.uint32)
-  stream = jnp.unpackbits(packed, axis=-1, count=count * bits, bitorder="little")
-  return from_bit_stream(stream, bits, count)
 
 
 def to_bytes(x: jax.Array) -> jax.Array:

@@ -33,6 +33,7 @@ __all__ = [
   "WireLayout",
   "aggregate_blocks",
   "decode_message",
+  "dequantize",
   "draw_positions",
   "draw_tables",
   "encode_message",
@@ -40,7 +41,6 @@ __all__ = [
   "index_bits",
   "message_valid",
   "position_key",
-  "dequantize",
   "quantize",
   "scatter_blocks",
   "select_topk_blocks",
@@ -493,6 +493,7 @@ def encode_message(
   quantized = [quantize(v, bits) for v in values] if bits else []
   indices = [unsharded(x) for x in indices]
   values = [unsharded(x) for x in values]
+  # The stream after the indices: the codes, or (below) the signs.
   signs = [bitpack.to_bit_stream(unsharded(code), bits) for code, _ in quantized]
   if layout.drawn_positions:
     if layout.quantize_1bit:
@@ -566,8 +567,9 @@ def decode_message(
         stream[..., start : start + n], layout.codebook_bits, t.entries
       )
       start += n
-      size = (1 << layout.codebook_bits) * _CODEBOOK_DTYPE.itemsize
-      book = bitpack.from_bytes(message[..., offset : offset + size], _CODEBOOK_DTYPE, (size // 4,))
+      entries = 1 << layout.codebook_bits
+      size = entries * _CODEBOOK_DTYPE.itemsize
+      book = bitpack.from_bytes(message[..., offset : offset + size], _CODEBOOK_DTYPE, (entries,))
       out_val.append(dequantize(codes, book).reshape(*lead, t.rows, t.k))
       offset += size
     elif layout.quantize_1bit:
