@@ -41,8 +41,8 @@ def deliver(
   """This step's message from every worker on ``axis_name``, read back.
 
   Args:
-    fmt: the message format (DeMo's :class:`~distro_jax.message.MessageFormat`
-      or SparseLoCo's).
+    fmt: the message format (:class:`~distro_jax.message.MessageFormat`,
+      DeMo's and SparseLoCo's alike).
     selection: what this worker sends, in the format's terms.
     valid: False marks this worker's message to be left out.
     axis_name: the workers' axis; ``None`` for one worker, whose message is
