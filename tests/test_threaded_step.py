@@ -1,5 +1,9 @@
 """The overlapped step as three programs, its all-gather on a thread of its own."""
 
+import collections
+import threading
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tiny_runs
@@ -34,7 +38,7 @@ def test_the_threaded_step_trains_as_the_fused_one(tmp_path, monkeypatch, flags,
 
   def keep(self, *args):
     out = compile_step(self, *args)
-    compiled.append(out.hlo_texts())
+    compiled.append((out.hlo_texts(), out.early))
     return out
 
   monkeypatch.setattr(ThreadedStep, "compile", keep)
@@ -70,8 +74,11 @@ def test_the_threaded_step_trains_as_the_fused_one(tmp_path, monkeypatch, flags,
     summary = runs["thread"]
     assert summary.step_seconds > 0 and summary.gradient_seconds > 0
     assert 0 <= summary.optimizer_time_fraction < 1
-  (texts,) = compiled
+  ((texts, early),) = compiled
   _assert_only_the_exchange_program_crosses_the_workers(texts, "synchronous_params" in flags)
+  # A message's all-gather starts as soon as it is made, behind the update
+  # and the next gradient, unless the update crosses the workers itself.
+  assert early == ("synchronous_params" not in flags)
 
 
 def _top_ks(hlo: str) -> int:
@@ -114,3 +121,56 @@ def _assert_only_the_exchange_program_crosses_the_workers(texts, synchronous):
 def test_bad_overlap_flags_name_the_fix(tmp_path, overrides, message):
   with pytest.raises(trainer.ConfigError, match=message):
     tiny_runs.run_tiny(tmp_path, **overrides)
+
+
+class _Programs:
+  """Stand-ins for the three programs; each records what it was given, in order."""
+
+  def __init__(self, early):
+    self.early = early
+    self.events: list[str] = []
+    self.gathering = collections.defaultdict(threading.Event)  # by message
+
+  def exchange(self, message):
+    self.gathering[int(message)].set()
+    self.events.append(f"gather {int(message)}")
+    return message * 10
+
+  def gradient(self, params, opt_state, step, inputs, targets):
+    self.events.append(f"gradient {step}")
+    return "loss", "grads", [(opt_state.momentum, jnp.int32(step))], jnp.int32(step)
+
+  def apply(self, params, opt_state, step, loss, grads, gathered):
+    if self.early:  # this step's message is already on its way
+      assert self.gathering[step].wait(timeout=10)
+    self.events.append(f"apply {step} with {int(gathered)}")
+    return params, opt_state, {}
+
+
+def _run_calls(early):
+  programs = _Programs(early)
+  threaded = ThreadedStep(programs.exchange, programs.gradient, programs.apply, early=early)
+  state = dj.DemoState(jnp.int32(0), jnp.zeros(()), jnp.int32(0), pending=jnp.int32(0))
+  for step in (1, 2, 3):
+    _, state, _ = threaded(None, state, step, None, None)
+    threaded.settle()
+  return programs.events
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_each_update_decodes_the_message_before_it_and_early_sends_it_before_the_update(early):
+  # Step t's update decodes step t - 1's message (at the first step, the
+  # state's pending), whenever its all-gather started. Early, the gather of
+  # step t's message starts before step t's update (the stand-in waits for
+  # it); otherwise with the next call, after it.
+  events = _run_calls(early)
+  assert [e for e in events if e.startswith("apply")] == [
+    "apply 1 with 0",
+    "apply 2 with 10",
+    "apply 3 with 20",
+  ]
+  gathers = [e for e in events if e.startswith("gather")]
+  assert gathers == ["gather 0", "gather 1", "gather 2", "gather 3"][: 4 if early else 3]
+  if not early:
+    for t in (1, 2):
+      assert events.index(f"apply {t} with {10 * (t - 1)}") < events.index(f"gather {t}")

@@ -183,13 +183,14 @@ def with_compressed_part(opt_state: Any, part: list[tuple[Any, jax.Array]]) -> A
   return jax.tree.map(take, opt_state, is_leaf=is_delayed_state)
 
 
-def exchange_step(opt_state: Any, *, collective: str = "all_gather") -> jax.Array:
-  """An overlapped step's first program: the all-gather of the message in flight.
+def exchange_step(message: jax.Array, *, collective: str = "all_gather") -> jax.Array:
+  """An overlapped step's first program: the all-gather of a worker's message in flight.
 
-  It reads only the optimizer state, so it runs (on a thread of its own, see
-  :mod:`experiments.run.threaded_step`) while :func:`gradient_and_message` computes.
+  It reads only the message (the state's ``pending``, or the copy that
+  :func:`gradient_and_message` returns), so it runs on a thread of its own
+  (:mod:`experiments.run.threaded_step`) while the other two programs compute.
   """
-  return dj.gather_pending(opt_state, REPLICA, collective)
+  return dj.exchange.all_gather_messages(message, REPLICA, collective)
 
 
 def gradient_and_message(
@@ -205,7 +206,7 @@ def gradient_and_message(
   point: GradientPoint = dj.inner_params,
   fault: tuple[int, int] | None = None,
   cold_until: tuple[int, ...] | None = None,
-) -> tuple[jax.Array, Any, list[tuple[Any, jax.Array]]]:
+) -> tuple[jax.Array, Any, list[tuple[Any, jax.Array]], jax.Array]:
   """An overlapped step's second program: the loss and gradient, then their compression.
 
   Nothing here crosses the workers, so it runs while :func:`exchange_step`
@@ -214,10 +215,11 @@ def gradient_and_message(
   the decode of what was gathered is left for :func:`apply_step`.
 
   Returns:
-    ``(loss, grads, compressed)``: the loss and gradient, each with a leading
-    axis of 1 so that every worker's own lies in one global array, split over
-    the devices as the batch is; and :func:`compressed_part` of the updated
-    state.
+    ``(loss, grads, compressed, message)``: the loss and gradient, each with a
+    leading axis of 1 so that every worker's own lies in one global array,
+    split over the devices as the batch is; :func:`compressed_part` of the
+    updated state; and the next message again, in a buffer of its own, which
+    :func:`exchange_step` may read while :func:`apply_step` takes the state's.
   """
   loss, grads = _value_and_grad(
     params, opt_state, inputs_BxL, targets_BxL, graphdef, param_specs, point
@@ -229,7 +231,9 @@ def gradient_and_message(
   # exchange, whose results are not kept) from this program.
   unused = jnp.zeros((jax.lax.axis_size(REPLICA), pending.size), jnp.uint8)
   _, new_state = tx.update(sent, opt_state, params, gathered=unused, **extra)
-  return loss[None], jax.tree.map(lambda g: g[None], grads), compressed_part(new_state)
+  compressed = compressed_part(new_state)
+  (message,) = [p for _, p in compressed]
+  return loss[None], jax.tree.map(lambda g: g[None], grads), compressed, message
 
 
 def apply_step(

@@ -227,11 +227,12 @@ def _build(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Program:
   if _overlap_on_thread(cfg):
     worker_rows = jax.tree.map(lambda _: rows, specs, is_leaf=_is_spec)
     compressed_specs = steps.compressed_part(state_specs)
+    (message_spec,) = [p for _, p in compressed_specs]
     threaded = ThreadedStep(
       exchange=steps.shard_step(
         steps.exchange_step,
         mesh,
-        (state_specs,),
+        (message_spec,),
         P(),
         check_vma=typed,
         collective=cfg.collective,
@@ -240,7 +241,7 @@ def _build(cfg: TrainConfig, cold_until: tuple[int, ...] | None) -> Program:
         steps.gradient_and_message,
         mesh,
         (specs, state_specs, P(), rows, rows),
-        (rows, worker_rows, compressed_specs),
+        (rows, worker_rows, compressed_specs, message_spec),
         point=point,
         tx=tx,
         fault=fault,
@@ -487,6 +488,12 @@ class _Log:
     self.positions: np.ndarray | None = None  # where this process's losses sit among all
     self.write_every = 1 if jax.process_count() == 1 else max(1, cfg.log_every or 1)
 
+  def gathers_next(self) -> bool:
+    """Whether the next :meth:`stepped` gathers across processes."""
+    if self.pending is None or jax.process_count() == 1:
+      return False
+    return self.pending[0] % self.write_every == 0
+
   def stepped(self, step: int, metrics: Any) -> None:
     """Records the step just dispatched and reads (and, when due, writes) the one before it."""
     seconds = self.timer.lap()
@@ -670,15 +677,21 @@ def _run_claimed(cfg: TrainConfig, notice: preemption.Notice) -> Summary:
     for step in range(start_step + 1, last_step + 1):
       step_arr = step_number(step, program.sharding())
       params, opt_state, metrics = compiled(params, opt_state, step_arr, *batches.next_train())
-      log.stepped(step, metrics)
       preempted = notice.reached(step - start_step)
-      if cfg.check_replicas and (step % cfg.log_every == 0 or step == cfg.steps):
-        _check_replicas(program, params, step)
+      check = cfg.check_replicas and (step % cfg.log_every == 0 or step == cfg.steps)
       # --eval_every=0: only after the last step.
       due = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
+      saving = checkpointer.should_save(step, last_step) or preempted
+      if hasattr(compiled, "settle") and (
+        check or due or saving or step == last_step or log.gathers_next()
+      ):
+        compiled.settle()  # the exchange in flight, before another crosses processes
+      log.stepped(step, metrics)
+      if check:
+        _check_replicas(program, params, step)
       if batches.eval and due:
         log.flush(batches.evaluate(program.eval_step, params))
-      if checkpointer.should_save(step, last_step) or preempted:
+      if saving:
         log.flush()
         # The loss was taken before this step's update, so it cannot vouch
         # for the params about to be saved.
@@ -773,7 +786,10 @@ def _time(
   replicated = program.sharding()
 
   def full_step(p, s, i):
-    return compiled(p, s, step_number(i, replicated), inputs, targets)[:2]
+    out = compiled(p, s, step_number(i, replicated), inputs, targets)[:2]
+    if hasattr(compiled, "settle"):
+      compiled.settle()  # the gradient-only step timed next may cross processes too
+    return out
 
   every = program.method.exchange_every(program.cfg)
   return measure.time_step_parts(
