@@ -80,6 +80,7 @@ def compress(
   decay: float,
   kernels: bool = True,
   feed_back: bool = True,
+  keep: float = 0.0,
 ) -> Compressed:
   """Folds each gradient into its momentum, selects the message from it, and feeds back.
 
@@ -94,6 +95,8 @@ def compress(
     kernels: whether a fused kernel may serve a tensor; ``False`` keeps every
       tensor on XLA's path, whose DCT rounds differently.
     feed_back: zero what was selected in the momentum (error feedback).
+    keep: with ``feed_back``, the share of each selected value left in the
+      momentum (0 zeroes it).
 
   Returns:
     A :class:`Compressed`.
@@ -130,5 +133,11 @@ def compress(
   selection = Selection([idx for idx, _ in picks], [val for _, val in picks])
   if not feed_back:
     return Compressed(momentum, selection, momentum)
+  if keep:
+    kept = [
+      codec.scatter_blocks(m, idx, keep * codec.gather_blocks(m, idx))
+      for m, idx in zip(momentum, selection.indices)
+    ]
+    return Compressed(momentum, selection, kept)
   kept = [codec.zero_selected_blocks(m, idx) for m, idx in zip(momentum, selection.indices)]
   return Compressed(momentum, selection, kept)

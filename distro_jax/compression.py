@@ -46,6 +46,11 @@ class Compression(NamedTuple):
     error_feedback: remove what was sent from the momentum (DeMo's); with
       ``False`` the momentum keeps it, so it is Muon's momentum of the
       worker's own gradient and the message samples it. Static.
+    sent_keep: with ``error_feedback``, the share in ``[0, 1)`` of each sent
+      coefficient that stays in the momentum: 0 removes all of it (DeMo's),
+      ``mu`` keeps ``mu`` of it (Dion's error feedback, arXiv:2504.05295), so
+      what was sent decays as a momentum does, and with nothing dropped the
+      momentum is heavy-ball with decay ``compression_decay * mu``. Static.
 
   Example:
     >>> import distro_jax as dj
@@ -61,6 +66,7 @@ class Compression(NamedTuple):
   random_positions: bool = False
   frequency_bias: float | None = None
   error_feedback: bool = True
+  sent_keep: float = StaticFloat(0.0)
 
   @classmethod
   def of(cls, options: Mapping[str, Any]) -> "Compression":
@@ -86,6 +92,18 @@ class Compression(NamedTuple):
       one_allowed=False,
       hint="Use 0 for the stateless mode, or e.g. 0.999 (the reference default).",
     )
+    keep = unwrap_static(self.sent_keep)
+    check_decay(
+      "sent_keep",
+      keep,
+      one_allowed=False,
+      hint="Use 0 for DeMo's error feedback, or e.g. 0.5; error_feedback=False keeps all of it.",
+    )
+    if keep and not self.error_feedback:
+      raise ValueError(
+        f"sent_keep={keep} is the share of a sent value the error feedback leaves, and "
+        "error_feedback=False leaves all of it; drop sent_keep, or pass error_feedback=True."
+      )
     bias = 0.0
     if self.frequency_bias is not None:
       bias = static_nonnegative_float("frequency_bias", self.frequency_bias, example=1.0)
@@ -105,6 +123,7 @@ class Compression(NamedTuple):
       random_positions=bool(self.random_positions),
       frequency_bias=bias,
       error_feedback=bool(self.error_feedback),
+      sent_keep=float(keep),
     )
 
   @property

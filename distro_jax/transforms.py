@@ -138,6 +138,11 @@ def _options(
       "error_feedback=False is built for the plain exchange; with delayed_apply=True the "
       "message in flight is fed back a step late. Use error_feedback=True there."
     )
+  if delayed_apply and unwrap_static(compression.sent_keep):
+    raise ValueError(
+      f"sent_keep={unwrap_static(compression.sent_keep)} is built for the plain exchange; with "
+      "delayed_apply=True the message in flight is fed back whole, a step late. Drop sent_keep."
+    )
   return _Options(compression.checked(), axis_name, bool(delayed_apply), collective)
 
 
@@ -320,7 +325,14 @@ def _demo_stage(
     schedule = delivery.schedule(axis_name, num_workers, opts.delayed_apply, opts.collective)
     momentum_blocks = schedule.feed_back(tensors.momentum_blocks, state, fmt)
     compressed = compress.compress(
-      grads, momentum_blocks, tensors.plans, fmt, tensors.lr, decay, feed_back=feed_back
+      grads,
+      momentum_blocks,
+      tensors.plans,
+      fmt,
+      tensors.lr,
+      decay,
+      feed_back=feed_back,
+      keep=opts.compression.sent_keep,
     )
     finite, send = _verdict(compressed.selection, tensors.site_axes, contribute)
     received, pending = schedule.exchange(fmt, compressed.selection, send, state, gathered)

@@ -70,3 +70,62 @@ def test_without_error_feedback_the_momentum_keeps_what_was_sent():
   np.testing.assert_allclose(np.asarray(kept), np.asarray(dct_of_g), rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="error_feedback"):
     dj.demo(1e-3, axis_name=None, delayed_apply=True, error_feedback=False)
+
+
+def test_sent_keep_leaves_that_share_of_each_sent_value_and_nothing_else_moves():
+  params = {"w": jnp.ones((16, 16))}
+  grads = {"w": jnp.sin(jnp.arange(256.0)).reshape(16, 16)}
+  states = {}
+  for keep in (0.0, 0.3):
+    tx = dj.scale_by_demo(
+      1.0, axis_name=None, compression_chunk=8, compression_topk=4, sent_keep=keep
+    )
+    _, states[keep] = tx.update(grads, tx.init(params), params)
+  _, whole = dj.scale_by_demo(
+    1.0, axis_name=None, compression_chunk=8, compression_topk=4, error_feedback=False
+  ).update(grads, dj.scale_by_demo(1.0, axis_name=None).init(params), params)
+  fed, kept, m = (np.asarray(s.momentum["w"]) for s in (states[0.0], states[0.3], whole))
+  sent = fed != m  # DeMo's feedback zeroed the 4 sent of each chunk's 64
+  assert int(sent.sum()) == 4 * 4
+  np.testing.assert_array_equal(kept[~sent], m[~sent])  # bit for bit where nothing was sent
+  np.testing.assert_allclose(kept[sent], 0.3 * m[sent], rtol=1e-6)
+
+
+def test_with_nothing_dropped_sent_keep_makes_the_sent_values_heavy_ball_momentum():
+  # Every coefficient of each chunk sent in fp32: what is sent at step t is
+  # decay * keep * (what was sent at t - 1) + DCT(g_t), the momentum Dion's
+  # feedback gives; DeMo's (keep 0) would send DCT(g_t) alone.
+  decay, keep = 0.9, 0.5
+  tx = dj.scale_by_demo(
+    1.0,
+    axis_name=None,
+    compression_chunk=8,
+    compression_topk=64,
+    compression_decay=decay,
+    sent_keep=keep,
+  )
+  params = {"w": jnp.zeros((8, 8))}
+  state = tx.init(params)
+  rng = np.random.default_rng(0)
+  heavy_ball = np.zeros((8, 8))
+  plan = dj.dct.plan_chunks((8, 8), 8)
+  for _ in range(3):
+    g = rng.standard_normal((8, 8)).astype(np.float32)
+    heavy_ball = decay * keep * heavy_ball + np.asarray(
+      dj.dct.from_blocks(
+        dj.dct.DCT_BASIS.forward(dj.dct.to_blocks(jnp.asarray(g), plan), plan), plan
+      )
+    )
+    _, state = tx.update({"w": jnp.asarray(g)}, state, params)
+    np.testing.assert_allclose(
+      np.asarray(state.momentum["w"]), keep * heavy_ball, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_sent_keep_is_refused_where_it_means_nothing_with_the_fix():
+  with pytest.raises(ValueError, match="sent_keep.*error_feedback=True"):
+    dj.Compression(sent_keep=0.5, error_feedback=False).checked()
+  with pytest.raises(ValueError, match="sent_keep"):
+    dj.Compression(sent_keep=1.0).checked()
+  with pytest.raises(ValueError, match="sent_keep.*plain exchange"):
+    dj.demo(1e-3, axis_name=None, delayed_apply=True, sent_keep=0.5)

@@ -205,6 +205,12 @@ class TrainConfig:
     "DeMo: remove what each message sent from the worker's momentum (error feedback); "
     "--noerror_feedback keeps it, so the momentum is Muon's and the message samples it.",
   )
+  sent_keep: float = _field(
+    0.0,
+    "DeMo: the share in [0, 1) of each sent coefficient the error feedback leaves in the "
+    "momentum: 0 removes it all (DeMo's), e.g. 0.5 keeps half, so what was sent decays as "
+    "a momentum (Dion's error feedback). The plain exchange only.",
+  )
   collective: str = _field(
     "all_gather",
     "DeMo: how the messages travel: 'all_gather' (gloo's ring on CPU, W-1 dependent hops) "

@@ -937,6 +937,8 @@ _DEMO_OPTIONS = (
   Option(r"larms", "lookahead_normalize", lambda m: "rms", "larms"),
   # The momentum keeps what was sent: Muon's momentum, sampled by the message.
   Option(r"noef", "error_feedback", lambda m: False, "noef"),
+  # The sent coefficients stay in the momentum at this share (Dion's feedback).
+  Option(r"keep(0?\.\d+)", "sent_keep", lambda m: float(m.group(1)), "keepB"),
 )
 # The DisTrO report's 1.2B run used 4e-4 with 250 warmup steps.
 _REPORT_RECIPE = Recipe(learning_rate=4e-4, warmup_steps=250)
