@@ -619,6 +619,8 @@ def recorded_cells() -> list[MeasuredCell]:
   floor = "netlab.md, The bandwidth floor (20 steps a cell)"
   direct = "netlab.md, Fewer dependent hops: a direct all-to-all (40 steps, one call)"
   floor_a2a = "netlab.md, The bandwidth floor, by all-to-all (20 steps a cell)"
+  early = "netlab.md, The overlapped exchange sent as soon as it is made (40 steps a call)"
+  early_near = "netlab.md, The overlapped exchange sent as soon as it is made (near, 30 steps)"
   return [
     _demo_cell("mini, Psyche's message, far", far, 4, 22_567, 0.915, 2.407, faults),
     _demo_cell("mini, 1.8 KB message, plain, far", far, 4, 1_811, 2.547, 3.631, issue),
@@ -779,6 +781,35 @@ def recorded_cells() -> list[MeasuredCell]:
       True,
       False,
       "all-to-all",
+    ),
+    # Three calls of the far cell: the threaded step before 065ee41, then twice after it.
+    *(
+      _demo_cell(
+        f"mini, 1,020x, all-to-all, {form}, far, {call}",
+        far,
+        4,
+        14_263,
+        compute,
+        measured,
+        early,
+        overlapped,
+        False,
+        "all-to-all",
+      )
+      for call, cells in (
+        ("before 065ee41", ((1.102, 1.232), (1.130, 1.224))),
+        ("065ee41, first", ((1.192, 1.166), (1.069, 1.106))),
+        ("065ee41, second", ((1.208, 1.189), (1.116, 1.092))),
+      )
+      for form, overlapped, (compute, measured) in zip(
+        ("plain", "overlapped -larms"), (False, True), cells
+      )
+    ),
+    _demo_cell(
+      "mini, demo-k32, plain, 065ee41", ten, 4, 320_784, 0.270, 1.009, early_near, False, False
+    ),
+    _demo_cell(
+      "mini, demo-k32, overlapped, 065ee41", ten, 4, 320_784, 0.311, 0.832, early_near, True, False
     ),
   ]
 
