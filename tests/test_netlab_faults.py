@@ -180,8 +180,11 @@ def test_a_dark_link_on_lossy_delayed_links_restarts_the_run_which_loses_nothing
   assert "peer lost" in f["restarts"][0]["line"]
   assert f["blackout"]["dark_until"] - f["blackout"]["dark_from"] >= 12
   assert all(0 < x < 5 for x in f["measured_loss_pct_by_link"].values())
-  # 100 ms round trips cost every step more than the clean link's.
-  assert e["median_step_s_shaped"] > e["median_step_s_unshaped"] + 0.1
+  # 100 ms round trips cost every step more than the clean link's: the plain
+  # step's one dependent hop (2 processes) waits at least the 50 ms one way.
+  # (It waited for more before issue 69 cut the step's round trips; 0.077 s
+  # over the clean step in one suite run, under a 0.1 s bound written then.)
+  assert e["median_step_s_shaped"] > e["median_step_s_unshaped"] + 0.04
   assert "## Faults on the shaped links" in (tmp_path / "netlab.md").read_text()
 
 
