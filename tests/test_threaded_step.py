@@ -174,3 +174,18 @@ def test_each_update_decodes_the_message_before_it_and_early_sends_it_before_the
   if not early:
     for t in (1, 2):
       assert events.index(f"apply {t} with {10 * (t - 1)}") < events.index(f"gather {t}")
+
+
+def test_a_state_other_than_the_last_one_returned_decodes_its_own_message():
+  programs = _Programs(early=True)
+  threaded = ThreadedStep(programs.exchange, programs.gradient, programs.apply, early=True)
+  start = dj.DemoState(jnp.int32(0), jnp.zeros(()), jnp.int32(0), pending=jnp.int32(0))
+  threaded(None, start, 1, None, None)
+  threaded(None, start, 2, None, None)  # the start again, as a timing loop might pass it
+  threaded.settle()
+  # Step 1's message (1) was gathered early, but step 2 was given the start,
+  # whose message (0) is the one its update decodes.
+  assert [e for e in programs.events if e.startswith("apply")] == [
+    "apply 1 with 0",
+    "apply 2 with 0",
+  ]

@@ -18,8 +18,8 @@ the step runs here as
    step 1 made, launched from a thread of its own as soon as step 1 made it,
    and waited for by the next call, before its own update: the transfer runs
    behind this step's decode and update and the next step's gradient, a
-   whole step of compute. The first call gathers the state's ``pending``,
-   the message it was given.
+   whole step of compute. The first call, and any call given a state other
+   than the one the last call returned, gathers that state's ``pending``.
 
 Two collectives must not run at once (their processes could pair them
 differently), so a message is sent early only when the update's program has
@@ -95,6 +95,8 @@ class ThreadedStep:
   apply: Any
   early: bool = False
   _flight: _Flight | None = dataclasses.field(default=None, repr=False)
+  # The message the last call's state holds: the one the flight gathers.
+  _sent: jax.Array | None = dataclasses.field(default=None, repr=False)
 
   def compile(
     self, params: Any, opt_state: Any, step: Any, inputs: Any, targets: Any
@@ -124,8 +126,13 @@ class ThreadedStep:
   def __call__(
     self, params: Any, opt_state: Any, step: Any, inputs: Any, targets: Any
   ) -> tuple[Any, Any, Any]:
+    ((_, pending),) = steps.compressed_part(opt_state)
+    if self._flight is not None and pending is not self._sent:
+      # Not the state the last call returned (a timing loop's, a restored
+      # one): its own message is the one to decode.
+      self._flight.result()
+      self._flight = None
     if self._flight is None:
-      ((_, pending),) = steps.compressed_part(opt_state)
       self._flight = _Flight(self.exchange, pending)
     loss, grads, compressed, message = self.gradient(params, opt_state, step, inputs, targets)
     gathered = self._flight.result()
@@ -133,4 +140,6 @@ class ThreadedStep:
     # The new momentum and message go in as the state's own, so the update
     # passes them through in place (donated) rather than copying them.
     opt_state = steps.with_compressed_part(opt_state, compressed)
-    return self.apply(params, opt_state, step, loss, grads, gathered)
+    params, opt_state, metrics = self.apply(params, opt_state, step, loss, grads, gathered)
+    ((_, self._sent),) = steps.compressed_part(opt_state)
+    return params, opt_state, metrics
