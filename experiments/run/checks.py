@@ -346,7 +346,7 @@ def validate(cfg: TrainConfig) -> None:
 
 def _fill(cfg: TrainConfig, method: Any, saved: Mapping[str, Any]) -> TrainConfig:
   """``cfg`` with the recipe, the runtime fields and the mesh made explicit."""
-  rec = method.recipe_for(cfg.preset, cfg.steps, method.takes_long_recipes(cfg))
+  rec = method.recipe_for(cfg)
   fill = {
     f: getattr(rec, f)
     for f in (

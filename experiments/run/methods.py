@@ -237,15 +237,12 @@ class Method:
   steps_with_muon: Callable[[TrainConfig], bool] = lambda cfg: False
   dense: bool = False
 
-  def recipe_for(self, preset: str, steps: int, long: bool = True) -> Recipe:
-    """The defaults for this method on ``preset``, for a run of ``steps`` steps.
-
-    ``long=False`` (:attr:`takes_long_recipes` says no) keeps the short
-    runs' recipe at any length.
-    """
-    if long and preset in self.long_recipes:
+  def recipe_for(self, cfg: TrainConfig) -> Recipe:
+    """The defaults for a run of ``cfg``, by its preset, steps and :attr:`takes_long_recipes`."""
+    preset = cfg.preset
+    if preset in self.long_recipes and self.takes_long_recipes(cfg):
       min_steps, longer = self.long_recipes[preset]
-      if steps >= min_steps:
+      if cfg.steps >= min_steps:
         return longer
     return self.preset_recipes.get(preset, self.recipe)
 
