@@ -402,14 +402,14 @@ def _normalization(normalize: Any, axis_name: Hashable | None) -> optax.Gradient
   return unit_rms.scale_by_normalize(normalize, axis_name)
 
 
-def _on_aggregate(aggregate_momentum: float) -> list[optax.GradientTransformation]:
-  """The momentum stage on the decoded aggregate, if ``aggregate_momentum`` asks for one."""
-  momentum = unwrap_static(aggregate_momentum)
+def _momentum_stage(name: str, decay: float) -> list[optax.GradientTransformation]:
+  """A momentum stage of ``demo``'s inner chain (``name``), if ``decay`` asks for one."""
+  momentum = unwrap_static(decay)
   check_decay(
-    "aggregate_momentum",
+    name,
     momentum,
     one_allowed=False,
-    hint="Use 0 for no momentum on the aggregate, or e.g. 0.95 (Muon's).",
+    hint=f"Use 0 for no {name}, or e.g. 0.95 (Muon's decay).",
   )
   # An injected (traced) momentum may be anything at run time, so it gets the state.
   if not isinstance(momentum, int | float) or momentum > 0:
@@ -428,6 +428,7 @@ def demo(
   collective: str = "all_gather",
   normalize: Any = "sign",
   aggregate_momentum: float = StaticFloat(0.0),
+  step_momentum: float = StaticFloat(0.0),
   estimate_step: float = StaticFloat(0.0),
   **compression: Any,
 ) -> optax.GradientTransformationExtraArgs:
@@ -450,6 +451,9 @@ def demo(
     aggregate_momentum: the decay of a Nesterov momentum on the decoded
       aggregate before ``normalize`` (:func:`distro_jax.scale_by_muon_momentum`),
       the same on every worker; 0 keeps none.
+    step_momentum: the decay of the same momentum on the step ``normalize``
+      made, so each step's orthogonalized (or signed) aggregate is averaged
+      over the steps before it; 0 keeps none.
     axis_name: as in :func:`distro`.
     delayed_apply: as in :func:`distro`.
     synchronous: as in :func:`distro`.
@@ -473,8 +477,9 @@ def demo(
     >>> params = optax.apply_updates(params, updates)
   """
   inner = optax.chain(
-    *_on_aggregate(aggregate_momentum),
+    *_momentum_stage("aggregate_momentum", aggregate_momentum),
     _normalization(normalize, axis_name),
+    *_momentum_stage("step_momentum", step_momentum),
     optax.add_decayed_weights(weight_decay),
     optax.scale_by_learning_rate(learning_rate),
   )

@@ -21,6 +21,8 @@ _SHAPES = {"w": (32, 48), "b": (48,)}
 _LR = 0.01
 # Every coefficient of every 8x8 chunk, in float32: nothing is dropped.
 _WHOLE = dict(compression_topk=64, compression_chunk=8)
+# The 1,015x message's layout: one drawn sign of each 8x8 chunk.
+_DRAWN = dict(compression_topk=1, compression_chunk=8, quantize_1bit=True, random_positions=True)
 
 
 def _steps(params):
@@ -114,3 +116,58 @@ def test_settings_that_cannot_work_are_refused_with_the_fix(fields, match):
 def test_the_transformation_refuses_a_decay_of_one():
   with pytest.raises(ValueError, match=r"aggregate_momentum must be in \[0, 1\)"):
     dj.demo(_LR, aggregate_momentum=1.0, axis_name=None)
+
+
+def _nesterov(steps, decay):
+  """``scale_by_muon_momentum``'s output, in numpy, over a list of inputs."""
+  mu, out = np.zeros_like(steps[0]), []
+  for t, g in enumerate(steps, start=1):
+    mu = decay * mu + (1 - decay) * g
+    out.append(decay * mu / (1 - decay ** (t + 1)) + (1 - decay) * g / (1 - decay**t))
+  return out
+
+
+@pytest.mark.parametrize(
+  "compression",
+  [_WHOLE, _DRAWN],
+  ids=["whole", "drawn-1bit"],
+)
+def test_step_momentum_averages_the_normalized_steps(compression):
+  """``step_momentum`` is Muon's momentum on what ``normalize`` made, not on the aggregate."""
+  init, grads = random_problem(_SHAPES, workers=8, steps=5, seed=2)
+  runs = {}
+  for decay in (0.0, 0.9):
+    tx = dj.demo(_LR, normalize={"w": "orth", "b": "rms"}, step_momentum=decay, **compression)
+    runs[decay] = _steps(trajectory(tx, init, grads, mesh_of(8))[0])
+  # The exchange never sees the params, so both runs decode the same aggregates.
+  want = _nesterov([-s / _LR for s in runs[0.0]], 0.9)
+  for t, (a, b) in enumerate(zip(runs[0.9], want)):
+    np.testing.assert_allclose(a, -_LR * b, atol=1e-6, err_msg=f"step {t}")
+  # From the second step on it is not the plain orthogonalized step.
+  assert not np.allclose(runs[0.9][2], runs[0.0][2], atol=1e-6)
+
+
+def test_the_step_momentum_option_reaches_the_transformation_after_normalize():
+  fields = methods.parse("demo-k1-c8-1bit-rand-orth-sm0.9")[1]
+  assert fields["step_momentum"] == 0.9
+  cfg = checks.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
+  tx = methods.get("demo").build(cfg, methods.Axes(None, None))
+  params = {"w": jnp.ones((16, 16))}
+  assert any(map(_is_momentum, jax.tree.leaves(tx.init(params), is_leaf=_is_momentum)))
+
+
+@pytest.mark.parametrize(
+  "fields, match",
+  [
+    (dict(optimizer="adamw", step_momentum=0.9), "needs --optimizer=demo"),
+    (dict(optimizer="demo", step_momentum=1.0), r"must be in \[0, 1\)"),
+  ],
+)
+def test_step_momentum_settings_that_cannot_work_are_refused(fields, match):
+  with pytest.raises(ConfigError, match=match):
+    checks.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
+
+
+def test_the_transformation_refuses_a_step_momentum_of_one():
+  with pytest.raises(ValueError, match=r"step_momentum must be in \[0, 1\)"):
+    dj.demo(_LR, step_momentum=1.0, axis_name=None)

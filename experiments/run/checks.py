@@ -266,16 +266,15 @@ def _check_method(cfg: TrainConfig, method: Any) -> None:
       f"--muon_beta={cfg.muon_beta} must be in [0, 1) (optax's default 0.95), and "
       f"--muon_adam_learning_rate={cfg.muon_adam_learning_rate} 0 or more (0: --learning_rate)."
     )
-  if cfg.aggregate_momentum and not method.supports_normalize:
-    raise ConfigError(
-      f"--aggregate_momentum={cfg.aggregate_momentum} is a momentum on DeMo's decoded "
-      f"aggregate; it needs --optimizer={_supporting('supports_normalize')}, not "
-      f"{method.name}. Drop --aggregate_momentum."
-    )
-  if not 0.0 <= cfg.aggregate_momentum < 1.0:
-    raise ConfigError(
-      f"--aggregate_momentum={cfg.aggregate_momentum} must be in [0, 1); e.g. 0.95, Muon's."
-    )
+  for flag, where in (("aggregate_momentum", "aggregate"), ("step_momentum", "step")):
+    decay = getattr(cfg, flag)
+    if decay and not method.supports_normalize:
+      raise ConfigError(
+        f"--{flag}={decay} is a momentum on DeMo's decoded {where}; it needs "
+        f"--optimizer={_supporting('supports_normalize')}, not {method.name}. Drop --{flag}."
+      )
+    if not 0.0 <= decay < 1.0:
+      raise ConfigError(f"--{flag}={decay} must be in [0, 1); e.g. 0.95, Muon's.")
   if cfg.estimate_step and not method.supports_normalize:
     raise ConfigError(
       f"--estimate_step={cfg.estimate_step} changes what DeMo's message carries; it needs "

@@ -112,6 +112,11 @@ class TrainConfig:
     "DeMo: a Nesterov momentum of this decay on the decoded aggregate, before --normalize "
     "(Muon's momentum, the same on every worker); 0 keeps none.",
   )
+  step_momentum: float = _field(
+    0.0,
+    "DeMo: the same momentum on the step --normalize made from the aggregate, so each "
+    "orthogonalized (or signed) step is averaged with the ones before it; 0 keeps none.",
+  )
   estimate_step: float = _field(
     0.0,
     "DeMo: above 0, each worker sends its unit-RMS momentum's difference from an estimate "

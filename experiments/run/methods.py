@@ -568,6 +568,7 @@ def _build_demo(cfg: TrainConfig, axes: Axes) -> optax.GradientTransformation:
       weight_decay=cfg.weight_decay,
       normalize=demo_normalize(cfg.normalize, cfg.scan_layers, fsdp_split(cfg)),
       aggregate_momentum=cfg.aggregate_momentum,
+      step_momentum=cfg.step_momentum,
       estimate_step=cfg.estimate_step,
       **_exchange(cfg, axes),
       **options._asdict(),
@@ -929,6 +930,8 @@ _DEMO_OPTIONS = (
   Option(r"rms", "normalize", lambda m: "rms", "rms"),
   Option(r"orth", "normalize", lambda m: "orth", "orth"),
   Option(r"am(0?\.\d+)", "aggregate_momentum", lambda m: float(m.group(1)), "amB"),
+  # The same momentum after --normalize: each step's orthogonalized aggregate averaged.
+  Option(r"sm(0?\.\d+)", "step_momentum", lambda m: float(m.group(1)), "smB"),
   Option(r"est(\d*\.?\d+)", "estimate_step", lambda m: float(m.group(1)), "estS"),
   # The overlapped form's lookahead guess at unit RMS, not orthogonalized (cheaper).
   Option(r"larms", "lookahead_normalize", lambda m: "rms", "larms"),
