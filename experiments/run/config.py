@@ -114,8 +114,9 @@ class TrainConfig:
   )
   step_momentum: float = _field(
     0.0,
-    "DeMo: the same momentum on the step --normalize made from the aggregate, so each "
-    "orthogonalized (or signed) step is averaged with the ones before it; 0 keeps none.",
+    "DeMo: a Nesterov momentum of this decay on the step --normalize made (Muon's "
+    "momentum after the orthogonalization, not before it: each step averaged with the "
+    "ones before it, the same on every worker); 0 keeps none.",
   )
   estimate_step: float = _field(
     0.0,
