@@ -89,9 +89,16 @@ def test_without_momentum_on_the_aggregate_nothing_dropped_has_no_momentum_at_al
     np.testing.assert_allclose(_unit_rms(a), _unit_rms(want), atol=1e-4)
 
 
-def test_the_registry_option_reaches_the_transformation():
-  name, fields = "demo-k64-c8-orth-am0.95", methods.parse("demo-k64-c8-orth-am0.95")[1]
-  assert fields["aggregate_momentum"] == 0.95, name
+@pytest.mark.parametrize(
+  "name, field, decay",
+  [
+    ("demo-k64-c8-orth-am0.95", "aggregate_momentum", 0.95),
+    ("demo-k1-c8-1bit-rand-orth-sm0.9", "step_momentum", 0.9),
+  ],
+)
+def test_the_registry_option_reaches_the_transformation(name, field, decay):
+  fields = methods.parse(name)[1]
+  assert fields[field] == decay, name
   cfg = checks.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
   tx = methods.get("demo").build(cfg, methods.Axes(None, None))
   params = {"w": jnp.ones((16, 16))}
@@ -103,6 +110,8 @@ def test_the_registry_option_reaches_the_transformation():
   [
     (dict(optimizer="adamw", aggregate_momentum=0.9), "needs --optimizer=demo"),
     (dict(optimizer="demo", aggregate_momentum=1.0), r"must be in \[0, 1\)"),
+    (dict(optimizer="adamw", step_momentum=0.9), "needs --optimizer=demo"),
+    (dict(optimizer="demo", step_momentum=1.0), r"must be in \[0, 1\)"),
     (dict(optimizer="adamw", muon_beta=0.0), "they need --optimizer=muon"),
     (dict(optimizer="demo", muon_adam_learning_rate=1e-3), "they need --optimizer=muon"),
     (dict(optimizer="muon", muon_beta=1.0), r"must be in \[0, 1\)"),
@@ -113,9 +122,10 @@ def test_settings_that_cannot_work_are_refused_with_the_fix(fields, match):
     checks.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
 
 
-def test_the_transformation_refuses_a_decay_of_one():
-  with pytest.raises(ValueError, match=r"aggregate_momentum must be in \[0, 1\)"):
-    dj.demo(_LR, aggregate_momentum=1.0, axis_name=None)
+@pytest.mark.parametrize("field", ["aggregate_momentum", "step_momentum"])
+def test_the_transformation_refuses_a_decay_of_one(field):
+  with pytest.raises(ValueError, match=rf"{field} must be in \[0, 1\)"):
+    dj.demo(_LR, axis_name=None, **{field: 1.0})
 
 
 def _nesterov(steps, decay):
@@ -145,29 +155,3 @@ def test_step_momentum_averages_the_normalized_steps(compression):
     np.testing.assert_allclose(a, -_LR * b, atol=1e-6, err_msg=f"step {t}")
   # From the second step on it is not the plain orthogonalized step.
   assert not np.allclose(runs[0.9][2], runs[0.0][2], atol=1e-6)
-
-
-def test_the_step_momentum_option_reaches_the_transformation_after_normalize():
-  fields = methods.parse("demo-k1-c8-1bit-rand-orth-sm0.9")[1]
-  assert fields["step_momentum"] == 0.9
-  cfg = checks.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
-  tx = methods.get("demo").build(cfg, methods.Axes(None, None))
-  params = {"w": jnp.ones((16, 16))}
-  assert any(map(_is_momentum, jax.tree.leaves(tx.init(params), is_leaf=_is_momentum)))
-
-
-@pytest.mark.parametrize(
-  "fields, match",
-  [
-    (dict(optimizer="adamw", step_momentum=0.9), "needs --optimizer=demo"),
-    (dict(optimizer="demo", step_momentum=1.0), r"must be in \[0, 1\)"),
-  ],
-)
-def test_step_momentum_settings_that_cannot_work_are_refused(fields, match):
-  with pytest.raises(ConfigError, match=match):
-    checks.resolve(TrainConfig(preset="tiny", steps=4, workers=1, **fields))
-
-
-def test_the_transformation_refuses_a_step_momentum_of_one():
-  with pytest.raises(ValueError, match=r"step_momentum must be in \[0, 1\)"):
-    dj.demo(_LR, step_momentum=1.0, axis_name=None)
