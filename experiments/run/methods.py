@@ -930,7 +930,7 @@ _DEMO_OPTIONS = (
   Option(r"rms", "normalize", lambda m: "rms", "rms"),
   Option(r"orth", "normalize", lambda m: "orth", "orth"),
   Option(r"am(0?\.\d+)", "aggregate_momentum", lambda m: float(m.group(1)), "amB"),
-  # The same momentum after --normalize: each step's orthogonalized aggregate averaged.
+  # Muon's momentum after --normalize: each step's orthogonalized aggregate averaged.
   Option(r"sm(0?\.\d+)", "step_momentum", lambda m: float(m.group(1)), "smB"),
   Option(r"est(\d*\.?\d+)", "estimate_step", lambda m: float(m.group(1)), "estS"),
   # The overlapped form's lookahead guess at unit RMS, not orthogonalized (cheaper).
